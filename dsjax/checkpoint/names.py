@@ -1,0 +1,127 @@
+"""Checkpoint tensor names for every dsjax weight.
+
+V4 checkpoints come with three spellings of the same tensors:
+  * DeepSeek's original (the hub release): `embed.weight`, `layers.L.attn.wq_a.weight`,
+    `layers.L.ffn.experts.E.w1.weight`, `hc_head_fn`, `head.weight`, ...;
+  * what `transformers` 5.x `save_pretrained` writes: the original names under a `model.`
+    prefix, with `model.embed_tokens.weight` and `model.hc_head.hc_fn`;
+  * HF's in-memory names (`model.layers.L.self_attn.q_a_proj.weight`, fused
+    `mlp.experts.gate_up_proj [E, 2I, D]`), which other tools save.
+`canonical_name` maps all three onto the original spelling; `weight_names` says which
+canonical tensor each dsjax weight comes from.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dsjax.config import HASH_MOE, ModelConfig
+
+# Applied in order; each is a no-op on names already in the original spelling.
+_TO_ORIGINAL = [(re.compile(p), r) for p, r in (
+    (r"^model\.", ""),
+    (r"^embed_tokens\.weight$", "embed.weight"),
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.sinks$", ".attn_sink"),
+    (r"\.kv_norm\.", ".norm."),
+    (r"\.position_bias$", ".ape"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_b_proj\.", ".wq_b."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.gate_proj\.", ".wgate."),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+)]
+
+
+def canonical_name(name: str) -> str:
+    for pattern, replacement in _TO_ORIGINAL:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a dsjax weight comes from. `expert` names a routed-expert projection: the
+    per-expert tensors `{name}.{e}.{expert}.weight` stacked over e, or HF's fused
+    `{name}.gate_up_proj` (w1 rows, then w3 rows) / `{name}.down_proj`."""
+
+    name: str
+    expert: str | None = None  # "w1" | "w2" | "w3"
+
+    def candidates(self, n_experts: int) -> list[str]:
+        if self.expert is None:
+            return [self.name]
+        fused = "down_proj" if self.expert == "w2" else "gate_up_proj"
+        return [f"{self.name}.{e}.{self.expert}.weight" for e in range(n_experts)] + [f"{self.name}.{fused}"]
+
+
+def _hyper_connection(ours: str, theirs: str) -> dict[str, Source]:
+    return {f"{ours}.{k}": Source(f"{theirs}_{k}") for k in ("fn", "base", "scale")}
+
+
+def _compressor(ours: str, theirs: str) -> dict[str, Source]:
+    return {
+        f"{ours}.kv_proj": Source(f"{theirs}.wkv.weight"),
+        f"{ours}.gate_proj": Source(f"{theirs}.wgate.weight"),
+        f"{ours}.position_bias": Source(f"{theirs}.ape"),
+        f"{ours}.kv_norm": Source(f"{theirs}.norm.weight"),
+    }
+
+
+def weight_names(cfg: ModelConfig) -> dict[str, Source]:
+    """dsjax parameter path (as `dsjax.params.path_str` prints it) -> canonical tensor."""
+    table = {
+        "embed": Source("embed.weight"),
+        "norm": Source("norm.weight"),
+        "hc_head.fn": Source("hc_head_fn"),
+        "hc_head.base": Source("hc_head_base"),
+        "hc_head.scale": Source("hc_head_scale"),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head"] = Source("head.weight")
+    for layer in cfg.layers:
+        ours, theirs = f"blocks.{layer.index}", f"layers.{layer.index}"
+        attn, ffn = f"{theirs}.attn", f"{theirs}.ffn"
+        table.update(_hyper_connection(f"{ours}.attn_hc", f"{theirs}.hc_attn"))
+        table.update(_hyper_connection(f"{ours}.ffn_hc", f"{theirs}.hc_ffn"))
+        table[f"{ours}.attn_norm"] = Source(f"{theirs}.attn_norm.weight")
+        table[f"{ours}.ffn_norm"] = Source(f"{theirs}.ffn_norm.weight")
+        for k, v in (("q_a_proj", "wq_a"), ("q_a_norm", "q_norm"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"),
+                     ("kv_norm", "norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b")):
+            table[f"{ours}.attn.{k}"] = Source(f"{attn}.{v}.weight")
+        table[f"{ours}.attn.sinks"] = Source(f"{attn}.attn_sink")
+        if layer.compress_ratio:
+            table.update(_compressor(f"{ours}.attn.compressor", f"{attn}.compressor"))
+        if layer.has_indexer:
+            table.update(_compressor(f"{ours}.attn.indexer.compressor", f"{attn}.indexer.compressor"))
+            table[f"{ours}.attn.indexer.q_b_proj"] = Source(f"{attn}.indexer.wq_b.weight")
+            table[f"{ours}.attn.indexer.weights_proj"] = Source(f"{attn}.indexer.weights_proj.weight")
+        table[f"{ours}.moe.router"] = Source(f"{ffn}.gate.weight")
+        if layer.mlp == HASH_MOE:
+            table[f"{ours}.moe.tid2eid"] = Source(f"{ffn}.gate.tid2eid")
+        else:
+            table[f"{ours}.moe.router_bias"] = Source(f"{ffn}.gate.bias")
+        for w in ("w1", "w2", "w3"):
+            table[f"{ours}.moe.{w}"] = Source(f"{ffn}.experts", expert=w)
+            table[f"{ours}.moe.shared_{w}"] = Source(f"{ffn}.shared_experts.{w}.weight")
+    return table
+
+
+# Tensors a V4 checkpoint may carry that the main model does not use: the MTP drafter.
+IGNORED_PREFIXES = ("mtp.",)

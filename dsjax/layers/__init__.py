@@ -1,0 +1,1 @@
+"""The V4 math, one mechanism per file, as pure functions over pytree dataclasses."""

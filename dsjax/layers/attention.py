@@ -1,0 +1,144 @@
+"""V4 attention: one shared KV head (K = V), partial RoPE, attention sinks, grouped output.
+
+    cq  = Norm_q(W_qa x)                         [q_lora]   (also feeds the indexer)
+    q_h = rope_t(RMS(W_qb cq)_h)                 [H, hd]    per-head unweighted RMS
+    kv  = rope_t(Norm_kv(W_kv x))                [hd]
+    keys(t) = window {t-W < s <= t}  U  visible (CSA: selected) compressed entries
+    p   = exp(q.k / sqrt(hd)) / (sum exp(q.k' / sqrt(hd)) + exp(sink_h))
+    o_h = inverse_rope_t(sum_s p_s kv_s)
+    out = W_ob concat_g(W_oa[g] concat(o_h, h in group g))
+
+`sink_attention` is the reference the Pallas kernels are checked against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dsjax.config import LayerSpec, ModelConfig
+from dsjax.layers.compressor import Compressor, compress_kv, compressor_specs
+from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_weights, indexer_specs,
+                                  select_topk)
+from dsjax.layers.linear import linear
+from dsjax.layers.norms import rms_norm, unweighted_rms_norm
+from dsjax.layers.rope import apply_rope, rope_cos_sin
+from dsjax.params import ParamSpec
+
+
+@struct.dataclass
+class Attention:
+    q_a_proj: jax.Array  # [q_lora, D]
+    q_a_norm: jax.Array  # [q_lora] fp32
+    q_b_proj: jax.Array  # [H * hd, q_lora]
+    kv_proj: jax.Array  # [hd, D]
+    kv_norm: jax.Array  # [hd] fp32
+    o_a_proj: jax.Array  # [G * o_lora, H * hd / G]
+    o_b_proj: jax.Array  # [D, G * o_lora]
+    sinks: jax.Array  # [H] fp32
+    compressor: Compressor | None = None  # CSA / HCA layers
+    indexer: Indexer | None = None  # CSA layers
+
+
+def attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Attention:
+    h, hd, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    f32 = jnp.float32
+    compressor = indexer = None
+    if layer.compress_ratio:
+        compressor = compressor_specs(cfg, ratio=layer.compress_ratio, dim=hd, overlap=layer.overlap, dtype=dtype)
+    if layer.has_indexer:
+        indexer = indexer_specs(cfg, ratio=layer.compress_ratio, dtype=dtype)
+    return Attention(
+        q_a_proj=ParamSpec((cfg.q_lora_rank, d), dtype, ("q_lora", "embed")),
+        q_a_norm=ParamSpec((cfg.q_lora_rank,), f32, (None,), init="ones"),
+        q_b_proj=ParamSpec((h * hd, cfg.q_lora_rank), dtype, ("q_heads", "q_lora")),
+        kv_proj=ParamSpec((hd, d), dtype, ("head_dim", "embed")),
+        kv_norm=ParamSpec((hd,), f32, (None,), init="ones"),
+        o_a_proj=ParamSpec((cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), dtype,
+                           ("o_groups", "o_group_in")),
+        o_b_proj=ParamSpec((d, cfg.o_groups * cfg.o_lora_rank), dtype, ("embed", "o_groups")),
+        sinks=ParamSpec((h,), f32, ("heads",), init="zeros"),
+        compressor=compressor,
+        indexer=indexer,
+    )
+
+
+# ----------------------------------------------------------------------------- pieces
+def project_q(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """-> cq [B, S, q_lora], q [B, S, H, hd] (per-head RMS, roped)."""
+    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, cfg.rms_norm_eps)
+    q = linear(cq, p.q_b_proj).reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
+    q = unweighted_rms_norm(q, cfg.rms_norm_eps)
+    return cq, apply_rope(q, cos[..., None, :], sin[..., None, :])
+
+
+def project_kv(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> jax.Array:
+    """-> kv [B, S, hd] (normed, roped): the window key and value of each token."""
+    return apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, cfg.rms_norm_eps), cos, sin)
+
+
+def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sinks: jax.Array) -> jax.Array:
+    """Reference sparse attention with sinks, one shared KV head.
+
+    q [B, S, H, hd], kv [B, T, hd] (K = V), mask [B, S, T] bool, sinks [H] fp32
+    -> o [B, S, H, hd] in q's dtype. The sink adds exp(sink_h) to the denominator only."""
+    scale = q.shape[-1] ** -0.5
+    logits = jnp.einsum("bshd,btd->bsht", q, kv, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
+    o = jnp.einsum("bsht,btd->bshd", (p / denom).astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype)
+
+
+def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """o [B, S, H, hd] -> [B, S, D]: per-group low-rank W_oa, then the mixing W_ob."""
+    g = cfg.o_groups
+    grouped = o.reshape(*o.shape[:-2], g, -1)  # [B, S, G, H/G * hd]
+    w_oa = p.o_a_proj.reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
+    z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
+    return linear(z.reshape(*z.shape[:-2], -1), p.o_b_proj)
+
+
+def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """[..., S, T]: key s is in query t's window iff t - W < s <= t."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]
+    return (diff >= 0) & (diff < window)
+
+
+def compressed_visible(q_pos: jax.Array, n_entries: int, ratio: int) -> jax.Array:
+    """[..., S, T]: entry w is visible to query t iff w < (t + 1) // ratio (its window closed)."""
+    return jnp.arange(n_entries) < ((q_pos + 1) // ratio)[..., None]
+
+
+# ----------------------------------------------------------------------------- full sequence
+def attention_forward(p: Attention, x: jax.Array, positions: jax.Array, layer: LayerSpec,
+                      cfg: ModelConfig) -> jax.Array:
+    """Full-sequence attention (no cache): x [B, S, D] normed input, positions [B, S]."""
+    rope = cfg.rope(layer.rope)
+    cos, sin = rope_cos_sin(positions, rope, cfg.qk_rope_head_dim)
+    cq, q = project_q(p, x, cos, sin, cfg)
+    kv = project_kv(p, x, cos, sin, cfg)
+    mask = window_mask(positions, positions, cfg.sliding_window)
+    keys = kv
+    if layer.compress_ratio:
+        entries = compress_kv(p.compressor, x, ratio=layer.compress_ratio, overlap=layer.overlap, cfg=cfg)
+        visible = compressed_visible(positions, entries.shape[1], layer.compress_ratio)
+        if layer.has_indexer:
+            visible = select_topk(lightning_indexer(p.indexer, x, cq, cos, sin, layer, cfg), visible,
+                                  cfg.index_topk)
+        keys = jnp.concatenate([kv, entries], axis=1)
+        mask = jnp.concatenate([mask, visible], axis=-1)
+    o = sink_attention(q, keys, mask, p.sinks)
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    return grouped_output(p, o, cfg)
+
+
+def lightning_indexer(p: Indexer, x, cq, cos, sin, layer: LayerSpec, cfg: ModelConfig) -> jax.Array:
+    """Full-sequence index scores [B, S, T] against the indexer's own compressed keys."""
+    keys = compress_kv(p.compressor, x, ratio=layer.compress_ratio, overlap=True, cfg=cfg)
+    q = index_queries(p, cq, cos, sin, cfg)
+    return index_scores(q, keys, index_weights(p, x, cfg), cfg)

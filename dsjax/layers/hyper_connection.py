@@ -1,0 +1,105 @@
+"""Manifold-constrained hyper-connections (mHC).
+
+The residual is N = hc_mult parallel streams X [B, S, N, D]. Around each sublayer f:
+
+    mix  = (fn @ flatten(X)) * rsqrt(mean(flatten(X)^2) + eps)       # [(2+N)*N], fp32
+    pre  = sigmoid(mix[:N]  * scale0 + base[:N])  + hc_eps           # collapse weights
+    post = 2 sigmoid(mix[N:2N] * scale1 + base[N:2N])                # expand weights
+    C    = sinkhorn(softmax_rows(mix[2N:] * scale2 + base[2N:]) + hc_eps)   # N x N, doubly stochastic
+    y    = f(Norm(sum_i pre_i X_i))
+    X'_k = post_k * y + sum_j C[j, k] X_j                            # C^T X; C is not symmetric
+
+After the last block, the head collapse uses only a `pre` (no Sinkhorn).
+V4.1 collapses each sublayer with the *previous* sublayer's `pre` (the lag); `hc_mixes`
+returns `pre` rather than applying it, so the caller decides which one to use.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dsjax.config import ModelConfig
+from dsjax.layers.linear import linear_f32
+from dsjax.params import ParamSpec
+
+
+@struct.dataclass
+class HyperConnection:
+    fn: jax.Array  # [(2+N)*N, N*D] fp32
+    base: jax.Array  # [(2+N)*N] fp32
+    scale: jax.Array  # [3] fp32
+
+
+@struct.dataclass
+class HyperHead:
+    fn: jax.Array  # [N, N*D] fp32
+    base: jax.Array  # [N]
+    scale: jax.Array  # [1]
+
+
+def hyper_connection_specs(cfg: ModelConfig) -> HyperConnection:
+    n, width = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+    f32 = jnp.float32
+    return HyperConnection(
+        fn=ParamSpec((width, n * cfg.hidden_size), f32, (None, "hc_in")),
+        base=ParamSpec((width,), f32, (None,), init="zeros"),
+        scale=ParamSpec((3,), f32, (None,), init="ones"),
+    )
+
+
+def hyper_head_specs(cfg: ModelConfig) -> HyperHead:
+    n, f32 = cfg.hc_mult, jnp.float32
+    return HyperHead(
+        fn=ParamSpec((n, n * cfg.hidden_size), f32, (None, "hc_in")),
+        base=ParamSpec((n,), f32, (None,), init="zeros"),
+        scale=ParamSpec((1,), f32, (None,), init="ones"),
+    )
+
+
+def _normalized_mix(fn: jax.Array, streams: jax.Array, eps: float) -> jax.Array:
+    """(fn @ v) * rsqrt(mean(v^2) + eps) with v = flatten(streams) in fp32."""
+    v = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    return linear_f32(v, fn) * inv_rms
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Row softmax, then alternate column / row normalisation (fp32) [..., N, N]."""
+    c = jax.nn.softmax(logits, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    return c
+
+
+def hc_mixes(p: HyperConnection, streams: jax.Array, cfg: ModelConfig):
+    """streams [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (all fp32)."""
+    n = cfg.hc_mult
+    mix = _normalized_mix(p.fn, streams, cfg.rms_norm_eps)
+    pre = jax.nn.sigmoid(mix[..., :n] * p.scale[0] + p.base[:n]) + cfg.hc_eps
+    post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * p.scale[1] + p.base[n:2 * n])
+    comb_logits = mix[..., 2 * n:] * p.scale[2] + p.base[2 * n:]
+    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    return pre, post, comb
+
+
+def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
+    """sum_i pre_i X_i -> [..., D] in the streams' dtype (fp32 products)."""
+    return jnp.einsum("...n,...nd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
+
+
+def expand(y: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'_k = post_k y + sum_j C[j, k] X_j, computed in the activation dtype as the reference does."""
+    dtype = streams.dtype
+    mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(dtype), streams, preferred_element_type=jnp.float32)
+    return (post.astype(dtype)[..., None] * y[..., None, :] + mixed.astype(dtype)).astype(dtype)
+
+
+def head_collapse(p: HyperHead, streams: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final N -> 1 collapse before the output norm (no post, no Sinkhorn)."""
+    mix = _normalized_mix(p.fn, streams, cfg.rms_norm_eps)
+    pre = jax.nn.sigmoid(mix * p.scale[0] + p.base) + cfg.hc_eps
+    return collapse(streams, pre)

@@ -1,0 +1,117 @@
+"""DeepSeek MoE: sqrtsoftplus routing (top-k with a selection-only bias, or a fixed hash
+table), clamped SwiGLU experts, one shared expert.
+
+    s   = sqrt(softplus(W_r x))                   fp32 [E]
+    idx = topk(s + bias, K)  |  tid2eid[token]    bias selects only
+    w   = s[idx] / (sum s[idx] + 1e-20) * routed_scaling_factor
+    expert(x) = W2(silu(min(W1 x, L)) * clip(W3 x, -L, L))
+    out = sum_j w_j expert_{idx_j}(x) + shared(x)
+
+`routed_experts` is the dropless reference: assignments sorted by expert and one grouped
+matmul (`jax.lax.ragged_dot_general`) per projection. The expert-parallel and Pallas paths
+are checked against it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
+from dsjax.layers.linear import linear, linear_f32
+from dsjax.params import ParamSpec
+
+
+@struct.dataclass
+class MoE:
+    router: jax.Array  # [E, D]
+    w1: jax.Array  # [E, I, D]   gate
+    w3: jax.Array  # [E, I, D]   up
+    w2: jax.Array  # [E, D, I]   down
+    shared_w1: jax.Array  # [Is, D]
+    shared_w3: jax.Array  # [Is, D]
+    shared_w2: jax.Array  # [D, Is]
+    router_bias: jax.Array | None = None  # [E] fp32, top-k layers (e_score_correction_bias)
+    tid2eid: jax.Array | None = None  # [vocab, K] int32, hash layers
+
+
+def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
+    e, i, d, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
+    si = cfg.shared_intermediate_size
+    is_hash = layer.mlp == HASH_MOE
+    return MoE(
+        router=ParamSpec((e, d), dtype, (None, "embed")),
+        w1=ParamSpec((e, i, d), dtype, ("experts", "expert_mlp", "embed")),
+        w3=ParamSpec((e, i, d), dtype, ("experts", "expert_mlp", "embed")),
+        w2=ParamSpec((e, d, i), dtype, ("experts", "embed", "expert_mlp")),
+        shared_w1=ParamSpec((si, d), dtype, ("mlp", "embed")),
+        shared_w3=ParamSpec((si, d), dtype, ("mlp", "embed")),
+        shared_w2=ParamSpec((d, si), dtype, ("embed", "mlp")),
+        router_bias=None if is_hash else ParamSpec((e,), jnp.float32, (None,), init="zeros"),
+        tid2eid=ParamSpec((cfg.vocab_size, k), jnp.int32, ("vocab", None), init="expert_table", high=e)
+        if is_hash else None,
+    )
+
+
+def _score(logits: jax.Array, func: str) -> jax.Array:
+    if func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """x [T, D], token_ids [T] -> (weights [T, K] fp32, expert ids [T, K] int32)."""
+    scores = _score(linear_f32(x, p.router), cfg.scoring_func)  # [T, E]
+    if p.tid2eid is not None:
+        idx = p.tid2eid[token_ids]
+    else:
+        _, idx = jax.lax.top_k(scores + p.router_bias, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, L)) * clip(up, -L, L)."""
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def _grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of x (sorted by group) times their group's w [G, out, in] -> [M, out], fp32 acc."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, dims,
+                                      preferred_element_type=jnp.float32)
+
+
+def expert_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
+    """The experts on rows already sorted by expert: [M, D] -> [M, D] fp32."""
+    h = swiglu(_grouped(x_sorted, w1, group_sizes), _grouped(x_sorted, w3, group_sizes), limit)
+    return _grouped(h.astype(x_sorted.dtype), w2, group_sizes)
+
+
+def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32."""
+    t, k = idx.shape
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
+    group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
+    y = expert_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit)
+    y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[order // k].add(y)
+
+
+def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return linear(swiglu(linear(x, p.shared_w1), linear(x, p.shared_w3), cfg.swiglu_limit), p.shared_w2)
+
+
+def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
+    routed = routed_experts(p, flat, weights, idx, cfg).astype(x.dtype)
+    return (routed + shared_expert(p, flat, cfg)).reshape(x.shape)
