@@ -66,5 +66,5 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     if path.is_dir():
         params = load_checkpoint(path, cfg, specs)
     else:
-        params = jax.jit(lambda key: init_params(specs, key))(jax.random.key(seed))
+        params = init_params(specs, seed)
     return Model(cfg, params, dtype)

@@ -210,7 +210,7 @@ _IGNORED = {
     "num_key_value_heads", "partial_rotary_factor", "rope_theta", "compress_rope_theta",
     "rope_scaling", "rope_parameters", "compress_rates", "compress_ratios", "compress_rate_csa",
     "compress_rate_hca", "num_hash_layers", "layer_types", "mlp_layer_types", "eos_token_id",
-    "id2label", "label2id", "return_dict",
+    "id2label", "label2id", "return_dict", "output_attentions", "output_hidden_states",
     "tie_encoder_decoder", "is_encoder_decoder", "chunk_size_feed_forward", "problem_type",
 }
 

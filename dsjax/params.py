@@ -47,33 +47,56 @@ def is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def _initialize(spec: ParamSpec, key: jax.Array) -> jax.Array:
-    if spec.init == "zeros":
-        return jnp.zeros(spec.shape, spec.dtype)
-    if spec.init == "ones":
-        return jnp.ones(spec.shape, spec.dtype)
-    if spec.init == "normal":
-        return (spec.std * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
-    if spec.init == "expert_table":
-        # hash routing table [vocab, k]: k distinct experts per token
-        rows, k = spec.shape
-        scores = jax.random.uniform(key, (rows, spec.high))
-        return jax.lax.top_k(scores, k)[1].astype(spec.dtype)
-    raise ValueError(f"unknown initializer {spec.init!r}")
+_BLOCK_ELEMENTS = 1 << 20
+
+
+def init_values(spec: ParamSpec, seed: int, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """Host (numpy) values of one weight, or of the slice `index` of it.
+
+    Values are generated in blocks of leading-axis rows, each block from its own seed
+    (seed, crc32(name), block), so any slice - one device's shard - can be built without
+    the rest of the tensor, and the values never depend on how the weight is sharded.
+    Host generation also avoids compiling one random-number kernel per weight (XLA's CPU
+    compile time for ~100 threefry draws runs to tens of seconds)."""
+    shape = spec.shape
+    index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+    if spec.init in ("zeros", "ones"):
+        sub = tuple(len(range(*ix.indices(n))) for ix, n in zip(index, shape))
+        return np.full(sub, 0 if spec.init == "zeros" else 1, dtype=np.dtype(spec.dtype))
+    rows_total = shape[0] if shape else 1
+    row_shape = shape[1:] if shape else ()
+    rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, int(np.prod(row_shape, dtype=np.int64))))
+    rows = range(*index[0].indices(rows_total)) if shape else range(1)
+    if len(rows) == 0:
+        return np.zeros((0,) + tuple(len(range(*ix.indices(n))) for ix, n in zip(index[1:], row_shape)),
+                        np.dtype(spec.dtype))
+    first, last = min(rows), max(rows)
+    blocks = []
+    for b in range(first // rows_per_block, last // rows_per_block + 1):
+        n = min(rows_per_block, rows_total - b * rows_per_block)
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode()), b])
+        if spec.init == "normal":
+            blocks.append(rng.standard_normal((n, *row_shape), dtype=np.float32) * np.float32(spec.std))
+        elif spec.init == "expert_table":  # hash routing table [vocab, k]: k distinct experts per token
+            blocks.append(np.argsort(rng.random((n, spec.high)), axis=1)[:, : row_shape[0]])
+        else:
+            raise ValueError(f"unknown initializer {spec.init!r}")
+    full = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+    offset = (first // rows_per_block) * rows_per_block
+    local = (slice(rows.start - offset, rows.stop - offset if rows.stop >= 0 else None, rows.step),) + index[1:]
+    out = full[local] if shape else full.reshape(())
+    return np.asarray(out).astype(np.dtype(spec.dtype))
 
 
 def path_str(path) -> str:
     return ".".join(str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path)
 
 
-def init_params(specs, key: jax.Array | int):
-    """Seeded random weights for a spec tree. Each leaf's key is folded from its path, so
-    a weight's values do not depend on which other weights exist."""
-    if isinstance(key, int):
-        key = jax.random.key(key)
+def init_params(specs, seed: int):
+    """Seeded random weights for a spec tree (see `init_values`)."""
 
     def one(path, spec):
-        return _initialize(spec, jax.random.fold_in(key, zlib.crc32(path_str(path).encode())))
+        return jnp.asarray(init_values(spec, seed, path_str(path)))
 
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
 

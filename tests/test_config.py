@@ -1,0 +1,91 @@
+"""One validated config type: HF config.json as is, legacy keys, named configs, errors
+that name the field."""
+
+import json
+
+import numpy as np
+import pytest
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+import dsjax
+from dsjax.config import CSA, HCA, SLIDING, ConfigError, ModelConfig, load_config
+from dsjax.layers.rope import inv_freq
+
+
+def test_named_configs():
+    flash = load_config("v4-flash")
+    assert flash.num_hidden_layers == 43 and flash.hidden_size == 4096
+    assert flash.layer_types == (SLIDING, SLIDING) + (CSA, HCA) * 20 + (CSA,)
+    assert flash.mlp_layer_types[:3] == ("hash_moe",) * 3 and set(flash.mlp_layer_types[3:]) == {"moe"}
+    assert (flash.compress_rate_csa, flash.compress_rate_hca, flash.sliding_window) == (4, 128, 128)
+    assert flash.rope_compress.scaling == "yarn" and flash.rope_compress.attention_factor == 1.0
+    assert flash.rope_main.scaling == "default"
+    pro = load_config("v4-pro")
+    assert (pro.hidden_size, pro.num_attention_heads, pro.o_groups, pro.index_topk,
+            pro.routed_scaling_factor) == (7168, 128, 16, 1024, 2.5)
+    tiny = load_config("tiny")
+    assert set(tiny.layer_types) == {SLIDING, CSA, HCA} and set(tiny.mlp_layer_types) == {"hash_moe", "moe"}
+
+
+@pytest.mark.parametrize("name", ["mixed", "legacy", "hca"])
+def test_matches_hf_config_parsing(name):
+    """Our reading of a config equals HF's: schedule, rope frequencies for both rope types."""
+    import hf_oracle
+
+    hf = hf_oracle.make_config(name)
+    ours = ModelConfig.from_hf_dict(hf.to_dict())
+    assert list(ours.layer_types) == hf.layer_types and list(ours.mlp_layer_types) == hf.mlp_layer_types
+    assert ours.qk_rope_head_dim == hf.qk_rope_head_dim
+    rotary = DeepseekV4RotaryEmbedding(hf)
+    for kind in ("main", "compress"):
+        np.testing.assert_allclose(inv_freq(ours.rope(kind), ours.qk_rope_head_dim),
+                                   getattr(rotary, f"{kind}_inv_freq").numpy(), rtol=1e-6)
+        assert ours.rope(kind).attention_factor == getattr(rotary, f"{kind}_attention_scaling")
+
+
+def test_hf_dict_round_trip():
+    cfg = load_config("v4-flash")
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict(), name=cfg.name) == cfg
+    # and HF reads what we write
+    hf = DeepseekV4Config(**cfg.to_hf_dict())
+    assert list(hf.layer_types) == list(cfg.layer_types)
+
+
+def _flash_raw():
+    return json.loads((dsjax.config.configs_dir() / "v4-flash.json").read_text())
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda r: r.pop("hidden_size"), "hidden_size"),
+    (lambda r: r.update(hidden_size=-4), "hidden_size"),
+    (lambda r: r.update(num_attention_heads="64"), "num_attention_heads"),
+    (lambda r: r.update(o_groups=7), "o_groups"),
+    (lambda r: r.update(num_key_value_heads=8), "num_key_value_heads"),
+    (lambda r: r.update(compress_ratios=[0, 3] + [4] * 42), "compress_ratios"),
+    (lambda r: (r.pop("compress_ratios"), r.update(layer_types=["sliding_attention"] * 42)), "layer_types"),
+    (lambda r: (r.pop("compress_ratios"), r.update(layer_types=["full_attention"] * 43)), "layer_types"),
+    (lambda r: r.update(mlp_layer_types=["hash_moe"] * 43 + ["moe"]), "mlp_layer_types"),
+    (lambda r: r.update(scoring_func="relu"), "scoring_func"),
+    (lambda r: r.update(num_experts_per_tok=300), "num_experts_per_tok"),
+    (lambda r: r.update(qk_rope_head_dim=63), "qk_rope_head_dim"),
+    (lambda r: r.update(rope_scaling={"type": "yarn", "factor": 16}), "original_max_position_embeddings"),
+    (lambda r: r.update(rope_scaling={"type": "dynamic", "factor": 2}), "rope_type"),
+    (lambda r: r.update(rms_norm_eps=0), "rms_norm_eps"),
+    (lambda r: r.update(eos_token_id=200000), "eos_token_id"),
+    (lambda r: r.update(model_type="llama"), "model_type"),
+])
+def test_bad_field_is_named(edit, field):
+    raw = _flash_raw()
+    edit(raw)
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_bad_file_is_named(tmp_path):
+    p = tmp_path / "broken.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="broken.json"):
+        load_config(p)
+    with pytest.raises(FileNotFoundError, match="named configs: tiny, v4-flash, v4-pro"):
+        load_config("v5-ultra")

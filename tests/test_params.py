@@ -1,0 +1,51 @@
+"""Declared parameters: abstract shapes without allocation, seeded init, published counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsjax
+from dsjax.config import load_config
+from dsjax.model import model_specs
+from dsjax.param_count import count_params
+from dsjax.params import abstract_params, init_values, spec_leaves
+
+
+def test_abstract_full_size_allocates_nothing():
+    cfg = load_config("v4-flash")
+    shapes = abstract_params(model_specs(cfg, jnp.bfloat16))
+    leaves = jax.tree.leaves(shapes)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert shapes.blocks[2].moe.w1.shape == (256, 2048, 4096)
+    assert shapes.blocks[2].attn.indexer.q_b_proj.shape == (64 * 128, 1024)
+    assert shapes.blocks[3].attn.indexer is None and shapes.blocks[3].attn.compressor.position_bias.shape == (128, 512)
+    assert shapes.blocks[0].attn.compressor is None and shapes.blocks[0].moe.tid2eid.shape == (129280, 6)
+    assert shapes.blocks[2].attn.compressor.kv_proj.shape == (1024, 4096)  # CSA: a | b halves
+
+
+def test_v4_flash_counts_match_published():
+    """DeepSeek publishes 284 B total / 13 B active for V4-Flash (main model, no MTP)."""
+    c = count_params(load_config("v4-flash"))
+    assert abs(c["total"] / 284e9 - 1) < 0.005
+    assert 13e9 <= c["active_excluding_embedding"] < 13.5e9
+    routed = 43 * 256 * 3 * 2048 * 4096
+    assert c["by_group"]["routed_experts"] == routed
+    pro = count_params(load_config("v4-pro"))
+    assert abs(pro["total"] / 1.6e12 - 1) < 0.03 and 48e9 < pro["active_excluding_embedding"] < 50e9
+
+
+def test_init_is_seeded_and_shard_independent():
+    specs = model_specs(load_config("tiny"), jnp.float32)
+    a = dsjax.load_model("tiny", dtype="float32", seed=1).params
+    b = dsjax.load_model("tiny", dtype="float32", seed=1).params
+    c = dsjax.load_model("tiny", dtype="float32", seed=2).params
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert not np.array_equal(a.blocks[1].attn.q_b_proj, c.blocks[1].attn.q_b_proj)
+    for name, spec in spec_leaves(specs):
+        if spec.shape and spec.shape[0] > 3:
+            full = init_values(spec, 1, name)
+            part = init_values(spec, 1, name, (slice(2, spec.shape[0] - 1),))
+            np.testing.assert_array_equal(full[2:-1], part)
+    table = np.asarray(a.blocks[0].moe.tid2eid)
+    assert all(len(set(row)) == len(row) for row in table[:1000])  # distinct experts per token
+    assert abs(np.std(np.asarray(a.embed)) - 0.02) < 1e-3
