@@ -25,6 +25,14 @@ def test_logits_match_hf_fp32(hf_checkpoints, name, seq, rng):
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("seq", [1, 3, 5])
+def test_prompts_shorter_than_every_ratio(hf_checkpoints, seq, rng):
+    hf_model, path = hf_checkpoints("mixed")
+    ids = rng.integers(0, 512, (2, seq))
+    np.testing.assert_allclose(dsjax.load_model(path, dtype="float32").logits(ids),
+                               hf_oracle.hf_logits(hf_model, ids).numpy(), atol=1e-4, rtol=0)
+
+
 def test_every_mechanism_is_covered():
     """The parity configs together exercise every layer type, both MoE kinds, hc_mult != 4
     and YaRN on compressed layers (so a config edit cannot silently drop one)."""

@@ -95,10 +95,10 @@ def compress_kv(p: Compressor, x: jax.Array, *, ratio: int, overlap: bool, cfg: 
     Tokens after the last complete window produce no entry."""
     b, s, _ = x.shape
     n_windows = s // ratio
+    if n_windows == 0:
+        return jnp.zeros((b, 0, p.kv_norm.shape[0]), x.dtype)
     kv, gate = project(p, x[:, : n_windows * ratio])
     kv = kv.reshape(b, n_windows, ratio, -1)
     gate = gate.reshape(b, n_windows, ratio, -1)
-    if n_windows == 0:
-        return jnp.zeros((b, 0, p.kv_norm.shape[0]), x.dtype)
     pooled, _ = pool_windows(p, kv, gate, overlap=overlap, eps=cfg.rms_norm_eps)
     return rope_entries(pooled, 0, ratio, cfg)
