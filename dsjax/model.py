@@ -96,14 +96,23 @@ def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -
     return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
 
 
-def block_forward(p: Block, streams: jax.Array, token_ids: jax.Array, positions: jax.Array,
-                  layer: LayerSpec, cfg: ModelConfig) -> jax.Array:
+def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg: ModelConfig):
+    """One decoder block around any attention implementation `attend(p.attn, h) -> (out, aux)`
+    (full-sequence or cached); returns (streams, aux)."""
     pre, post, comb = hc_mixes(p.attn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
-    streams = expand(attention_forward(p.attn, h, positions, layer, cfg), streams, post, comb)
+    out, aux = attend(p.attn, h)
+    streams = expand(out, streams, post, comb)
     pre, post, comb = hc_mixes(p.ffn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
-    return expand(moe_forward(p.moe, h, token_ids, cfg), streams, post, comb)
+    return expand(moe_forward(p.moe, h, token_ids, cfg), streams, post, comb), aux
+
+
+def block_forward(p: Block, streams: jax.Array, token_ids: jax.Array, positions: jax.Array,
+                  layer: LayerSpec, cfg: ModelConfig) -> jax.Array:
+    """Full-sequence block (no cache)."""
+    return block_apply(p, streams, token_ids,
+                       lambda a, h: (attention_forward(a, h, positions, layer, cfg), None), cfg)[0]
 
 
 def head_logits(params: ModelParams, streams: jax.Array, cfg: ModelConfig) -> jax.Array:

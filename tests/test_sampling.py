@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.sampling import filter_logits, sample
+from dsjax.engine.sampler import filter_logits
 
 
 def _reference_keep(logits, k, p):

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
-from dsjax.layers.compressor import Compressor, compress_kv, compressor_specs
+from dsjax.layers.compressor import (Compressor, CompressorState, compress_extend, compress_kv, compressor_specs,
+                                     compressor_state_shapes)
 from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_weights, indexer_specs,
                                   select_topk)
 from dsjax.layers.linear import linear
@@ -78,19 +79,28 @@ def project_kv(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> jax.Ar
     return apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, cfg.rms_norm_eps), cos, sin)
 
 
-def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sinks: jax.Array) -> jax.Array:
-    """Reference sparse attention with sinks, one shared KV head.
+def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sinks: jax.Array,
+                   kv_per_query: jax.Array | None = None, mask_per_query: jax.Array | None = None) -> jax.Array:
+    """Reference attention with sinks over one shared KV head (K = V).
 
-    q [B, S, H, hd], kv [B, T, hd] (K = V), mask [B, S, T] bool, sinks [H] fp32
-    -> o [B, S, H, hd] in q's dtype. The sink adds exp(sink_h) to the denominator only."""
+    q [B, S, H, hd]; kv [B, T, hd] keys shared by all queries, mask [B, S, T] bool;
+    optionally kv_per_query [B, S, k, hd] (CSA: each query's top-k compressed entries,
+    gathered) with mask_per_query [B, S, k]. sinks [H] fp32 adds exp(sink_h) to the
+    denominator only. -> o [B, S, H, hd] in q's dtype."""
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bshd,btd->bsht", q, kv, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    if kv_per_query is not None:
+        extra = jnp.einsum("bshd,bskd->bshk", q, kv_per_query, preferred_element_type=jnp.float32) * scale
+        logits = jnp.concatenate([logits, jnp.where(mask_per_query[:, :, None, :], extra, -jnp.inf)], axis=-1)
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
     m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
     p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
-    o = jnp.einsum("bsht,btd->bshd", (p / denom).astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+    p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(kv.dtype)
+    t = kv.shape[1]
+    o = jnp.einsum("bsht,btd->bshd", p[..., :t], kv, preferred_element_type=jnp.float32)
+    if kv_per_query is not None:
+        o = o + jnp.einsum("bshk,bskd->bshd", p[..., t:], kv_per_query, preferred_element_type=jnp.float32)
     return o.astype(q.dtype)
 
 
@@ -142,3 +152,80 @@ def lightning_indexer(p: Indexer, x, cq, cos, sin, layer: LayerSpec, cfg: ModelC
     keys = compress_kv(p.compressor, x, ratio=layer.compress_ratio, overlap=True, cfg=cfg)
     q = index_queries(p, cq, cos, sin, cfg)
     return index_scores(q, keys, index_weights(p, x, cfg), cfg)
+
+
+# ----------------------------------------------------------------------------- cached path
+@struct.dataclass
+class AttentionState:
+    """One layer's cache: the window ring (slot = position % W) and, on CSA / HCA layers,
+    the compressor state (and the indexer's own, on CSA layers)."""
+
+    window: jax.Array  # [B, W, hd]  normed, roped kv
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+def attention_state_shapes(cfg: ModelConfig, layer: LayerSpec, batch: int, capacity: int, dtype) -> AttentionState:
+    comp = idx = None
+    if layer.compress_ratio:
+        comp = compressor_state_shapes(batch, capacity, ratio=layer.compress_ratio, dim=cfg.head_dim,
+                                       overlap=layer.overlap, dtype=dtype)
+    if layer.has_indexer:
+        idx = compressor_state_shapes(batch, capacity, ratio=layer.compress_ratio, dim=cfg.index_head_dim,
+                                      overlap=True, dtype=dtype)
+    return AttentionState(jax.ShapeDtypeStruct((batch, cfg.sliding_window, cfg.head_dim), dtype), comp, idx)
+
+
+def ring_positions(start: jax.Array, ring: int) -> jax.Array:
+    """[B, R]: the position held by each ring slot before a chunk starting at `start`
+    (the latest p < start with p % R == slot; negative = empty)."""
+    return start[:, None] - 1 - jnp.mod(start[:, None] - 1 - jnp.arange(ring), ring)
+
+
+def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: jax.Array, n_valid: jax.Array,
+                     layer: LayerSpec, cfg: ModelConfig, n_entries: int) -> tuple[jax.Array, AttentionState]:
+    """Attention for a chunk x [B, C, D] at positions start + i, i < n_valid (per row),
+    against the cache; returns the output and the updated cache.
+
+    n_entries (static) bounds how many compressed entries are read: every entry a query
+    can see must lie below it (the engine picks it from the longest sequence)."""
+    b, c, _ = x.shape
+    w = cfg.sliding_window
+    positions = start[:, None] + jnp.arange(c)
+    valid = jnp.arange(c) < n_valid[:, None]
+    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
+    cq, q = project_q(p, x, cos, sin, cfg)
+    kv = project_kv(p, x, cos, sin, cfg)
+
+    slot_pos = ring_positions(start, w)
+    keys = jnp.concatenate([state.window, kv], axis=1)  # [B, W + C, hd]
+    key_pos = jnp.concatenate([slot_pos, positions], axis=1)
+    key_valid = jnp.concatenate([slot_pos >= 0, valid], axis=1)
+    mask = window_mask(positions, key_pos, w) & key_valid[:, None, :]
+    kv_pq = mask_pq = None
+    comp = idx_state = None
+    if layer.compress_ratio:
+        m = layer.compress_ratio
+        comp = compress_extend(p.compressor, state.compressor, x, start, n_valid, ratio=m,
+                               overlap=layer.overlap, cfg=cfg)
+        entries = comp.entries[:, :n_entries]
+        visible = compressed_visible(positions, n_entries, m)  # [B, C, E]
+        if layer.has_indexer:
+            idx_state = compress_extend(p.indexer.compressor, state.indexer, x, start, n_valid, ratio=m,
+                                        overlap=True, cfg=cfg)
+            if cfg.index_topk < n_entries:
+                scores = index_scores(index_queries(p.indexer, cq, cos, sin, cfg), idx_state.entries[:, :n_entries],
+                                      index_weights(p.indexer, x, cfg), cfg)
+                _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), cfg.index_topk)  # [B, C, k]
+                kv_pq = jnp.take_along_axis(entries[:, None], top[..., None], axis=2)
+                mask_pq = jnp.take_along_axis(visible, top, axis=-1)
+        if kv_pq is None:  # HCA, or every visible CSA entry is selected
+            keys = jnp.concatenate([keys, entries], axis=1)
+            mask = jnp.concatenate([mask, visible], axis=-1)
+    o = sink_attention(q, keys, mask, p.sinks, kv_pq, mask_pq)
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    # window ring: the chunk's last W valid tokens go to slot position % W
+    keep = valid & (positions >= (start + n_valid)[:, None] - w)
+    slot = jnp.where(keep, jnp.mod(positions, w), w)
+    window = state.window.at[jnp.arange(b)[:, None], slot].set(kv.astype(state.window.dtype), mode="drop")
+    return grouped_output(p, o, cfg), AttentionState(window, comp, idx_state)

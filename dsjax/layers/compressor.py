@@ -10,8 +10,9 @@ CSA (overlap): c, z are [2d], split into an a-half and a b-half. Entry w pools 2
 the a-halves of window w-1 and the b-halves of window w (for w = 0 the a-slots have kv 0 and
 gate -inf). The Lightning Indexer uses the same CSA form at index_head_dim.
 
-`pool_windows` is the one implementation of the pooling; the full-sequence path
-(`compress_kv`) and the engine's incremental caches both call it.
+`pool_windows` is the one implementation of the pooling. The full-sequence path
+(`compress_kv`) and the cached path (`compress_extend`: a ring buffer of the raw kv / gate
+of the incomplete window, plus the previous window for CSA's overlap) both call it.
 """
 
 from __future__ import annotations
@@ -46,45 +47,37 @@ def compressor_specs(cfg: ModelConfig, *, ratio: int, dim: int, overlap: bool, d
 
 
 def project(p: Compressor, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token raw kv and gate (gate includes nothing yet; the slot bias is added per window)."""
+    """Per-token raw kv and gate [..., c*d] (the slot bias is added per window, in fp32)."""
     return linear(x, p.kv_proj), linear(x, p.gate_proj)
 
 
-def pool_windows(
-    p: Compressor,
-    kv: jax.Array,  # [B, W, m, c*d]  raw kv of W complete windows
-    gate: jax.Array,  # [B, W, m, c*d]  raw gate
-    *,
-    overlap: bool,
-    eps: float,
-    prev_a: tuple[jax.Array, jax.Array] | None = None,  # a-halves (kv, gate+bias) [B, m, d] of window -1
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """Pooled, normed entries [B, W, d] (before RoPE), and the overlap state for the next call
-    (the last window's a-halves), or None without overlap."""
+def pool_windows(p: Compressor, kv: jax.Array, gate: jax.Array, *, overlap: bool, eps: float,
+                 lead_valid: jax.Array | None = None) -> jax.Array:
+    """Pooled, normed entries (before RoPE).
+
+    kv, gate [B, W, m, c*d]: raw projections of complete windows -> [B, W, d].
+    With overlap, the first window is the one *before* the first entry: only its a-halves
+    are read, so the result has W - 1 entries; `lead_valid` [B] says whether that leading
+    window exists (at position 0 it does not: its slots get kv 0 and gate -inf)."""
     gate = gate.astype(jnp.float32) + p.position_bias  # slot bias, fp32
     if not overlap:
         weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
-        return rms_norm(jnp.sum(kv * weights, axis=2), p.kv_norm, eps), None
+        return rms_norm(jnp.sum(kv * weights, axis=2), p.kv_norm, eps)
     d = kv.shape[-1] // 2
-    a_kv, b_kv = kv[..., :d], kv[..., d:]
-    a_gate, b_gate = gate[..., :d], gate[..., d:]
-    if prev_a is None:
-        first_kv = jnp.zeros_like(a_kv[:, :1])
-        first_gate = jnp.full_like(a_gate[:, :1], -jnp.inf)
-    else:
-        first_kv, first_gate = prev_a[0][:, None].astype(kv.dtype), prev_a[1][:, None]
-    # slots 0..m-1: a-halves of the previous window; slots m..2m-1: b-halves of this window
-    slots_kv = jnp.concatenate([jnp.concatenate([first_kv, a_kv[:, :-1]], axis=1), b_kv], axis=2)
-    slots_gate = jnp.concatenate([jnp.concatenate([first_gate, a_gate[:, :-1]], axis=1), b_gate], axis=2)
+    lead = lead_valid[:, None, None] if lead_valid is not None else jnp.asarray(True)
+    a_kv = kv[:, :-1, :, :d].at[:, 0].set(jnp.where(lead, kv[:, 0, :, :d], 0))
+    a_gate = gate[:, :-1, :, :d].at[:, 0].set(jnp.where(lead, gate[:, 0, :, :d], -jnp.inf))
+    slots_kv = jnp.concatenate([a_kv, kv[:, 1:, :, d:]], axis=2)  # [B, W-1, 2m, d]
+    slots_gate = jnp.concatenate([a_gate, gate[:, 1:, :, d:]], axis=2)
     weights = jax.nn.softmax(slots_gate, axis=2).astype(kv.dtype)
-    pooled = rms_norm(jnp.sum(slots_kv * weights, axis=2), p.kv_norm, eps)
-    return pooled, (a_kv[:, -1], a_gate[:, -1])
+    return rms_norm(jnp.sum(slots_kv * weights, axis=2), p.kv_norm, eps)
 
 
 def rope_entries(entries: jax.Array, first_entry: jax.Array | int, ratio: int, cfg: ModelConfig) -> jax.Array:
-    """RoPE ("compress" type) on entries [B, W, d] at positions ratio * (first_entry + w)."""
+    """RoPE ("compress" type) on entries [B, W, d] at positions ratio * (first_entry + w);
+    first_entry is an int or per row [B]."""
     w = entries.shape[1]
-    positions = (jnp.asarray(first_entry)[..., None] + jnp.arange(w)) * ratio  # [W] or [B, W]
+    positions = (jnp.asarray(first_entry)[..., None] + jnp.arange(w)) * ratio
     positions = jnp.broadcast_to(positions, entries.shape[:2])
     cos, sin = rope_cos_sin(positions, cfg.rope("compress"), cfg.qk_rope_head_dim)
     return apply_rope(entries, cos, sin)
@@ -100,5 +93,77 @@ def compress_kv(p: Compressor, x: jax.Array, *, ratio: int, overlap: bool, cfg: 
     kv, gate = project(p, x[:, : n_windows * ratio])
     kv = kv.reshape(b, n_windows, ratio, -1)
     gate = gate.reshape(b, n_windows, ratio, -1)
-    pooled, _ = pool_windows(p, kv, gate, overlap=overlap, eps=cfg.rms_norm_eps)
+    if overlap:  # a leading window that does not exist
+        kv = jnp.concatenate([jnp.zeros_like(kv[:, :1]), kv], axis=1)
+        gate = jnp.concatenate([jnp.zeros_like(gate[:, :1]), gate], axis=1)
+    pooled = pool_windows(p, kv, gate, overlap=overlap, eps=cfg.rms_norm_eps,
+                          lead_valid=jnp.zeros((b,), bool) if overlap else None)
     return rope_entries(pooled, 0, ratio, cfg)
+
+
+# ----------------------------------------------------------------------------- cached path
+@struct.dataclass
+class CompressorState:
+    """Per sequence: the compressed entries so far and the raw projections of the recent
+    tokens. The ring holds positions p at slot p % R with R = m (HCA) or 2m (CSA: the
+    incomplete window and the complete one before it, whose a-halves the next entry reads)."""
+
+    entries: jax.Array  # [B, capacity // m, d]  (normed, roped)
+    ring_kv: jax.Array  # [B, R, c*d] raw
+    ring_gate: jax.Array  # [B, R, c*d] raw
+
+
+def compressor_state_shapes(batch: int, capacity: int, *, ratio: int, dim: int, overlap: bool, dtype):
+    width = (2 if overlap else 1) * dim
+    ring = (2 if overlap else 1) * ratio
+    return CompressorState(
+        entries=jax.ShapeDtypeStruct((batch, capacity // ratio, dim), dtype),
+        ring_kv=jax.ShapeDtypeStruct((batch, ring, width), dtype),
+        ring_gate=jax.ShapeDtypeStruct((batch, ring, width), dtype),
+    )
+
+
+def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: jax.Array, n_valid: jax.Array,
+                    *, ratio: int, overlap: bool, cfg: ModelConfig) -> CompressorState:
+    """Feed a chunk x [B, C, D] at positions start + i (i < n_valid, per row) and emit the
+    entries of every window the chunk completes. Rows with n_valid = 0 are unchanged."""
+    b, c, _ = x.shape
+    m = ratio
+    ring = state.ring_kv.shape[1]
+    kv_new, gate_new = project(p, x)
+    end = start + n_valid
+    # An aligned stream from the start of the first window that can still be open (for CSA,
+    # one window earlier, whose a-halves the first new entry reads).
+    g0 = (start // m) * m - (m if overlap else 0)  # [B]
+    n_win = -(-(m - 1 + c) // m) + (1 if overlap else 0)
+    pos = g0[:, None] + jnp.arange(n_win * m)  # [B, A]
+    from_chunk = pos >= start[:, None]
+    chunk_idx = jnp.clip(pos - start[:, None], 0, c - 1)
+    ring_idx = jnp.mod(pos, ring)
+
+    def aligned(chunk_vals, ring_vals):
+        got_chunk = jnp.take_along_axis(chunk_vals, chunk_idx[..., None], axis=1)
+        got_ring = jnp.take_along_axis(ring_vals, ring_idx[..., None], axis=1)
+        return jnp.where(from_chunk[..., None], got_chunk, got_ring).reshape(b, n_win, m, -1)
+
+    kv_al, gate_al = aligned(kv_new, state.ring_kv), aligned(gate_new, state.ring_gate)
+    pooled = pool_windows(p, kv_al, gate_al, overlap=overlap, eps=cfg.rms_norm_eps,
+                          lead_valid=g0 >= 0 if overlap else None)
+    first_entry = (start // m)  # entry index of the first pooled window
+    pooled = rope_entries(pooled, first_entry, m, cfg)
+    entry_idx = first_entry[:, None] + jnp.arange(pooled.shape[1])
+    complete = (entry_idx + 1) * m <= end[:, None]
+    capacity = state.entries.shape[1]
+    entries = state.entries.at[jnp.arange(b)[:, None], jnp.where(complete, entry_idx, capacity)].set(
+        pooled.astype(state.entries.dtype), mode="drop")
+    # Ring: every valid chunk token goes to slot p % R (a chunk longer than the ring keeps
+    # only its last R tokens, which are all a later entry can need).
+    tok_pos = start[:, None] + jnp.arange(c)
+    keep = (jnp.arange(c) < n_valid[:, None]) & (tok_pos >= end[:, None] - ring)
+    slot = jnp.where(keep, jnp.mod(tok_pos, ring), ring)
+    rows = jnp.arange(b)[:, None]
+    return CompressorState(
+        entries=entries,
+        ring_kv=state.ring_kv.at[rows, slot].set(kv_new.astype(state.ring_kv.dtype), mode="drop"),
+        ring_gate=state.ring_gate.at[rows, slot].set(gate_new.astype(state.ring_gate.dtype), mode="drop"),
+    )

@@ -1,0 +1,1 @@
+"""The inference engine: compressed caches, jitted prefill / decode, sampling, scheduling."""

@@ -1,0 +1,324 @@
+"""`Engine`: fixed decode slots, continuous batching, streaming, async dispatch.
+
+Device side (jitted, donated): the cache [slots, ...] and a `Slots` pytree of per-slot
+sampling settings and decode state. Each `step()`:
+  1. admits waiting requests into free slots;
+  2. runs one prefill chunk per prefilling request (one row, gathered from / scattered
+     back into the slot cache; the last chunk samples the first token);
+  3. dispatches one decode step for all slots (finished / empty slots are no-ops);
+  4. reads back the *previous* step's tokens while the device runs this one (JAX's async
+     dispatch), turning them into events. Stop conditions are evaluated on the device, so
+     the host being one step behind never feeds a finished slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dsjax.api import Model, check_token_ids
+from dsjax.config import ModelConfig
+from dsjax.engine.cache import Cache, init_cache
+from dsjax.engine.sampler import SamplingParams, SamplingState, record_tokens, sample_tokens, top_logprobs
+from dsjax.engine.step import context_bucket, extend
+
+MAX_STOP_IDS = 16
+
+
+@struct.dataclass
+class Slots:
+    sampling: SamplingState
+    last_token: jax.Array  # [B] i32: the next decode input
+    active: jax.Array  # [B] bool: decoding
+    n_generated: jax.Array  # [B] i32
+    max_tokens: jax.Array  # [B] i32
+    stop_ids: jax.Array  # [B, MAX_STOP_IDS] i32, -1 padded
+
+
+@struct.dataclass
+class StepOutput:
+    tokens: jax.Array  # [B]
+    emitted: jax.Array  # [B] bool: a token was produced for this slot
+    finished: jax.Array  # [B] bool
+    logprob: jax.Array  # [B]
+    top_values: jax.Array | None  # [B, n]
+    top_ids: jax.Array | None
+
+
+def _init_slots(batch: int, vocab: int) -> Slots:
+    f32, i32 = jnp.float32, jnp.int32
+    z = lambda dt: jnp.zeros((batch,), dt)  # noqa: E731
+    return Slots(
+        sampling=SamplingState(z(f32), z(i32), jnp.ones((batch,), f32), z(f32), jnp.ones((batch,), f32), z(f32),
+                               z(f32), z(jnp.uint32), jnp.zeros((batch, vocab), bool),
+                               jnp.zeros((batch, vocab), i32)),
+        last_token=z(i32), active=z(bool), n_generated=z(i32), max_tokens=z(i32),
+        stop_ids=jnp.full((batch, MAX_STOP_IDS), -1, i32))
+
+
+def _emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array, n_logprobs: int):
+    """Sample for the rows in `emitting`, update their decode state, describe the output."""
+    tokens = sample_tokens(logits, slots.sampling, positions)
+    tokens = jnp.where(emitting, tokens, slots.last_token)
+    n_generated = slots.n_generated + emitting
+    stop = jnp.any(tokens[:, None] == slots.stop_ids, axis=-1) | (n_generated >= slots.max_tokens)
+    finished = emitting & stop
+    logprob, top_values, top_ids = top_logprobs(logits, tokens, n_logprobs)
+    slots = slots.replace(sampling=record_tokens(slots.sampling, tokens, emitting), last_token=tokens,
+                          active=jnp.where(emitting, ~finished, slots.active), n_generated=n_generated)
+    return slots, StepOutput(tokens, emitting, finished, logprob, top_values, top_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "batch_invariant", "n_logprobs"),
+                   donate_argnames=("cache", "slots"))
+def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, ctx_bucket: int, batch_invariant: bool,
+                n_logprobs: int):
+    active = slots.active
+    logits, cache = extend(params, cache, slots.last_token[:, None], active.astype(jnp.int32), cfg=cfg,
+                           ctx_bucket=ctx_bucket, batch_invariant=batch_invariant)
+    slots, out = _emit(slots, logits[:, 0], cache.length, active, n_logprobs)
+    return cache, slots, out
+
+
+def _row(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0), tree)
+
+
+def _set_row(tree, row, i):
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, i, axis=0), tree, row)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "n_logprobs"), donate_argnames=("cache", "slots"))
+def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
+                 is_last: jax.Array, *, cfg: ModelConfig, ctx_bucket: int, n_logprobs: int):
+    """One prompt chunk tokens [1, C] for one slot; on the last chunk, sample the first token."""
+    logits, row = extend(params, _row(cache, slot), tokens, n_valid, cfg=cfg, ctx_bucket=ctx_bucket)
+    cache = _set_row(cache, row, slot)
+    slot_state, out = _emit(_row(slots, slot), logits[:, 0], row.length, is_last[None], n_logprobs)
+    return cache, _set_row(slots, slot_state, slot), out
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "slots"))
+def admit_slot(cache: Cache, slots: Slots, slot, settings: dict, seen: jax.Array, stop_ids: jax.Array):
+    """Reset one slot for a new request: empty cache row, its sampling settings."""
+    s = slots.sampling
+    max_tokens = settings.pop("max_tokens")
+    sampling = s.replace(**{k: getattr(s, k).at[slot].set(v) for k, v in settings.items()},
+                         seen=s.seen.at[slot].set(seen), counts=s.counts.at[slot].set(0))
+    slots = slots.replace(sampling=sampling, active=slots.active.at[slot].set(False),
+                          n_generated=slots.n_generated.at[slot].set(0),
+                          max_tokens=slots.max_tokens.at[slot].set(max_tokens),
+                          stop_ids=slots.stop_ids.at[slot].set(stop_ids))
+    return cache.replace(length=cache.length.at[slot].set(0)), slots
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def deactivate_slot(slots: Slots, slot) -> Slots:
+    return slots.replace(active=slots.active.at[slot].set(False))
+
+
+# ----------------------------------------------------------------------------- host side
+@dataclasses.dataclass
+class TokenEvent:
+    request_id: str
+    token: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None  # None while running; "stop" | "length" when this is the last token
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    on_token: Callable[[TokenEvent], None] | None = None
+    state: str = "waiting"  # waiting | prefilling | decoding | finished | cancelled
+    slot: int | None = None
+    prefilled: int = 0
+    dispatched: int = 0  # tokens the device will have cached (upper bound while decoding)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Engine:
+    """Continuous batching over `max_slots` decode slots with a `capacity`-token cache each."""
+
+    def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
+                 batch_invariant: bool = False, max_logprobs: int = 0, overlap: bool = True):
+        cfg = model.config
+        ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+        if capacity % ratio:
+            raise ValueError(f"capacity {capacity} must be a multiple of {ratio} (the largest compression ratio)")
+        self.model, self.cfg = model, cfg
+        self.max_slots, self.capacity, self.prefill_chunk = max_slots, capacity, prefill_chunk
+        self.batch_invariant, self.max_logprobs, self.overlap = batch_invariant, max_logprobs, overlap
+        self.cache = init_cache(cfg, max_slots, capacity, model.dtype)
+        self.slots = _init_slots(max_slots, cfg.vocab_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: collections.deque[str] = collections.deque()
+        self.slot_owner: list[str | None] = [None] * max_slots
+        self._pending: collections.deque = collections.deque()  # (StepOutput, slot -> request id)
+        self._ids = itertools.count()
+        self.steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None,
+                    on_token: Callable[[TokenEvent], None] | None = None) -> str:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        check_token_ids(np.asarray(prompt), self.cfg.vocab_size)
+        if len(prompt) + params.max_tokens > self.capacity:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
+                             f"cache capacity ({self.capacity} tokens)")
+        if params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={self.max_logprobs}")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stops)}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests and self.requests[request_id].state not in ("finished", "cancelled"):
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.requests[request_id] = Request(request_id, prompt, params, on_token)
+        self.waiting.append(request_id)
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request now; its slot is free for the next admission at once."""
+        req = self.requests[request_id]
+        if req.state in ("finished", "cancelled"):
+            return
+        if req.state == "waiting":
+            self.waiting.remove(request_id)
+        else:
+            self.slots = deactivate_slot(self.slots, jnp.int32(req.slot))
+            self.slot_owner[req.slot] = None
+        req.state, req.finish_reason, req.slot = "cancelled", "cancelled", None
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i, owner in enumerate(self.slot_owner) if owner is None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self._pending or any(o is not None for o in self.slot_owner))
+
+    # ------------------------------------------------------------------ stepping
+    def _admit(self) -> None:
+        for slot in self.free_slots:
+            if not self.waiting:
+                return
+            req = self.requests[self.waiting.popleft()]
+            p = req.params
+            stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.cfg.eos_token_ids)))
+            seen = np.zeros(self.cfg.vocab_size, bool)
+            seen[req.prompt] = True
+            settings = {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k),
+                        "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
+                        "repetition_penalty": np.float32(p.repetition_penalty),
+                        "presence_penalty": np.float32(p.presence_penalty),
+                        "frequency_penalty": np.float32(p.frequency_penalty), "seed": np.uint32(p.seed),
+                        "max_tokens": np.int32(p.max_tokens)}
+            stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
+            stop_ids[: len(stops)] = stops
+            self.cache, self.slots = admit_slot(self.cache, self.slots, jnp.int32(slot), settings, seen, stop_ids)
+            req.state, req.slot = "prefilling", slot
+            self.slot_owner[slot] = req.request_id
+
+    def _bucket(self, tokens_needed: int) -> int:
+        return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
+
+    def _prefill(self, req: Request) -> None:
+        c = self.prefill_chunk
+        chunk = req.prompt[req.prefilled: req.prefilled + c]
+        tokens = np.zeros((1, c), np.int32)
+        tokens[0, : len(chunk)] = chunk
+        is_last = req.prefilled + len(chunk) == len(req.prompt)
+        self.cache, self.slots, out = prefill_step(
+            self.model.params, self.cache, self.slots, jnp.int32(req.slot), tokens, np.array([len(chunk)], np.int32),
+            np.bool_(is_last), cfg=self.cfg, ctx_bucket=self._bucket(req.prefilled + c), n_logprobs=self.max_logprobs)
+        req.prefilled += len(chunk)
+        req.dispatched = req.prefilled
+        if is_last:
+            req.state = "decoding"
+            self._pending.append((out, {0: req.request_id}))
+
+    def _decode(self) -> bool:
+        decoding = [self.requests[o] for o in self.slot_owner if o is not None]
+        decoding = [r for r in decoding if r.state == "decoding"]
+        if not decoding:
+            return False
+        needed = max(r.dispatched for r in decoding) + 1
+        self.cache, self.slots, out = decode_step(
+            self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=self._bucket(needed),
+            batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs)
+        for r in decoding:
+            r.dispatched += 1
+        self._pending.append((out, {r.slot: r.request_id for r in decoding}))
+        return True
+
+    def step(self) -> list[TokenEvent]:
+        """Advance every request by at most one prefill chunk / one token."""
+        self._admit()
+        for owner in list(self.slot_owner):
+            if owner is not None and self.requests[owner].state == "prefilling":
+                self._prefill(self.requests[owner])
+        dispatched = self._decode()
+        self.steps += 1
+        keep = 1 if (dispatched and self.overlap) else 0
+        events = []
+        while len(self._pending) > keep:
+            events += self._process(*self._pending.popleft())
+        return events
+
+    def _process(self, out: StepOutput, owners: dict[int, str]) -> list[TokenEvent]:
+        host = jax.device_get(out)
+        events = []
+        for row, request_id in owners.items():
+            req = self.requests[request_id]
+            if req.state in ("finished", "cancelled") or not host.emitted[row]:
+                continue
+            token = int(host.tokens[row])
+            top = None
+            if req.params.logprobs:
+                top = [(int(i), float(v)) for i, v in
+                       zip(host.top_ids[row][: req.params.logprobs], host.top_values[row][: req.params.logprobs])]
+            finish = None
+            if host.finished[row]:
+                finish = "stop" if self._is_stop(req, token) else "length"
+            req.tokens.append(token)
+            req.logprobs.append(float(host.logprob[row]))
+            event = TokenEvent(request_id, token, float(host.logprob[row]), top, finish)
+            if finish is not None:
+                req.state, req.finish_reason = "finished", finish
+                self.slot_owner[req.slot] = None
+                req.slot = None
+            if req.on_token is not None:
+                req.on_token(event)
+            events.append(event)
+        return events
+
+    def _is_stop(self, req: Request, token: int) -> bool:
+        stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.cfg.eos_token_ids))
+        return token in stops
+
+    def run(self) -> Iterator[TokenEvent]:
+        """Step until every request has finished, yielding token events as they arrive."""
+        while self.has_work():
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for _ in self.run():
+            pass
+        return [self.requests[i].tokens for i in ids]
