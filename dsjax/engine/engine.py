@@ -164,6 +164,8 @@ class Engine:
         self.batch_invariant, self.max_logprobs, self.overlap = batch_invariant, max_logprobs, overlap
         self.cache = init_cache(cfg, max_slots, capacity, model.dtype)
         self.slots = _init_slots(max_slots, cfg.vocab_size)
+        # compile the cancel path now (a no-op on empty slots) so a later cancel is not a hiccup
+        self.slots = deactivate_slot(self.slots, jnp.int32(0))
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[str] = collections.deque()
         self.slot_owner: list[str | None] = [None] * max_slots

@@ -1,0 +1,261 @@
+"""The engine: incremental == full forward, batch independence, slots, compile counts."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsjax
+from dsjax.engine.cache import cache_bytes, init_cache
+from dsjax.engine.engine import Engine
+from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.step import extend
+from dsjax.model import forward
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dsjax.load_model("tiny", dtype="float32", seed=0)
+
+
+def _feed(model, ids, lengths, schedule, capacity=256):
+    """Run `extend` over per-row prompts with the chunk sizes in `schedule` (the same C for
+    every row at each call; rows that run out feed fewer tokens); collect all logits."""
+    cfg = model.config
+    b = len(ids)
+    cache = init_cache(cfg, b, capacity, model.dtype)
+    got = np.full((b, max(lengths), cfg.vocab_size), np.nan, np.float32)
+    pos = np.zeros(b, int)
+    for c in schedule:
+        n = np.minimum(c, lengths - pos)
+        toks = np.zeros((b, c), np.int32)
+        for r in range(b):
+            toks[r, : n[r]] = ids[r][pos[r]: pos[r] + n[r]]
+        logits, cache = extend(model.params, cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32), cfg=cfg,
+                               ctx_bucket=capacity, all_logits=True)
+        logits = np.asarray(logits)
+        for r in range(b):
+            got[r, pos[r]: pos[r] + n[r]] = logits[r, : n[r]]
+        pos += n
+    assert (pos == lengths).all()
+    return got, cache
+
+
+SCHEDULES = {
+    "unchunked": [80] + [1] * 12,  # whole prompt, then decode
+    "chunked": [8] * 6 + [5, 5] + [1] * 20,  # chunks straddling group and window boundaries
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_incremental_matches_full_forward_tiny(tiny, schedule, rng):
+    """tiny: window 16, CSA m=4 with index_topk 16 (< visible entries: the top-k gather path),
+    HCA m=16, one hash layer. Rows of different lengths, batch 3."""
+    lengths = np.array([92, 61, 40]) if schedule == "unchunked" else np.array([68, 47, 30])
+    ids = [rng.integers(0, 5000, n).tolist() for n in lengths]
+    got, cache = _feed(tiny, ids, lengths, SCHEDULES[schedule])
+    np.testing.assert_array_equal(np.asarray(cache.length), lengths)
+    for r, n in enumerate(lengths):
+        full = np.asarray(forward(tiny.params, jnp.asarray([ids[r]]), tiny.config))[0]
+        np.testing.assert_allclose(got[r, :n], full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mixed", "hca"])
+def test_incremental_matches_full_forward_hf_configs(hf_checkpoints, name, rng):
+    """The HF oracle configs: hc_mult 2/3, window 5/8, CSA dense (topk >= visible) path.
+    Their randomized weights drive logits to ~5 and amplify fp32 rounding (the full forward
+    itself is 3e-5 from HF there), so the 1e-5 bound is relative to the logit scale."""
+    _, path = hf_checkpoints(name)
+    model = dsjax.load_model(path, dtype="float32")
+    lengths = np.array([45, 29])
+    ids = [rng.integers(0, 512, n).tolist() for n in lengths]
+    got, _ = _feed(model, ids, lengths, [7] * 4 + [1] * 17)
+    for r, n in enumerate(lengths):
+        full = np.asarray(forward(model.params, jnp.asarray([ids[r]]), model.config))[0]
+        np.testing.assert_allclose(got[r, :n], full, atol=1e-5 * max(1.0, np.abs(full).max()), rtol=0)
+
+
+def test_engine_chunked_prefill_greedy_matches_hf(hf_checkpoints):
+    import torch
+
+    hf_model, path = hf_checkpoints("mixed")
+    prompt = list(range(3, 43))
+    engine = Engine(dsjax.load_model(path, dtype="float32"), max_slots=2, capacity=256, prefill_chunk=16)
+    (got,) = engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                            pad_token_id=2)
+    assert got == out[0, len(prompt):].tolist()
+
+
+def _requests(rng, n):
+    return [(rng.integers(0, 5000, int(rng.integers(3, 60))).tolist(),
+             SamplingParams(temperature=float(rng.uniform(0.5, 1.2)), top_p=float(rng.uniform(0.7, 1.0)),
+                            top_k=int(rng.integers(0, 50)), seed=int(rng.integers(0, 1000)),
+                            max_tokens=int(rng.integers(4, 20)), ignore_eos=True))
+            for _ in range(n)]
+
+
+def _run_alone(model, prompt, params, **engine_kw):
+    engine = Engine(model, capacity=256, prefill_chunk=32, **engine_kw)
+    rid = engine.add_request(prompt, params)
+    for _ in engine.run():
+        pass
+    return engine.requests[rid]
+
+
+def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
+    """Same request + seed alone vs inside batches of 2..8 with other requests, at different
+    slots and arrival steps: identical tokens, with sampling on."""
+    target = (rng.integers(0, 5000, 37).tolist(),
+              SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=16, ignore_eos=True))
+    alone = _run_alone(tiny, *target, max_slots=4).tokens
+    for n_others, delay in ((1, 0), (3, 2), (7, 5)):
+        engine = Engine(tiny, max_slots=4, capacity=256, prefill_chunk=32)
+        others = _requests(rng, n_others)
+        for prompt, params in others[: n_others // 2]:
+            engine.add_request(prompt, params)
+        for _ in range(delay):
+            engine.step()
+        rid = engine.add_request(*target)
+        for prompt, params in others[n_others // 2:]:
+            engine.add_request(prompt, params)
+        for _ in engine.run():
+            pass
+        assert engine.requests[rid].tokens == alone, (n_others, delay)
+
+
+def test_batch_invariant_mode_logits_bitwise(tiny, rng):
+    """batch_invariant=True: a request's logits (seen through its raw logprobs) are bitwise
+    identical alone in a one-slot engine and in any batch, at any slot."""
+    target = (rng.integers(0, 5000, 29).tolist(),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=10, logprobs=5, ignore_eos=True))
+    alone = _run_alone(tiny, *target, max_slots=1, batch_invariant=True, max_logprobs=5)
+    for slots, n_others in ((4, 3), (8, 7)):
+        engine = Engine(tiny, max_slots=slots, capacity=256, prefill_chunk=32, batch_invariant=True,
+                        max_logprobs=5)
+        events = []
+        for prompt, params in _requests(rng, n_others)[: n_others - 1]:
+            engine.add_request(prompt, params)
+        engine.step()
+        rid = engine.add_request(*target, on_token=events.append)
+        for prompt, params in _requests(rng, 1):
+            engine.add_request(prompt, params)
+        for _ in engine.run():
+            pass
+        req = engine.requests[rid]
+        assert req.tokens == alone.tokens
+        assert np.array_equal(np.array(req.logprobs, np.float32), np.array(alone.logprobs, np.float32))
+        assert all(e.top_logprobs is not None and len(e.top_logprobs) == 5 for e in events)
+
+
+def test_cancel_frees_slot_immediately(tiny, rng):
+    engine = Engine(tiny, max_slots=1, capacity=256, prefill_chunk=32)
+    a = engine.add_request(rng.integers(0, 5000, 20).tolist(), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.free_slots == []
+    engine.cancel(a)
+    assert engine.free_slots == [0] and engine.requests[a].state == "cancelled"
+    prompt_b = rng.integers(0, 5000, 11).tolist()
+    params_b = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    b = engine.add_request(prompt_b, params_b)
+    engine.step()
+    assert engine.requests[b].slot == 0
+    n_a = len(engine.requests[a].tokens)
+    for _ in engine.run():
+        pass
+    assert len(engine.requests[a].tokens) == n_a  # nothing more for the cancelled request
+    assert engine.requests[b].tokens == _run_alone(tiny, prompt_b, params_b, max_slots=1).tokens
+
+
+def test_slots_are_reused_and_outputs_unchanged(tiny, rng):
+    reqs = _requests(rng, 6)
+    engine = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32)
+    outs = engine.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    for (prompt, params), got in zip(reqs, outs):
+        assert len(got) == params.max_tokens
+        assert got == _run_alone(tiny, prompt, params, max_slots=2).tokens
+
+
+@contextlib.contextmanager
+def count_compiles():
+    counter = {"n": 0}
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            counter["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counter
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_steady_state_decode_never_recompiles(tiny, rng):
+    engine = Engine(tiny, max_slots=4, capacity=256, prefill_chunk=32)
+    engine.generate([p for p, _ in _requests(rng, 4)], [sp for _, sp in _requests(rng, 4)])  # warm-up
+    with count_compiles() as compiles:
+        reqs = _requests(rng, 10)
+        ids = [engine.add_request(p, sp) for p, sp in reqs[:6]]
+        for i in range(40):
+            engine.step()
+            if i == 3:
+                engine.cancel(ids[1])
+            if i == 5:
+                ids += [engine.add_request(p, sp) for p, sp in reqs[6:]]
+        for _ in engine.run():
+            pass
+    assert engine.steps > 40
+    assert compiles["n"] == 0
+
+
+def test_streaming_events(tiny, rng):
+    engine = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32)
+    seen = []
+    eos = tiny.config.eos_token_ids[0]
+    a = engine.add_request(rng.integers(0, 5000, 9).tolist(), SamplingParams(max_tokens=6), on_token=seen.append)
+    b = engine.add_request([0, 5, 6], SamplingParams(max_tokens=50, stop_token_ids=(eos,)))
+    events = list(engine.run())
+    req_a, req_b = engine.requests[a], engine.requests[b]
+    assert [e.token for e in seen] == req_a.tokens == [e.token for e in events if e.request_id == a]
+    assert seen[-1].finish_reason == req_a.finish_reason and all(e.finish_reason is None for e in seen[:-1])
+    if req_b.finish_reason == "stop":
+        assert req_b.tokens[-1] == eos
+    else:
+        assert len(req_b.tokens) == 50 and eos not in req_b.tokens
+
+
+def test_stop_token(tiny):
+    """Greedy continuation stops at the first chosen stop token, which is reported."""
+    prompt = [0, 11, 12, 13]
+    free = _run_alone(tiny, prompt, SamplingParams(max_tokens=12, ignore_eos=True), max_slots=1).tokens
+    stop = free[5]
+    stopped = _run_alone(tiny, prompt, SamplingParams(max_tokens=12, stop_token_ids=(stop,), ignore_eos=True),
+                         max_slots=1)
+    assert stopped.tokens == free[: free.index(stop) + 1] and stopped.finish_reason == "stop"
+
+
+def test_bad_requests_are_refused(tiny):
+    engine = Engine(tiny, max_slots=1, capacity=256)
+    with pytest.raises(ValueError, match="capacity"):
+        engine.add_request(list(range(250)), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([0, 10**7])
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_cache_bytes_v4_flash():
+    """Per token, only compressed entries grow: 21 CSA layers x (512/4 + 128/4) + 20 HCA x 512/128
+    elements, in bf16 — the spec's analytic minimum — plus constant rings."""
+    cfg = dsjax.load_config("v4-flash")
+    report = cache_bytes(cfg, 131072)
+    expected = (21 * (512 / 4 + 128 / 4) + 20 * 512 / 128) * 2
+    assert report["compressed_bytes_per_token"] == expected == report["analytic_min_bytes_per_token"]
+    rings = (43 * 128 * 512  # window rings
+             + 21 * 2 * 8 * (1024 + 256)  # CSA + indexer: raw kv and gate of two 4-token windows
+             + 20 * 2 * 128 * 512)  # HCA: raw kv and gate of one 128-token window
+    assert report["constant_bytes_per_sequence"] == rings * 2
