@@ -48,18 +48,17 @@ class StepOutput:
     tokens: jax.Array  # [B]
     emitted: jax.Array  # [B] bool: a token was produced for this slot
     finished: jax.Array  # [B] bool
-    logprob: jax.Array  # [B]
+    logprob: jax.Array | None  # [B]   (engines with max_logprobs > 0)
     top_values: jax.Array | None  # [B, n]
     top_ids: jax.Array | None
 
 
-def _init_slots(batch: int, vocab: int) -> Slots:
+def _init_slots(batch: int, capacity: int) -> Slots:
     f32, i32 = jnp.float32, jnp.int32
     z = lambda dt: jnp.zeros((batch,), dt)  # noqa: E731
     return Slots(
         sampling=SamplingState(z(f32), z(i32), jnp.ones((batch,), f32), z(f32), jnp.ones((batch,), f32), z(f32),
-                               z(f32), z(jnp.uint32), jnp.zeros((batch, vocab), bool),
-                               jnp.zeros((batch, vocab), i32)),
+                               z(f32), z(jnp.uint32), jnp.zeros((batch, capacity), i32), z(i32)),
         last_token=z(i32), active=z(bool), n_generated=z(i32), max_tokens=z(i32),
         stop_ids=jnp.full((batch, MAX_STOP_IDS), -1, i32))
 
@@ -71,8 +70,10 @@ def _emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.A
     n_generated = slots.n_generated + emitting
     stop = jnp.any(tokens[:, None] == slots.stop_ids, axis=-1) | (n_generated >= slots.max_tokens)
     finished = emitting & stop
-    logprob, top_values, top_ids = top_logprobs(logits, tokens, n_logprobs)
-    slots = slots.replace(sampling=record_tokens(slots.sampling, tokens, emitting), last_token=tokens,
+    logprob = top_values = top_ids = None
+    if n_logprobs:  # a pass over the vocabulary per row: only for engines that report logprobs
+        logprob, top_values, top_ids = top_logprobs(logits, tokens, n_logprobs)
+    slots = slots.replace(sampling=record_tokens(slots.sampling, tokens, positions, emitting), last_token=tokens,
                           active=jnp.where(emitting, ~finished, slots.active), n_generated=n_generated)
     return slots, StepOutput(tokens, emitting, finished, logprob, top_values, top_ids)
 
@@ -107,12 +108,13 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "slots"))
-def admit_slot(cache: Cache, slots: Slots, slot, settings: dict, seen: jax.Array, stop_ids: jax.Array):
-    """Reset one slot for a new request: empty cache row, its sampling settings."""
+def admit_slot(cache: Cache, slots: Slots, slot, settings: dict, prompt: jax.Array, stop_ids: jax.Array):
+    """Reset one slot for a new request: empty cache row, its sampling settings, its prompt
+    as the start of the token history."""
     s = slots.sampling
     max_tokens = settings.pop("max_tokens")
     sampling = s.replace(**{k: getattr(s, k).at[slot].set(v) for k, v in settings.items()},
-                         seen=s.seen.at[slot].set(seen), counts=s.counts.at[slot].set(0))
+                         history=s.history.at[slot].set(prompt))
     slots = slots.replace(sampling=sampling, active=slots.active.at[slot].set(False),
                           n_generated=slots.n_generated.at[slot].set(0),
                           max_tokens=slots.max_tokens.at[slot].set(max_tokens),
@@ -130,7 +132,7 @@ def deactivate_slot(slots: Slots, slot) -> Slots:
 class TokenEvent:
     request_id: str
     token: int
-    logprob: float
+    logprob: float | None  # raw-distribution logprob (engines with max_logprobs > 0)
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None  # None while running; "stop" | "length" when this is the last token
 
@@ -163,7 +165,7 @@ class Engine:
         self.max_slots, self.capacity, self.prefill_chunk = max_slots, capacity, prefill_chunk
         self.batch_invariant, self.max_logprobs, self.overlap = batch_invariant, max_logprobs, overlap
         self.cache = init_cache(cfg, max_slots, capacity, model.dtype)
-        self.slots = _init_slots(max_slots, cfg.vocab_size)
+        self.slots = _init_slots(max_slots, capacity)
         # compile the cancel path now (a no-op on empty slots) so a later cancel is not a hiccup
         self.slots = deactivate_slot(self.slots, jnp.int32(0))
         self.requests: dict[str, Request] = {}
@@ -222,17 +224,18 @@ class Engine:
             req = self.requests[self.waiting.popleft()]
             p = req.params
             stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.cfg.eos_token_ids)))
-            seen = np.zeros(self.cfg.vocab_size, bool)
-            seen[req.prompt] = True
+            prompt = np.zeros(self.capacity, np.int32)
+            prompt[: len(req.prompt)] = req.prompt
             settings = {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k),
                         "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
                         "repetition_penalty": np.float32(p.repetition_penalty),
                         "presence_penalty": np.float32(p.presence_penalty),
                         "frequency_penalty": np.float32(p.frequency_penalty), "seed": np.uint32(p.seed),
+                        "prompt_len": np.int32(len(req.prompt)),
                         "max_tokens": np.int32(p.max_tokens)}
             stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
             stop_ids[: len(stops)] = stops
-            self.cache, self.slots = admit_slot(self.cache, self.slots, jnp.int32(slot), settings, seen, stop_ids)
+            self.cache, self.slots = admit_slot(self.cache, self.slots, jnp.int32(slot), settings, prompt, stop_ids)
             req.state, req.slot = "prefilling", slot
             self.slot_owner[slot] = req.request_id
 
@@ -297,9 +300,10 @@ class Engine:
             finish = None
             if host.finished[row]:
                 finish = "stop" if self._is_stop(req, token) else "length"
+            logprob = float(host.logprob[row]) if host.logprob is not None else None
             req.tokens.append(token)
-            req.logprobs.append(float(host.logprob[row]))
-            event = TokenEvent(request_id, token, float(host.logprob[row]), top, finish)
+            req.logprobs.append(logprob)
+            event = TokenEvent(request_id, token, logprob, top, finish)
             if finish is not None:
                 req.state, req.finish_reason = "finished", finish
                 self.slot_owner[req.slot] = None

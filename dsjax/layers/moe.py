@@ -8,8 +8,9 @@ table), clamped SwiGLU experts, one shared expert.
     out = sum_j w_j expert_{idx_j}(x) + shared(x)
 
 `routed_experts` is the dropless reference: assignments sorted by expert and one grouped
-matmul (`jax.lax.ragged_dot_general`) per projection. The expert-parallel and Pallas paths
-are checked against it.
+matmul (`jax.lax.ragged_dot_general`) per projection, or, for a handful of tokens (decode),
+a gather of the chosen experts' weights. The expert-parallel and Pallas paths are checked
+against it.
 """
 
 from __future__ import annotations
@@ -89,14 +90,29 @@ def _grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 def expert_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
-    """The experts on rows already sorted by expert: [M, D] -> [M, D] fp32."""
+    """The experts on rows already sorted by expert: [M, D] -> [M, D] fp32 (grouped matmul)."""
     h = swiglu(_grouped(x_sorted, w1, group_sizes), _grouped(x_sorted, w3, group_sizes), limit)
     return _grouped(h.astype(x_sorted.dtype), w2, group_sizes)
 
 
+def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
+    """The experts for few tokens: gather each assignment's weights. x [T, D], idx [T, K]
+    -> [T, K, D] fp32. Reads exactly the chosen experts, like a decode kernel would."""
+    gate = jnp.einsum("td,tkid->tki", x, w1[idx].astype(x.dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("td,tkid->tki", x, w3[idx].astype(x.dtype), preferred_element_type=jnp.float32)
+    h = swiglu(gate, up, limit).astype(x.dtype)
+    return jnp.einsum("tki,tkdi->tkd", h, w2[idx].astype(x.dtype), preferred_element_type=jnp.float32)
+
+
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32."""
+    """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32.
+
+    Few assignments (decode: T*K <= E): gather the chosen experts' weights per assignment.
+    Otherwise sort assignments by expert and run one grouped matmul per projection."""
     t, k = idx.shape
+    if t * k <= cfg.n_routed_experts:
+        y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit)
+        return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * weights[..., None], axis=1)
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
