@@ -146,10 +146,14 @@ def main():
             capacity *= 2
         for b in batches:
             row = {"dsjax": bench_dsjax(model, b, args.prompt_len, args.new_tokens, capacity=capacity,
-                                        repeats=args.repeats)}
+                                        repeats=args.repeats),
+                   "dsjax_decode_steps_4": bench_dsjax(model, b, args.prompt_len, args.new_tokens, capacity=capacity,
+                                                       repeats=args.repeats, decode_steps=4)}
             if hf_model is not None:
                 row["hf"] = bench_hf(hf_model, b, args.prompt_len, args.new_tokens, repeats=args.repeats)
                 row["decode_speedup"] = row["dsjax"]["decode_tokens_per_s"] / row["hf"]["decode_tokens_per_s"]
+                row["decode_speedup_decode_steps_4"] = (row["dsjax_decode_steps_4"]["decode_tokens_per_s"]
+                                                        / row["hf"]["decode_tokens_per_s"])
                 row["prefill_speedup"] = row["dsjax"]["prefill_tokens_per_s"] / row["hf"]["prefill_tokens_per_s"]
             result["batches"][str(b)] = row
             print(b, json.dumps(row), flush=True)

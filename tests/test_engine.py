@@ -179,6 +179,20 @@ def test_slots_are_reused_and_outputs_unchanged(tiny, rng):
         assert got == _run_alone(tiny, prompt, params, max_slots=2).tokens
 
 
+def test_multi_step_decode_gives_the_same_tokens(tiny, rng):
+    """decode_steps=4 (four tokens per dispatch, a device-side loop) changes nothing but the
+    host round trips: same tokens, finish reasons, stop handling."""
+    eos = tiny.config.eos_token_ids[0]
+    reqs = _requests(rng, 5) + [([0, 5, 6], SamplingParams(max_tokens=30, stop_token_ids=(eos, 7, 9)))]
+    outs = {}
+    for n in (1, 4):
+        engine = Engine(tiny, max_slots=3, capacity=256, prefill_chunk=32, decode_steps=n)
+        ids = [engine.add_request(p, sp) for p, sp in reqs]
+        list(engine.run())
+        outs[n] = [(engine.requests[i].tokens, engine.requests[i].finish_reason) for i in ids]
+    assert outs[1] == outs[4]
+
+
 @contextlib.contextmanager
 def count_compiles():
     counter = {"n": 0}

@@ -78,14 +78,25 @@ def _emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.A
     return slots, StepOutput(tokens, emitting, finished, logprob, top_values, top_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "batch_invariant", "n_logprobs"),
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "batch_invariant", "n_logprobs", "n_steps"),
                    donate_argnames=("cache", "slots"))
 def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, ctx_bucket: int, batch_invariant: bool,
-                n_logprobs: int):
-    active = slots.active
-    logits, cache = extend(params, cache, slots.last_token[:, None], active.astype(jnp.int32), cfg=cfg,
-                           ctx_bucket=ctx_bucket, batch_invariant=batch_invariant)
-    slots, out = _emit(slots, logits[:, 0], cache.length, active, n_logprobs)
+                n_logprobs: int, n_steps: int = 1):
+    """n_steps decode steps for every slot in one dispatch (a device-side loop; finished
+    slots stop on the device). Outputs are stacked [n_steps, B]."""
+
+    def one(carry, _):
+        cache, slots = carry
+        active = slots.active
+        logits, cache = extend(params, cache, slots.last_token[:, None], active.astype(jnp.int32), cfg=cfg,
+                               ctx_bucket=ctx_bucket, batch_invariant=batch_invariant)
+        slots, out = _emit(slots, logits[:, 0], cache.length, active, n_logprobs)
+        return (cache, slots), out
+
+    if n_steps == 1:
+        (cache, slots), out = one((cache, slots), None)
+        return cache, slots, jax.tree.map(lambda a: a[None], out)
+    (cache, slots), out = jax.lax.scan(one, (cache, slots), None, length=n_steps)
     return cache, slots, out
 
 
@@ -104,7 +115,7 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
     logits, row = extend(params, _row(cache, slot), tokens, n_valid, cfg=cfg, ctx_bucket=ctx_bucket)
     cache = _set_row(cache, row, slot)
     slot_state, out = _emit(_row(slots, slot), logits[:, 0], row.length, is_last[None], n_logprobs)
-    return cache, _set_row(slots, slot_state, slot), out
+    return cache, _set_row(slots, slot_state, slot), jax.tree.map(lambda a: a[None], out)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "slots"))
@@ -156,7 +167,7 @@ class Engine:
     """Continuous batching over `max_slots` decode slots with a `capacity`-token cache each."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
-                 batch_invariant: bool = False, max_logprobs: int = 0, overlap: bool = True):
+                 batch_invariant: bool = False, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1):
         cfg = model.config
         ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
         if capacity % ratio:
@@ -164,6 +175,9 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.max_slots, self.capacity, self.prefill_chunk = max_slots, capacity, prefill_chunk
         self.batch_invariant, self.max_logprobs, self.overlap = batch_invariant, max_logprobs, overlap
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.decode_steps = decode_steps  # tokens per slot per decode dispatch (fewer host round trips)
         self.cache = init_cache(cfg, max_slots, capacity, model.dtype)
         self.slots = _init_slots(max_slots, capacity)
         # compile the cancel path now (a no-op on empty slots) so a later cancel is not a hiccup
@@ -262,12 +276,13 @@ class Engine:
         decoding = [r for r in decoding if r.state == "decoding"]
         if not decoding:
             return False
-        needed = max(r.dispatched for r in decoding) + 1
+        n = self.decode_steps
+        needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
         self.cache, self.slots, out = decode_step(
             self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=self._bucket(needed),
-            batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs)
+            batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs, n_steps=n)
         for r in decoding:
-            r.dispatched += 1
+            r.dispatched += n
         self._pending.append((out, {r.slot: r.request_id for r in decoding}))
         return True
 
@@ -286,32 +301,37 @@ class Engine:
         return events
 
     def _process(self, out: StepOutput, owners: dict[int, str]) -> list[TokenEvent]:
+        """Turn one dispatch's outputs ([steps, rows]) into events, in order."""
         host = jax.device_get(out)
         events = []
-        for row, request_id in owners.items():
-            req = self.requests[request_id]
-            if req.state in ("finished", "cancelled") or not host.emitted[row]:
-                continue
-            token = int(host.tokens[row])
-            top = None
-            if req.params.logprobs:
-                top = [(int(i), float(v)) for i, v in
-                       zip(host.top_ids[row][: req.params.logprobs], host.top_values[row][: req.params.logprobs])]
-            finish = None
-            if host.finished[row]:
-                finish = "stop" if self._is_stop(req, token) else "length"
-            logprob = float(host.logprob[row]) if host.logprob is not None else None
-            req.tokens.append(token)
-            req.logprobs.append(logprob)
-            event = TokenEvent(request_id, token, logprob, top, finish)
-            if finish is not None:
-                req.state, req.finish_reason = "finished", finish
-                self.slot_owner[req.slot] = None
-                req.slot = None
-            if req.on_token is not None:
-                req.on_token(event)
-            events.append(event)
+        for step in range(host.tokens.shape[0]):
+            for row, request_id in owners.items():
+                req = self.requests[request_id]
+                if req.state in ("finished", "cancelled") or not host.emitted[step, row]:
+                    continue
+                events.append(self._emit_event(req, host, step, row))
         return events
+
+    def _emit_event(self, req: Request, host: StepOutput, step: int, row: int) -> TokenEvent:
+        token = int(host.tokens[step, row])
+        top = None
+        if req.params.logprobs:
+            n = req.params.logprobs
+            top = [(int(i), float(v)) for i, v in zip(host.top_ids[step, row][:n], host.top_values[step, row][:n])]
+        finish = None
+        if host.finished[step, row]:
+            finish = "stop" if self._is_stop(req, token) else "length"
+        logprob = float(host.logprob[step, row]) if host.logprob is not None else None
+        req.tokens.append(token)
+        req.logprobs.append(logprob)
+        event = TokenEvent(req.request_id, token, logprob, top, finish)
+        if finish is not None:
+            req.state, req.finish_reason = "finished", finish
+            self.slot_owner[req.slot] = None
+            req.slot = None
+        if req.on_token is not None:
+            req.on_token(event)
+        return event
 
     def _is_stop(self, req: Request, token: int) -> bool:
         stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.cfg.eos_token_ids))
