@@ -173,7 +173,7 @@ def main():
         counter.n = 0
         engine = Engine(model, max_slots=4, capacity=capacity, prefill_chunk=args.prompt_len)
         rng = np.random.default_rng(1)
-        _engine_run(engine, _prompts(rng, 4, args.prompt_len, cfg.vocab_size), args.new_tokens)
+        engine.warmup()
         warm = counter.n
         for n in (1, 3, 4, 2):
             _engine_run(engine, [rng.integers(3, cfg.vocab_size, int(rng.integers(8, args.prompt_len))).tolist()

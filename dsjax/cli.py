@@ -56,6 +56,27 @@ def _cmd_params(args) -> int:
     return 0
 
 
+def _cmd_cache(args) -> int:
+    import jax.numpy as jnp
+
+    from dsjax.config import load_config
+    from dsjax.engine.cache import cache_bytes
+
+    cfg = load_config(args.config)
+    rows = [cache_bytes(cfg, int(c), jnp.dtype(args.dtype)) for c in args.context.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{cfg.name}: decode cache per sequence ({args.dtype})")
+    print(f"{'context':>10} {'per sequence':>14} {'per token':>11} {'compressed/token':>17} {'analytic min':>13} "
+          f"{'full KV/token':>14}")
+    for r in rows:
+        print(f"{r['capacity']:>10} {r['bytes_per_sequence'] / 2**20:>11.1f} MiB {r['bytes_per_token']:>9.0f} B "
+              f"{r['compressed_bytes_per_token']:>15.0f} B {r['analytic_min_bytes_per_token']:>11.0f} B "
+              f"{r['full_kv_bytes_per_token']:>12.0f} B")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4 inference in JAX")
     sub = p.add_subparsers(dest="command", required=True)
@@ -78,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=_cmd_params)
+
+    k = sub.add_parser("cache", help="decode-cache bytes per sequence and per token (abstract)")
+    k.add_argument("--config", default="v4-flash")
+    k.add_argument("--context", default="8192,131072,1048576", help="comma-separated context lengths")
+    k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_cmd_cache)
     return p
 
 

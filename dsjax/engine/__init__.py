@@ -1,1 +1,6 @@
 """The inference engine: compressed caches, jitted prefill / decode, sampling, scheduling."""
+
+from dsjax.engine.engine import Engine, TokenEvent
+from dsjax.engine.sampler import SamplingParams
+
+__all__ = ["Engine", "SamplingParams", "TokenEvent"]

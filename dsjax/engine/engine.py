@@ -230,6 +230,26 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self._pending or any(o is not None for o in self.slot_owner))
 
+    def warmup(self) -> int:
+        """Compile every prefill chunk length and decode step for every context bucket now
+        (on the live cache, as no-op steps: n_valid 0, no slot active), so serving never
+        stops to compile. Returns the number of shapes compiled."""
+        if any(o is not None for o in self.slot_owner):
+            raise RuntimeError("warmup() must run before requests are admitted")
+        buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
+        chunks = [c for c in (2 ** i for i in range(4, 31)) if c < self.prefill_chunk] + [self.prefill_chunk]
+        for bucket in buckets:
+            for c in chunks:
+                self.cache, self.slots, _ = prefill_step(
+                    self.model.params, self.cache, self.slots, jnp.int32(0), np.zeros((1, c), np.int32),
+                    np.zeros((1,), np.int32), np.bool_(False), cfg=self.cfg, ctx_bucket=bucket,
+                    n_logprobs=self.max_logprobs)
+            self.cache, self.slots, _ = decode_step(
+                self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=bucket,
+                batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
+        jax.block_until_ready(self.cache)
+        return len(buckets) * (len(chunks) + 1)
+
     # ------------------------------------------------------------------ stepping
     def _admit(self) -> None:
         for slot in self.free_slots:
@@ -257,7 +277,10 @@ class Engine:
         return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
 
     def _prefill(self, req: Request) -> None:
-        c = self.prefill_chunk
+        # chunk length: a power of two >= 16 covering the rest of the prompt, at most prefill_chunk
+        # (a short prompt does not pay for a full chunk; few distinct shapes to compile)
+        remaining = len(req.prompt) - req.prefilled
+        c = min(self.prefill_chunk, max(16, 1 << (remaining - 1).bit_length()))
         chunk = req.prompt[req.prefilled: req.prefilled + c]
         tokens = np.zeros((1, c), np.int32)
         tokens[0, : len(chunk)] = chunk
