@@ -222,10 +222,9 @@ def test_steady_state_decode_never_recompiles(tiny, rng):
                 engine.cancel(ids[1])
             if i == 5:
                 ids += [engine.add_request(p, sp) for p, sp in reqs[6:]]
-        tokens = sum(len(engine.requests[i].tokens) for i in ids)
         for _ in engine.run():
             pass
-    assert engine.steps >= 40 and sum(len(engine.requests[i].tokens) for i in ids) > tokens > 40
+    assert sum(len(engine.requests[i].tokens) for i in ids) > 60  # many decode steps, all sampled
     assert compiles["n"] == 0
 
 
