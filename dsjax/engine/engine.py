@@ -236,6 +236,7 @@ class Engine:
         stops to compile. Returns the number of shapes compiled."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
+        self._reset_slot(0, [0], SamplingParams())
         buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
         chunks = [c for c in (2 ** i for i in range(4, 31)) if c < self.prefill_chunk] + [self.prefill_chunk]
         for bucket in buckets:
@@ -248,7 +249,7 @@ class Engine:
                 self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=bucket,
                 batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
         jax.block_until_ready(self.cache)
-        return len(buckets) * (len(chunks) + 1)
+        return len(buckets) * (len(chunks) + 1) + 1
 
     # ------------------------------------------------------------------ stepping
     def _admit(self) -> None:
@@ -256,22 +257,23 @@ class Engine:
             if not self.waiting:
                 return
             req = self.requests[self.waiting.popleft()]
-            p = req.params
-            stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.cfg.eos_token_ids)))
-            prompt = np.zeros(self.capacity, np.int32)
-            prompt[: len(req.prompt)] = req.prompt
-            settings = {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k),
-                        "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
-                        "repetition_penalty": np.float32(p.repetition_penalty),
-                        "presence_penalty": np.float32(p.presence_penalty),
-                        "frequency_penalty": np.float32(p.frequency_penalty), "seed": np.uint32(p.seed),
-                        "prompt_len": np.int32(len(req.prompt)),
-                        "max_tokens": np.int32(p.max_tokens)}
-            stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
-            stop_ids[: len(stops)] = stops
-            self.cache, self.slots = admit_slot(self.cache, self.slots, jnp.int32(slot), settings, prompt, stop_ids)
+            self._reset_slot(slot, req.prompt, req.params)
             req.state, req.slot = "prefilling", slot
             self.slot_owner[slot] = req.request_id
+
+    def _reset_slot(self, slot: int, prompt: list[int], p: SamplingParams) -> None:
+        stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.cfg.eos_token_ids)))
+        history = np.zeros(self.capacity, np.int32)
+        history[: len(prompt)] = prompt
+        settings = {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k),
+                    "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
+                    "repetition_penalty": np.float32(p.repetition_penalty),
+                    "presence_penalty": np.float32(p.presence_penalty),
+                    "frequency_penalty": np.float32(p.frequency_penalty), "seed": np.uint32(p.seed),
+                    "prompt_len": np.int32(len(prompt)), "max_tokens": np.int32(p.max_tokens)}
+        stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
+        stop_ids[: len(stops)] = stops
+        self.cache, self.slots = admit_slot(self.cache, self.slots, jnp.int32(slot), settings, history, stop_ids)
 
     def _bucket(self, tokens_needed: int) -> int:
         return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
