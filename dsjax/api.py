@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from dsjax.checkpoint import load_checkpoint
 from dsjax.config import ModelConfig, load_config
 from dsjax.model import ModelParams, forward, model_specs
 from dsjax.params import init_params
+from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}
 
@@ -30,11 +32,21 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 @dataclasses.dataclass
 class Model:
-    """A config and its weights. Everything that runs is a pure function of these two."""
+    """A config and its weights (and the mesh they are sharded over, if any). Everything
+    that runs is a pure function of these."""
 
     config: ModelConfig
     params: ModelParams
     dtype: jnp.dtype
+    mesh: jax.sharding.Mesh | None = None
+
+    def mesh_context(self):
+        """`with model.mesh_context():` runs code under this model's mesh (no-op without one)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def batch_shards(self) -> int:
+        with self.mesh_context():
+            return axis_size("batch")
 
     def logits(self, token_ids) -> np.ndarray:
         """Full causal forward, no cache: token_ids [B, S] -> logits [B, S, vocab] (fp32)."""
@@ -45,7 +57,12 @@ class Model:
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"token_ids must be a non-empty [batch, seq] array, got shape {ids.shape}")
         check_token_ids(ids, self.config.vocab_size)
-        return np.asarray(forward(self.params, jnp.asarray(ids, jnp.int32), self.config))
+        b = ids.shape[0]
+        pad = -b % self.batch_shards()  # the batch splits evenly over the mesh's batch axes
+        ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]).astype(np.int32)
+        with self.mesh_context():
+            x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))
+            return np.asarray(forward(self.params, x, self.config))[:b]
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
@@ -56,15 +73,66 @@ def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int = 0) -> Model:
-    """A checkpoint directory (HF layout: config.json + safetensors), or a named config
-    (`tiny`, `v4-flash`, `v4-pro`) / config JSON file with seeded random weights."""
+def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int = 0, mesh=None,
+               device_memory_bytes: int | None = None) -> Model:
+    """A checkpoint directory (config.json + safetensors), or a named config (`tiny`,
+    `v4-flash`, `v4-pro`) / config JSON file with seeded random weights.
+
+    mesh: a mesh spec ("data=2,expert=4"), a `jax.sharding.Mesh` from
+    `dsjax.sharding.rules.make_mesh`, or None (one device). Weights are created / read
+    directly in their sharding. Before anything is read, each device's share is checked
+    against its memory (`device_memory_bytes`, default: what the device reports)."""
     dtype = resolve_dtype(dtype)
     path = Path(path_or_config_name)
     cfg = load_config(path_or_config_name)
     specs = model_specs(cfg, dtype)
+    if isinstance(mesh, str):
+        mesh = make_mesh(mesh)
+    shardings = None
+    if mesh is not None:
+        check_mesh_fits(cfg, mesh)
+        shardings = shardings_for(specs, mesh)
+    check_memory(specs, mesh, device_memory_bytes)
     if path.is_dir():
-        params = load_checkpoint(path, cfg, specs)
+        params = load_checkpoint(path, cfg, specs, shardings)
     else:
-        params = init_params(specs, seed)
-    return Model(cfg, params, dtype)
+        params = init_params(specs, seed, shardings)
+    return Model(cfg, params, dtype, mesh)
+
+
+def check_mesh_fits(cfg: ModelConfig, mesh) -> None:
+    """The mesh must split what it shards evenly (experts, head groups)."""
+    ep, tp = mesh.shape["expert"], mesh.shape["tensor"]
+    if cfg.n_routed_experts % ep:
+        raise ValueError(f"mesh expert={ep} does not divide n_routed_experts={cfg.n_routed_experts}")
+    if tp > 1 and (cfg.o_groups % tp or cfg.num_attention_heads % tp):
+        raise ValueError(f"mesh tensor={tp} must divide o_groups={cfg.o_groups} and "
+                         f"num_attention_heads={cfg.num_attention_heads}")
+
+
+def device_memory(device) -> int:
+    """Bytes a device can hold: what it reports, or on CPU the host's RAM shared by the
+    process's CPU devices."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    import psutil
+
+    return psutil.virtual_memory().total // max(1, len(jax.local_devices()))
+
+
+def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:
+    """Fail before reading anything if one device's share of the weights does not fit."""
+    if mesh is None:
+        from dsjax.params import spec_leaves
+
+        need = sum(s.nbytes for _, s in spec_leaves(specs))
+        device = jax.devices()[0]
+    else:
+        need = sum(bytes_per_device(specs, mesh).values())
+        device = mesh.devices.flat[0]
+    have = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
+    if need > have:
+        where = "one device" if mesh is None else f"each device of mesh {dict(mesh.shape)}"
+        raise MemoryError(f"the weights need {need / 2**30:.2f} GiB on {where}, but a device holds "
+                          f"{have / 2**30:.2f} GiB; use a larger mesh (more expert / tensor shards)")

@@ -115,6 +115,9 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_ids: tuple[int, ...] = (1,)
     pad_token_id: int | None = None
+    # Runtime knob, not a model property: cap expert-parallel send buffers at
+    # ceil(tokens * k / ep * factor) and drop assignments past it. None = dropless.
+    moe_capacity_factor: float | None = None
     name: str = "custom"
 
     def __post_init__(self):

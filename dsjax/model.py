@@ -24,6 +24,7 @@ from dsjax.layers.linear import linear
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import spec
 
 
 @struct.dataclass
@@ -92,7 +93,8 @@ def mtp_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> MTPParams:
 # ----------------------------------------------------------------------------- forward
 def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
     """token_ids [B, S] -> X [B, S, N, D]: the embedding copied to the N streams."""
-    e = params.embed[token_ids]
+    rows = spec("batch", None, None)
+    e = params.embed[token_ids] if rows is None else params.embed.at[token_ids].get(out_sharding=rows)
     return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
 
 
@@ -119,7 +121,9 @@ def head_logits(params: ModelParams, streams: jax.Array, cfg: ModelConfig) -> ja
     """N streams [..., N, D] -> logits [..., V] in fp32."""
     h = rms_norm(head_collapse(params.hc_head, streams, cfg), params.norm, cfg.rms_norm_eps)
     head = params.embed if params.lm_head is None else params.lm_head
-    return linear(h, head, out_dtype=jnp.float32)
+    logits = linear(h, head, out_dtype=jnp.float32)  # vocab-parallel under a mesh
+    out = spec("batch", *([None] * (logits.ndim - 1)))
+    return logits if out is None else jax.sharding.reshard(logits, out)  # gather the vocabulary
 
 
 def forward_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:

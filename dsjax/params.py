@@ -92,13 +92,14 @@ def path_str(path) -> str:
     return ".".join(str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path)
 
 
-def init_params(specs, seed: int):
-    """Seeded random weights for a spec tree (see `init_values`)."""
+def init_params(specs, seed: int, shardings=None):
+    """Seeded random weights for a spec tree (see `init_values`); with `shardings`, each
+    device's shard is generated where it lives, never a full replica first."""
+    from dsjax.checkpoint.loader import materialize
 
-    def one(path, spec):
-        return jnp.asarray(init_values(spec, seed, path_str(path)))
-
-    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
+    readers = jax.tree_util.tree_map_with_path(
+        lambda path, spec: (lambda ix, s=spec, n=path_str(path): init_values(s, seed, n, ix)), specs, is_leaf=is_spec)
+    return materialize(specs, readers, shardings)
 
 
 def abstract_params(specs, shardings=None):

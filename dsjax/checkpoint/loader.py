@@ -58,8 +58,14 @@ def _check(index: _Index, canon: str, shape: tuple[int, ...], spec: ParamSpec, p
                               f"{'an integer' if integral else 'a floating-point'} tensor (dsjax weight {path})")
 
 
+def _expand(index, shape) -> tuple[slice, ...]:
+    index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+    return tuple(slice(*ix.indices(n)) for ix, n in zip(index, shape))
+
+
 def _plan_experts(index: _Index, src: Source, spec: ParamSpec, path: str):
-    """Check a routed-expert weight's tensors; return a reader of the stacked [E, ...] array."""
+    """Check a routed-expert weight's tensors; return a reader of any slice of the stacked
+    [E, ...] array that touches only the experts (and rows) in the slice."""
     names = src.candidates(spec.shape[0])
     per_expert, fused = names[:-1], names[-1]
     if any(index.has(n) for n in per_expert):
@@ -69,22 +75,34 @@ def _plan_experts(index: _Index, src: Source, spec: ParamSpec, path: str):
                                   f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for n in per_expert:
             _check(index, n, spec.shape[1:], spec, path)
-        return per_expert, lambda: np.stack([index.read(n) for n in per_expert])
+
+        def read_stacked(ix):
+            experts, rest = ix[0], ix[1:]
+            return np.stack([np.array(index.read(per_expert[e])[rest]) for e in range(*experts.indices(spec.shape[0]))])
+
+        return per_expert, read_stacked
     if not index.has(fused):
         raise CheckpointError(f"tensor '{per_expert[0]}' (or the fused '{fused}') is missing "
                               f"(dsjax weight {path})")
     if src.expert == "w2":
         _check(index, fused, spec.shape, spec, path)
-        return [fused], lambda: np.array(index.read(fused))
+        return [fused], lambda ix: np.array(index.read(fused)[ix])
     e, i, d = spec.shape
     _check(index, fused, (e, 2 * i, d), spec, path)
-    half = 0 if src.expert == "w1" else 1
-    return [fused], lambda: np.array(index.read(fused)[:, half * i:(half + 1) * i])
+    offset = 0 if src.expert == "w1" else i  # w1 rows, then w3 rows
+
+    def read_half(ix):
+        rows = range(*ix[1].indices(i))
+        return np.array(index.read(fused)[ix[0], offset + rows.start: offset + rows.stop: rows.step, ix[2]])
+
+    return [fused], read_half
 
 
-def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs) -> object:
+def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs, shardings=None) -> object:
     """Read every weight of `specs` (a dsjax spec tree) from the checkpoint in `directory`.
-    All names, shapes and types are checked before the first byte of data is read."""
+    All names, shapes and types are checked before the first byte of data is read. With
+    `shardings` (a matching tree of NamedShardings), each device's shard is built from only
+    the bytes it needs (`jax.make_array_from_callback`); no full replica is made."""
     files = CheckpointFiles(directory)
     try:
         index = _Index(files)
@@ -103,9 +121,9 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs) -> object:
                 names, reader = _plan_experts(index, src, spec, name)
             else:
                 _check(index, src.name, spec.shape, spec, name)
-                names, reader = [src.name], (lambda: np.array(index.read(src.name)))
+                names, reader = [src.name], (lambda ix, n=src.name: np.array(index.read(n)[ix]))
             consumed.update(names)
-            return lambda: jnp.asarray(reader(), dtype=spec.dtype)  # np.array copies: files close below
+            return lambda ix: reader(_expand(ix, spec.shape)).astype(np.dtype(spec.dtype))
 
         readers = jax.tree_util.tree_map_with_path(plan, specs, is_leaf=is_spec)
         unexpected = sorted(c for c in index.stored if c not in consumed and not c.startswith(IGNORED_PREFIXES))
@@ -114,6 +132,20 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs) -> object:
             raise CheckpointError(f"{directory}: {len(unexpected)} tensor(s) this config does not use "
                                   f"(does config.json match the weights?): {where}"
                                   + (" ..." if len(unexpected) > 8 else ""))
-        return jax.tree.map(lambda read: read(), readers)
+        return materialize(specs, readers, shardings)
     finally:
         files.close()
+
+
+def materialize(specs, readers, shardings=None):
+    """Device arrays from per-weight readers `read(index) -> np.ndarray` (index: a tuple of
+    slices), each device's shard from its own slice."""
+    flat_specs, tree = jax.tree.flatten(specs, is_leaf=is_spec)
+    flat_readers = tree.flatten_up_to(readers)
+    if shardings is None:
+        arrays = [jnp.asarray(read(())) for read in flat_readers]
+    else:
+        flat_shardings = tree.flatten_up_to(shardings)
+        arrays = [jax.make_array_from_callback(s.shape, sh, read)
+                  for s, sh, read in zip(flat_specs, flat_shardings, flat_readers)]
+    return tree.unflatten(arrays)

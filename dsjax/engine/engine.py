@@ -29,6 +29,7 @@ from dsjax.config import ModelConfig
 from dsjax.engine.cache import Cache, init_cache
 from dsjax.engine.sampler import SamplingParams, SamplingState, record_tokens, sample_tokens, top_logprobs
 from dsjax.engine.step import context_bucket, extend
+from dsjax.sharding.rules import batch_sharding, per_row, rows
 
 MAX_STOP_IDS = 16
 
@@ -90,7 +91,8 @@ def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, ctx_buc
         active = slots.active
         logits, cache = extend(params, cache, slots.last_token[:, None], active.astype(jnp.int32), cfg=cfg,
                                ctx_bucket=ctx_bucket, batch_invariant=batch_invariant)
-        slots, out = _emit(slots, logits[:, 0], cache.length, active, n_logprobs)
+        slots, out = per_row(functools.partial(_emit, n_logprobs=n_logprobs))(slots, logits[:, 0], cache.length,
+                                                                              active)
         return (cache, slots), out
 
     if n_steps == 1:
@@ -118,24 +120,36 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
     return cache, _set_row(slots, slot_state, slot), jax.tree.map(lambda a: a[None], out)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "n_logprobs"), donate_argnames=("cache", "slots"))
+def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, *,
+                 cfg: ModelConfig, ctx_bucket: int, n_logprobs: int):
+    """A prompt chunk for every slot at once (tokens [B, C]; rows with n_valid 0 untouched);
+    rows whose prompt ends here sample their first token. The prefill path under a mesh,
+    where one row of a batch-sharded cache cannot be sliced out."""
+    logits, cache = extend(params, cache, tokens, n_valid, cfg=cfg, ctx_bucket=ctx_bucket)
+    emit = per_row(functools.partial(_emit, n_logprobs=n_logprobs))
+    slots, out = emit(slots, logits[:, 0], cache.length, is_last)
+    return cache, slots, jax.tree.map(lambda a: a[None], out)
+
+
 @functools.partial(jax.jit, donate_argnames=("cache", "slots"))
 def admit_slot(cache: Cache, slots: Slots, slot, settings: dict, prompt: jax.Array, stop_ids: jax.Array):
     """Reset one slot for a new request: empty cache row, its sampling settings, its prompt
     as the start of the token history."""
     s = slots.sampling
     max_tokens = settings.pop("max_tokens")
-    sampling = s.replace(**{k: getattr(s, k).at[slot].set(v) for k, v in settings.items()},
-                         history=s.history.at[slot].set(prompt))
-    slots = slots.replace(sampling=sampling, active=slots.active.at[slot].set(False),
-                          n_generated=slots.n_generated.at[slot].set(0),
-                          max_tokens=slots.max_tokens.at[slot].set(max_tokens),
-                          stop_ids=slots.stop_ids.at[slot].set(stop_ids))
-    return cache.replace(length=cache.length.at[slot].set(0)), slots
+    def put(a, v):
+        return a.at[slot].set(v, out_sharding=rows(a))
+
+    sampling = s.replace(**{k: put(getattr(s, k), v) for k, v in settings.items()}, history=put(s.history, prompt))
+    slots = slots.replace(sampling=sampling, active=put(slots.active, False), n_generated=put(slots.n_generated, 0),
+                          max_tokens=put(slots.max_tokens, max_tokens), stop_ids=put(slots.stop_ids, stop_ids))
+    return cache.replace(length=put(cache.length, 0)), slots
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
 def deactivate_slot(slots: Slots, slot) -> Slots:
-    return slots.replace(active=slots.active.at[slot].set(False))
+    return slots.replace(active=slots.active.at[slot].set(False, out_sharding=rows(slots.active)))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -178,16 +192,30 @@ class Engine:
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps  # tokens per slot per decode dispatch (fewer host round trips)
-        self.cache = init_cache(cfg, max_slots, capacity, model.dtype)
-        self.slots = _init_slots(max_slots, capacity)
+        self.mesh = model.mesh
+        if self.mesh is not None:
+            shards = model.batch_shards()
+            if max_slots % shards:
+                raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's batch shards ({shards})")
+            if batch_invariant:
+                raise ValueError("batch_invariant mode runs each slot alone; it is not supported on a mesh")
+        self.cache = self._place(init_cache(cfg, max_slots, capacity, model.dtype))
+        self.slots = self._place(_init_slots(max_slots, capacity))
         # compile the cancel path now (a no-op on empty slots) so a later cancel is not a hiccup
-        self.slots = deactivate_slot(self.slots, jnp.int32(0))
+        with model.mesh_context():
+            self.slots = deactivate_slot(self.slots, jnp.int32(0))
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[str] = collections.deque()
         self.slot_owner: list[str | None] = [None] * max_slots
         self._pending: collections.deque = collections.deque()  # (StepOutput, slot -> request id)
         self._ids = itertools.count()
         self.steps = 0
+
+    def _place(self, tree):
+        """Batch-major state onto the mesh: rows over the batch axes."""
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim)), tree)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None,
@@ -213,6 +241,10 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """Stop a request now; its slot is free for the next admission at once."""
+        with self.model.mesh_context():
+            self._cancel(request_id)
+
+    def _cancel(self, request_id: str) -> None:
         req = self.requests[request_id]
         if req.state in ("finished", "cancelled"):
             return
@@ -231,6 +263,10 @@ class Engine:
         return bool(self.waiting or self._pending or any(o is not None for o in self.slot_owner))
 
     def warmup(self) -> int:
+        with self.model.mesh_context():
+            return self._warmup()
+
+    def _warmup(self) -> int:
         """Compile every prefill chunk length and decode step for every context bucket now
         (on the live cache, as no-op steps: n_valid 0, no slot active), so serving never
         stops to compile. Returns the number of shapes compiled."""
@@ -239,12 +275,19 @@ class Engine:
         self._reset_slot(0, [0], SamplingParams())
         buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
         chunks = [c for c in (2 ** i for i in range(4, 31)) if c < self.prefill_chunk] + [self.prefill_chunk]
+        b = self.max_slots
         for bucket in buckets:
             for c in chunks:
-                self.cache, self.slots, _ = prefill_step(
-                    self.model.params, self.cache, self.slots, jnp.int32(0), np.zeros((1, c), np.int32),
-                    np.zeros((1,), np.int32), np.bool_(False), cfg=self.cfg, ctx_bucket=bucket,
-                    n_logprobs=self.max_logprobs)
+                if self.mesh is None:
+                    self.cache, self.slots, _ = prefill_step(
+                        self.model.params, self.cache, self.slots, jnp.int32(0), np.zeros((1, c), np.int32),
+                        np.zeros((1,), np.int32), np.bool_(False), cfg=self.cfg, ctx_bucket=bucket,
+                        n_logprobs=self.max_logprobs)
+                else:
+                    self.cache, self.slots, _ = prefill_rows(
+                        self.model.params, self.cache, self.slots, self._place(np.zeros((b, c), np.int32)),
+                        self._place(np.zeros(b, np.int32)), self._place(np.zeros(b, bool)), cfg=self.cfg,
+                        ctx_bucket=bucket, n_logprobs=self.max_logprobs)
             self.cache, self.slots, _ = decode_step(
                 self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=bucket,
                 batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
@@ -279,11 +322,8 @@ class Engine:
         return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
 
     def _prefill(self, req: Request) -> None:
-        # chunk length: a power of two >= 16 covering the rest of the prompt, at most prefill_chunk
-        # (a short prompt does not pay for a full chunk; few distinct shapes to compile)
-        remaining = len(req.prompt) - req.prefilled
-        c = min(self.prefill_chunk, max(16, 1 << (remaining - 1).bit_length()))
-        chunk = req.prompt[req.prefilled: req.prefilled + c]
+        chunk = self._next_chunk(req)
+        c = min(self.prefill_chunk, max(16, 1 << (len(chunk) - 1).bit_length()))
         tokens = np.zeros((1, c), np.int32)
         tokens[0, : len(chunk)] = chunk
         is_last = req.prefilled + len(chunk) == len(req.prompt)
@@ -295,6 +335,38 @@ class Engine:
         if is_last:
             req.state = "decoding"
             self._pending.append((out, {0: req.request_id}))
+
+    def _next_chunk(self, req: Request) -> list[int]:
+        """The next prompt chunk: a power of two >= 16 covering the rest of the prompt, at
+        most prefill_chunk (a short prompt does not pay for a full chunk; few shapes)."""
+        remaining = len(req.prompt) - req.prefilled
+        c = min(self.prefill_chunk, max(16, 1 << (remaining - 1).bit_length()))
+        return req.prompt[req.prefilled: req.prefilled + c]
+
+    def _prefill_all(self, reqs: list[Request]) -> None:
+        """One chunk for every prefilling slot in one call (the mesh path)."""
+        chunks = {r.slot: self._next_chunk(r) for r in reqs}
+        c = min(self.prefill_chunk, max(16, 1 << (max(len(ch) for ch in chunks.values()) - 1).bit_length()))
+        tokens = np.zeros((self.max_slots, c), np.int32)
+        n_valid = np.zeros(self.max_slots, np.int32)
+        is_last = np.zeros(self.max_slots, bool)
+        for r in reqs:
+            ch = chunks[r.slot]
+            tokens[r.slot, : len(ch)], n_valid[r.slot] = ch, len(ch)
+            is_last[r.slot] = r.prefilled + len(ch) == len(r.prompt)
+        needed = max(r.prefilled + c for r in reqs)
+        self.cache, self.slots, out = prefill_rows(
+            self.model.params, self.cache, self.slots, self._place(tokens), self._place(n_valid),
+            self._place(is_last), cfg=self.cfg, ctx_bucket=self._bucket(needed), n_logprobs=self.max_logprobs)
+        finished_prompts = {}
+        for r in reqs:
+            r.prefilled += int(n_valid[r.slot])
+            r.dispatched = r.prefilled
+            if is_last[r.slot]:
+                r.state = "decoding"
+                finished_prompts[r.slot] = r.request_id
+        if finished_prompts:
+            self._pending.append((out, finished_prompts))
 
     def _decode(self) -> bool:
         decoding = [self.requests[o] for o in self.slot_owner if o is not None]
@@ -312,11 +384,18 @@ class Engine:
         return True
 
     def step(self) -> list[TokenEvent]:
-        """Advance every request by at most one prefill chunk / one token."""
+        """Advance every request by at most one prefill chunk / `decode_steps` tokens."""
+        with self.model.mesh_context():
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         self._admit()
-        for owner in list(self.slot_owner):
-            if owner is not None and self.requests[owner].state == "prefilling":
-                self._prefill(self.requests[owner])
+        prefilling = [self.requests[o] for o in self.slot_owner
+                      if o is not None and self.requests[o].state == "prefilling"]
+        if self.mesh is not None and prefilling:
+            self._prefill_all(prefilling)
+        for req in prefilling if self.mesh is None else ():
+            self._prefill(req)
         dispatched = self._decode()
         self.steps += 1
         keep = 1 if (dispatched and self.overlap) else 0

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dsjax.sharding.rules import reshape, spec
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -80,8 +82,10 @@ def token_stats(s: SamplingState, positions: jax.Array, vocab: int) -> tuple[jax
     valid = idx < positions[:, None]
     generated = valid & (idx >= s.prompt_len[:, None])
     rows = jnp.arange(s.history.shape[0])[:, None]
-    seen = jnp.zeros((s.history.shape[0], vocab), bool).at[rows, s.history].max(valid)
-    counts = jnp.zeros((s.history.shape[0], vocab), jnp.int32).at[rows, s.history].add(generated.astype(jnp.int32))
+    out = spec("batch", None)
+    seen = jnp.zeros((s.history.shape[0], vocab), bool).at[rows, s.history].max(valid, out_sharding=out)
+    counts = jnp.zeros((s.history.shape[0], vocab), jnp.int32).at[rows, s.history].add(
+        generated.astype(jnp.int32), out_sharding=out)
     return seen, counts
 
 
@@ -113,7 +117,7 @@ def _blocks(x: jax.Array, fill) -> tuple[jax.Array, int]:
     nb = -(-v // block)
     if nb * block != v:
         x = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=fill)
-    return x.reshape(x.shape[0], nb, block), block
+    return reshape(x, (x.shape[0], nb, block)), block
 
 
 def _block_of(x: jax.Array, b: jax.Array, block: int) -> jax.Array:
@@ -156,7 +160,7 @@ def _order_keys(x: jax.Array) -> jax.Array:
 def _largest_key(keys: jax.Array, ok) -> jax.Array:
     """Per row, the largest uint32 t with ok(keys >= t) (ok is monotone: true at t = 0),
     by bisection over the 32 key bits. -> [B, 1]"""
-    lo = jnp.zeros(keys.shape[:-1] + (1,), jnp.uint32)
+    lo = jnp.zeros_like(keys[..., :1])  # (zeros_like: varies over the same mesh axes as keys)
     hi = jnp.full_like(lo, 0xFFFFFFFF)
 
     def body(_, carry):
@@ -234,7 +238,8 @@ def sample_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array) -> 
 def record_tokens(s: SamplingState, tokens: jax.Array, positions: jax.Array, mask: jax.Array) -> SamplingState:
     """Write generated tokens [B] into the history at `positions` (rows where mask)."""
     slot = jnp.where(mask, positions, s.history.shape[1])
-    return s.replace(history=s.history.at[jnp.arange(tokens.shape[0]), slot].set(tokens, mode="drop"))
+    return s.replace(history=s.history.at[jnp.arange(tokens.shape[0]), slot].set(
+        tokens, mode="drop", out_sharding=spec("batch", None)))
 
 
 def top_logprobs(logits: jax.Array, tokens: jax.Array, n: int):
@@ -247,5 +252,5 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array, n: int):
         i = argmax_first(rest)
         values.append(jnp.take_along_axis(rest, i[:, None], axis=-1)[:, 0])
         ids.append(i)
-        rest = rest.at[jnp.arange(rest.shape[0]), i].set(-jnp.inf)
+        rest = rest.at[jnp.arange(rest.shape[0]), i].set(-jnp.inf, out_sharding=spec("batch", None))
     return chosen, jnp.stack(values, -1), jnp.stack(ids, -1)

@@ -68,10 +68,3 @@ def extend(params: ModelParams, cache: Cache, tokens: jax.Array, n_valid: jax.Ar
         return logits[0], jax.tree.map(lambda a: a[0], c)
 
     return jax.lax.map(one, (cache, tokens, n_valid))
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def reset_rows(cache: Cache, rows: jax.Array) -> Cache:
-    """Empty the given cache rows (a freed slot): length 0. Stale ring / entry contents are
-    never read, because every read is masked by the row's length."""
-    return cache.replace(length=cache.length.at[rows].set(0))

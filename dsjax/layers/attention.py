@@ -26,6 +26,7 @@ from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import reshape, spec
 
 
 @struct.dataclass
@@ -69,7 +70,7 @@ def attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Attention:
 def project_q(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """-> cq [B, S, q_lora], q [B, S, H, hd] (per-head RMS, roped)."""
     cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, cfg.rms_norm_eps)
-    q = linear(cq, p.q_b_proj).reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
+    q = reshape(linear(cq, p.q_b_proj), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
     q = unweighted_rms_norm(q, cfg.rms_norm_eps)
     return cq, apply_rope(q, cos[..., None, :], sin[..., None, :])
 
@@ -107,10 +108,10 @@ def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sinks: jax.Arra
 def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
     """o [B, S, H, hd] -> [B, S, D]: per-group low-rank W_oa, then the mixing W_ob."""
     g = cfg.o_groups
-    grouped = o.reshape(*o.shape[:-2], g, -1)  # [B, S, G, H/G * hd]
+    grouped = reshape(o, (*o.shape[:-2], g, -1))  # [B, S, G, H/G * hd]
     w_oa = p.o_a_proj.reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
     z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
-    return linear(z.reshape(*z.shape[:-2], -1), p.o_b_proj)
+    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None))
 
 
 def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
@@ -227,5 +228,6 @@ def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: j
     # window ring: the chunk's last W valid tokens go to slot position % W
     keep = valid & (positions >= (start + n_valid)[:, None] - w)
     slot = jnp.where(keep, jnp.mod(positions, w), w)
-    window = state.window.at[jnp.arange(b)[:, None], slot].set(kv.astype(state.window.dtype), mode="drop")
+    window = state.window.at[jnp.arange(b)[:, None], slot].set(kv.astype(state.window.dtype), mode="drop",
+                                                               out_sharding=spec("batch", None, None))
     return grouped_output(p, o, cfg), AttentionState(window, comp, idx_state)

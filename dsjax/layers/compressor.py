@@ -26,6 +26,7 @@ from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import reshape, spec
 
 
 @struct.dataclass
@@ -91,8 +92,8 @@ def compress_kv(p: Compressor, x: jax.Array, *, ratio: int, overlap: bool, cfg: 
     if n_windows == 0:
         return jnp.zeros((b, 0, p.kv_norm.shape[0]), x.dtype)
     kv, gate = project(p, x[:, : n_windows * ratio])
-    kv = kv.reshape(b, n_windows, ratio, -1)
-    gate = gate.reshape(b, n_windows, ratio, -1)
+    kv = reshape(kv, (b, n_windows, ratio, -1))
+    gate = reshape(gate, (b, n_windows, ratio, -1))
     if overlap:  # a leading window that does not exist
         kv = jnp.concatenate([jnp.zeros_like(kv[:, :1]), kv], axis=1)
         gate = jnp.concatenate([jnp.zeros_like(gate[:, :1]), gate], axis=1)
@@ -144,7 +145,7 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     def aligned(chunk_vals, ring_vals):
         got_chunk = jnp.take_along_axis(chunk_vals, chunk_idx[..., None], axis=1)
         got_ring = jnp.take_along_axis(ring_vals, ring_idx[..., None], axis=1)
-        return jnp.where(from_chunk[..., None], got_chunk, got_ring).reshape(b, n_win, m, -1)
+        return reshape(jnp.where(from_chunk[..., None], got_chunk, got_ring), (b, n_win, m, -1))
 
     kv_al, gate_al = aligned(kv_new, state.ring_kv), aligned(gate_new, state.ring_gate)
     pooled = pool_windows(p, kv_al, gate_al, overlap=overlap, eps=cfg.rms_norm_eps,
@@ -154,8 +155,9 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     entry_idx = first_entry[:, None] + jnp.arange(pooled.shape[1])
     complete = (entry_idx + 1) * m <= end[:, None]
     capacity = state.entries.shape[1]
+    rows3 = spec("batch", None, None)
     entries = state.entries.at[jnp.arange(b)[:, None], jnp.where(complete, entry_idx, capacity)].set(
-        pooled.astype(state.entries.dtype), mode="drop")
+        pooled.astype(state.entries.dtype), mode="drop", out_sharding=rows3)
     # Ring: every valid chunk token goes to slot p % R (a chunk longer than the ring keeps
     # only its last R tokens, which are all a later entry can need).
     tok_pos = start[:, None] + jnp.arange(c)
@@ -164,6 +166,8 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     rows = jnp.arange(b)[:, None]
     return CompressorState(
         entries=entries,
-        ring_kv=state.ring_kv.at[rows, slot].set(kv_new.astype(state.ring_kv.dtype), mode="drop"),
-        ring_gate=state.ring_gate.at[rows, slot].set(gate_new.astype(state.ring_gate.dtype), mode="drop"),
+        ring_kv=state.ring_kv.at[rows, slot].set(kv_new.astype(state.ring_kv.dtype), mode="drop",
+                                                 out_sharding=rows3),
+        ring_gate=state.ring_gate.at[rows, slot].set(gate_new.astype(state.ring_gate.dtype), mode="drop",
+                                                     out_sharding=rows3),
     )

@@ -23,6 +23,7 @@ from flax import struct
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import linear_f32
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import reshape
 
 
 @struct.dataclass
@@ -60,7 +61,7 @@ def hyper_head_specs(cfg: ModelConfig) -> HyperHead:
 
 def _normalized_mix(fn: jax.Array, streams: jax.Array, eps: float) -> jax.Array:
     """(fn @ v) * rsqrt(mean(v^2) + eps) with v = flatten(streams) in fp32."""
-    v = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    v = reshape(streams, (*streams.shape[:-2], -1)).astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
     return linear_f32(v, fn) * inv_rms
 
@@ -84,7 +85,7 @@ def hc_mixes(p: HyperConnection, streams: jax.Array, cfg: ModelConfig):
     pre = jax.nn.sigmoid(mix[..., :n] * p.scale[0] + p.base[:n]) + cfg.hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * p.scale[1] + p.base[n:2 * n])
     comb_logits = mix[..., 2 * n:] * p.scale[2] + p.base[2 * n:]
-    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    comb = sinkhorn(reshape(comb_logits, (*comb_logits.shape[:-1], n, n)), cfg.hc_sinkhorn_iters, cfg.hc_eps)
     return pre, post, comb
 
 

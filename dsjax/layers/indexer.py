@@ -20,6 +20,7 @@ from dsjax.layers.compressor import Compressor, compressor_specs
 from dsjax.layers.linear import linear
 from dsjax.layers.rope import apply_rope
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import reshape, spec
 
 
 @struct.dataclass
@@ -42,7 +43,7 @@ def index_queries(p: Indexer, cq: jax.Array, cos: jax.Array, sin: jax.Array, cfg
     """cq [B, S, q_lora] -> q^I [B, S, H_I, d_I] (roped at the query positions), and the
     per-head weights from x are computed separately by `index_weights`."""
     q = linear(cq, p.q_b_proj)
-    q = q.reshape(*q.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
+    q = reshape(q, (*q.shape[:-1], cfg.index_n_heads, cfg.index_head_dim))
     return apply_rope(q, cos[..., None, :], sin[..., None, :])
 
 
@@ -67,6 +68,6 @@ def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
         return visible
     masked = jnp.where(visible, scores, -jnp.inf)
     _, idx = jax.lax.top_k(masked, k)  # [B, S, k]
-    chosen = jnp.zeros(scores.shape, bool)
-    chosen = jnp.put_along_axis(chosen, idx, True, axis=-1, inplace=False)
+    b, s = jnp.arange(scores.shape[0])[:, None, None], jnp.arange(scores.shape[1])[None, :, None]
+    chosen = jnp.zeros(scores.shape, bool).at[b, s, idx].set(True, out_sharding=spec("batch", None, None))
     return chosen & visible

@@ -4,9 +4,12 @@ import jax
 import jax.numpy as jnp
 
 
-def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """`x @ w.T`, fp32 accumulation, result in `out_dtype` (default: x's dtype)."""
-    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None) -> jax.Array:
+    """`x @ w.T`, fp32 accumulation, result in `out_dtype` (default: x's dtype).
+    `out_sharding` (a PartitionSpec under a mesh) is needed when the input dimension is
+    sharded: the partial products are then summed across devices."""
+    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                   out_sharding=out_sharding)
     return y.astype(out_dtype or x.dtype)
 
 

@@ -22,6 +22,7 @@ from flax import struct
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import linear, linear_f32
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import reshape, spec
 
 
 @struct.dataclass
@@ -50,7 +51,7 @@ def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
         shared_w3=ParamSpec((si, d), dtype, ("mlp", "embed")),
         shared_w2=ParamSpec((d, si), dtype, ("embed", "mlp")),
         router_bias=None if is_hash else ParamSpec((e,), jnp.float32, (None,), init="zeros"),
-        tid2eid=ParamSpec((cfg.vocab_size, k), jnp.int32, ("vocab", None), init="expert_table", high=e)
+        tid2eid=ParamSpec((cfg.vocab_size, k), jnp.int32, (None, None), init="expert_table", high=e)
         if is_hash else None,
     )
 
@@ -135,7 +136,18 @@ def expert_ffn_tiled(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, li
 
         return jax.lax.cond(used[i], compute, lambda o: o, out)
 
-    return jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros((m + rows, d), jnp.float32))[:m]
+    # zeros_like(x_padded): inside shard_map the carry must vary over the same mesh axes as x
+    return jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros_like(x_padded, dtype=jnp.float32))[:m]
+
+
+def grouped_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
+    """The experts on rows sorted by expert (rows past sum(group_sizes) are not computed and
+    come out 0): ragged_dot, or the tile loop on CPU. -> [M, D] fp32."""
+    if jax.default_backend() != "cpu":
+        return expert_ffn(x_sorted, group_sizes, w1, w3, w2, limit)
+    m, n_experts = x_sorted.shape[0], group_sizes.shape[0]
+    rows = int(min(128, max(8, pl2(m / n_experts))))
+    return expert_ffn_tiled(x_sorted, group_sizes, w1, w3, w2, limit, rows)
 
 
 def moe_path(tokens: int, k: int, n_experts: int) -> str:
@@ -179,12 +191,21 @@ def pl2(x: float) -> int:
 
 
 def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return linear(swiglu(linear(x, p.shared_w1), linear(x, p.shared_w3), cfg.swiglu_limit), p.shared_w2)
+    h = swiglu(linear(x, p.shared_w1), linear(x, p.shared_w3), cfg.swiglu_limit)
+    return linear(h, p.shared_w2, out_sharding=spec("batch", None))
 
 
 def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]."""
-    flat = x.reshape(-1, x.shape[-1])
-    weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
-    routed = routed_experts(p, flat, weights, idx, cfg).astype(x.dtype)
-    return (routed + shared_expert(p, flat, cfg)).reshape(x.shape)
+    """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
+    run expert-parallel (dsjax/sharding/expert_parallel.py)."""
+    from dsjax.sharding.expert_parallel import routed_experts_sharded
+    from dsjax.sharding.rules import current_mesh
+
+    flat = reshape(x, (-1, x.shape[-1]))
+    if current_mesh() is not None:
+        routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, cfg.moe_capacity_factor)
+    else:
+        weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
+        routed = routed_experts(p, flat, weights, idx, cfg)
+    routed = routed.astype(x.dtype)
+    return reshape(routed + shared_expert(p, flat, cfg), x.shape)

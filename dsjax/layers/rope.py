@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import RopeConfig
+from dsjax.sharding.rules import reshape
 
 
 def inv_freq(rope: RopeConfig, rope_dim: int) -> np.ndarray:
@@ -51,10 +52,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = Fal
     half = cos.shape[-1]
     rd = 2 * half
     nope, rot = x[..., :-rd], x[..., -rd:]
-    pairs = rot.astype(jnp.float32).reshape(*rot.shape[:-1], half, 2)
+    pairs = reshape(rot.astype(jnp.float32), (*rot.shape[:-1], half, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     if inverse:
         sin = -sin
     rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-    rotated = rotated.reshape(rot.shape).astype(x.dtype)
+    rotated = reshape(rotated, rot.shape).astype(x.dtype)
     return jnp.concatenate([nope, rotated], axis=-1)
