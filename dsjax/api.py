@@ -14,6 +14,7 @@ from dsjax.checkpoint import load_checkpoint
 from dsjax.config import ModelConfig, load_config
 from dsjax.model import ModelParams, forward, model_specs
 from dsjax.params import init_params
+from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}
@@ -62,7 +63,7 @@ class Model:
         ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]).astype(np.int32)
         with self.mesh_context():
             x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))
-            return np.asarray(forward(self.params, x, self.config))[:b]
+            return to_host(forward(self.params, x, self.config))[:b]
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
@@ -130,7 +131,7 @@ def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:
         device = jax.devices()[0]
     else:
         need = sum(bytes_per_device(specs, mesh).values())
-        device = mesh.devices.flat[0]
+        device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     have = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
     if need > have:
         where = "one device" if mesh is None else f"each device of mesh {dict(mesh.shape)}"

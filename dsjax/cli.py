@@ -32,8 +32,10 @@ def load_tokenizer():
 
 def _cmd_generate(args) -> int:
     import dsjax
+    from dsjax.sharding.distributed import initialize
 
-    model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed)
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None)
     encode, decode = load_tokenizer()
     prompt = [model.config.bos_token_id] + encode(args.text)
     (new,) = dsjax.generate(model, [prompt], args.max_new_tokens, temperature=args.temperature,
@@ -53,6 +55,27 @@ def _cmd_params(args) -> int:
 
     counts = count_params(load_config(args.config), jnp.dtype(args.dtype))
     print(json.dumps(counts, indent=2) if args.json else format_counts(counts))
+    return 0
+
+
+def _cmd_memory(args) -> int:
+    import jax.numpy as jnp
+
+    from dsjax.config import load_config
+    from dsjax.model import model_specs
+    from dsjax.sharding.rules import bytes_per_device, parse_mesh_spec
+
+    cfg = load_config(args.config)
+    sizes = parse_mesh_spec(args.mesh)
+    report = bytes_per_device(model_specs(cfg, jnp.dtype(args.dtype)), sizes)
+    if args.json:
+        print(json.dumps({"config": cfg.name, "mesh": sizes, "bytes_per_device": report,
+                          "total_per_device": sum(report.values())}, indent=2))
+        return 0
+    print(f"{cfg.name} on mesh {sizes} ({args.dtype}): weight bytes per device")
+    for k, v in sorted(report.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:22s}{v / 2**30:10.2f} GiB")
+    print(f"  {'total':22s}{sum(report.values()) / 2**30:10.2f} GiB")
     return 0
 
 
@@ -92,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--ids", action="store_true", help="print prompt and new token ids as JSON")
+    g.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
+    g.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (jax.distributed)")
+    g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("params", help="parameter counts and bytes (abstract, nothing allocated)")
@@ -106,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_cache)
+
+    m = sub.add_parser("memory", help="weight bytes per device by group on a mesh (abstract)")
+    m.add_argument("--config", default="v4-flash")
+    m.add_argument("--mesh", default="expert=8", help="e.g. 'data=2,expert=4,tensor=2'")
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_cmd_memory)
     return p
 
 

@@ -49,5 +49,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
               for t, p, k, s in zip(_per_prompt(temperature, n, "temperature"), _per_prompt(top_p, n, "top_p"),
                                     _per_prompt(top_k, n, "top_k"), _per_prompt(seed, n, "seed"))]
     longest = max(len(p) for p in prompts) + max_new_tokens
-    engine = Engine(model, max_slots=min(n, MAX_SLOTS), capacity=engine_capacity(longest, model), decode_steps=4)
+    shards = model.batch_shards()  # under a mesh, slots split evenly over the batch axes
+    slots = -(-min(n, MAX_SLOTS) // shards) * shards
+    engine = Engine(model, max_slots=slots, capacity=engine_capacity(longest, model), decode_steps=4)
     return engine.generate([list(p) for p in prompts], params)

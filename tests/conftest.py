@@ -1,6 +1,10 @@
 import os
 import sys
 
+# Eight fake CPU devices for the mesh tests (must precede the first jax import). Code that
+# uses no mesh runs on device 0 as before.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 import numpy as np
 import pytest
 

@@ -29,6 +29,7 @@ from dsjax.config import ModelConfig
 from dsjax.engine.cache import Cache, init_cache
 from dsjax.engine.sampler import SamplingParams, SamplingState, record_tokens, sample_tokens, top_logprobs
 from dsjax.engine.step import context_bucket, extend
+from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding, per_row, rows
 
 MAX_STOP_IDS = 16
@@ -406,7 +407,7 @@ class Engine:
 
     def _process(self, out: StepOutput, owners: dict[int, str]) -> list[TokenEvent]:
         """Turn one dispatch's outputs ([steps, rows]) into events, in order."""
-        host = jax.device_get(out)
+        host = to_host(out)
         events = []
         for step in range(host.tokens.shape[0]):
             for row, request_id in owners.items():

@@ -198,11 +198,15 @@ def shardings_for(specs, mesh):
 
 
 def bytes_per_device(specs, mesh) -> dict[str, int]:
-    """Bytes each device holds per weight group (abstract): used for the memory report and
-    the too-big-for-the-mesh check."""
+    """Bytes each device holds per weight group (abstract; `mesh` may be a dict of axis
+    sizes, no devices needed): the memory report and the too-big-for-the-mesh check."""
     from dsjax.param_count import _group
     from dsjax.params import spec_leaves
 
+    if isinstance(mesh, dict):
+        sizes = {**{a: 1 for a in MESH_AXES}, **mesh}
+        mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                                         axis_types=(AxisType.Explicit,) * len(MESH_AXES))
     out: dict[str, int] = {}
     for path, s in spec_leaves(specs):
         sh = param_sharding(s, mesh)
