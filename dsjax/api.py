@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -11,9 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.checkpoint import load_checkpoint
+from dsjax.checkpoint.loader import checkpoint_format
+from dsjax.layers.quantized import resident_specs
 from dsjax.config import ModelConfig, load_config
-from dsjax.model import ModelParams, forward, model_specs
-from dsjax.params import init_params
+from dsjax.checkpoint.loader import has_mtp
+from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
+from dsjax.checkpoint import orbax_io
+from dsjax.params import abstract_params, init_params
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
 
@@ -40,6 +45,7 @@ class Model:
     params: ModelParams
     dtype: jnp.dtype
     mesh: jax.sharding.Mesh | None = None
+    mtp: MTPParams | None = None  # the next-token-prediction drafter, when loaded
 
     def mesh_context(self):
         """`with model.mesh_context():` runs code under this model's mesh (no-op without one)."""
@@ -75,18 +81,41 @@ def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
 
 
 def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int = 0, mesh=None,
-               device_memory_bytes: int | None = None) -> Model:
+               device_memory_bytes: int | None = None, quantized: str = "dequantize",
+               progress: bool = False, check_finite: bool = False, mtp: bool | None = None) -> Model:
     """A checkpoint directory (config.json + safetensors), or a named config (`tiny`,
     `v4-flash`, `v4-pro`) / config JSON file with seeded random weights.
 
     mesh: a mesh spec ("data=2,expert=4"), a `jax.sharding.Mesh` from
     `dsjax.sharding.rules.make_mesh`, or None (one device). Weights are created / read
     directly in their sharding. Before anything is read, each device's share is checked
-    against its memory (`device_memory_bytes`, default: what the device reports)."""
+    against its memory (`device_memory_bytes`, default: what the device reports).
+
+    quantized: for FP8 / MXFP4 checkpoints, "dequantize" (to `dtype` at load) or
+    "resident" (keep the stored bytes on device, dequantize inside the matmuls: about half
+    the weight memory).
+
+    mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
+    True on a named config it gets seeded random weights."""
     dtype = resolve_dtype(dtype)
     path = Path(path_or_config_name)
     cfg = load_config(path_or_config_name)
     specs = model_specs(cfg, dtype)
+    if quantized not in ("dequantize", "resident"):
+        raise ValueError(f"quantized must be 'dequantize' or 'resident', got {quantized!r}")
+    saved_orbax = path.is_dir() and orbax_io.is_orbax(path)
+    if saved_orbax:  # stored as written by `dsjax convert`: resident weights stay resident
+        marker = orbax_io.read_marker(path)
+        quantized = marker["quantized"]
+        if quantized == "resident":
+            specs = resident_specs(specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
+    elif quantized == "resident":
+        fmt = checkpoint_format(path) if path.is_dir() else None
+        if fmt is None or not (path / "config.json").is_file() or \
+                "quantization_config" not in json.loads((path / "config.json").read_text()):
+            raise ValueError(f"quantized='resident' needs an FP8 / MXFP4 checkpoint; {path} declares no "
+                             f"quantization_config")
+        specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
     shardings = None
@@ -94,11 +123,33 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
         check_mesh_fits(cfg, mesh)
         shardings = shardings_for(specs, mesh)
     check_memory(specs, mesh, device_memory_bytes)
-    if path.is_dir():
-        params = load_checkpoint(path, cfg, specs, shardings)
+    if saved_orbax:
+        want_mtp = orbax_io.read_marker(path).get("mtp", False) if mtp is None else mtp
+    elif path.is_dir():
+        want_mtp = has_mtp(path) if mtp is None else mtp
+    else:
+        want_mtp = bool(mtp)
+    m_specs = m_shardings = None
+    if want_mtp:
+        m_specs = mtp_specs(cfg, dtype)
+        if quantized == "resident" and not saved_orbax:
+            m_specs = resident_specs(m_specs, fmt.fp8_block, fmt.experts_fp4)
+        elif saved_orbax and marker["quantized"] == "resident":
+            m_specs = resident_specs(m_specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
+        m_shardings = shardings_for(m_specs, mesh) if mesh is not None else None
+    mtp_params = None
+    if saved_orbax:
+        params = orbax_io.restore(path, abstract_params(specs, shardings))
+        if want_mtp:
+            mtp_params = orbax_io.restore(path, abstract_params(m_specs, m_shardings), item="mtp")
+    elif path.is_dir():
+        loaded = load_checkpoint(path, cfg, specs, shardings, progress=progress, check_finite=check_finite,
+                                 mtp_specs=m_specs, mtp_shardings=m_shardings)
+        params, mtp_params = loaded if want_mtp else (loaded, None)
     else:
         params = init_params(specs, seed, shardings)
-    return Model(cfg, params, dtype, mesh)
+        mtp_params = init_params(m_specs, seed + 1, m_shardings) if want_mtp else None
+    return Model(cfg, params, dtype, mesh, mtp_params)
 
 
 def check_mesh_fits(cfg: ModelConfig, mesh) -> None:

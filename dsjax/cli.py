@@ -58,6 +58,24 @@ def _cmd_params(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    import time
+
+    import dsjax
+    from dsjax.checkpoint import orbax_io
+    from dsjax.checkpoint.loader import checkpoint_format
+
+    t = time.perf_counter()
+    model = dsjax.load_model(args.src, dtype=args.dtype, quantized=args.quantized, mesh=args.mesh or None,
+                             progress=True)
+    loaded = time.perf_counter() - t
+    fmt = checkpoint_format(args.src)
+    orbax_io.save(model, args.dst, quantized=args.quantized, fp8_block=fmt.fp8_block, experts_fp4=fmt.experts_fp4)
+    print(f"read {args.src} in {loaded:.1f} s; wrote orbax checkpoint {args.dst} in "
+          f"{time.perf_counter() - t - loaded:.1f} s")
+    return 0
+
+
 def _cmd_memory(args) -> int:
     import jax.numpy as jnp
 
@@ -133,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_cache)
+
+    v = sub.add_parser("convert", help="safetensors checkpoint -> sharded orbax checkpoint")
+    v.add_argument("src", help="checkpoint directory (config.json + safetensors)")
+    v.add_argument("dst", help="output directory")
+    v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    v.add_argument("--quantized", default="dequantize", choices=["dequantize", "resident"],
+                   help="FP8 / MXFP4 checkpoints: dequantize, or keep the stored bytes")
+    v.add_argument("--mesh", default="", help="write from (and for) this mesh, e.g. 'expert=8'")
+    v.set_defaults(func=_cmd_convert)
 
     m = sub.add_parser("memory", help="weight bytes per device by group on a mesh (abstract)")
     m.add_argument("--config", default="v4-flash")

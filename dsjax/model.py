@@ -80,9 +80,14 @@ def model_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParams:
     )
 
 
+def mtp_layer(cfg: ModelConfig) -> LayerSpec:
+    """The MTP block: window-only attention, bias-routed (top-k) MoE."""
+    return LayerSpec(cfg.num_hidden_layers, SLIDING, 0, TOPK_MOE)
+
+
 def mtp_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> MTPParams:
     d = cfg.hidden_size
-    layer = LayerSpec(cfg.num_hidden_layers, SLIDING, 0, TOPK_MOE)
+    layer = mtp_layer(cfg)
     return MTPParams(
         e_proj=ParamSpec((d, d), dtype, ("embed_out", "embed")),
         h_proj=ParamSpec((d, d), dtype, ("embed_out", "embed")),

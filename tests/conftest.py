@@ -33,3 +33,17 @@ def hf_checkpoints(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop compiled executables after each test module. Every XLA:CPU executable keeps
+    its own JIT-code memory mappings; a whole suite's worth of compilations in one process
+    exhausts vm.max_map_count and LLVM then fails with 'Cannot allocate memory'."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -21,6 +21,7 @@ from dsjax.config import HASH_MOE, ModelConfig
 # Applied in order; each is a no-op on names already in the original spelling.
 _TO_ORIGINAL = [(re.compile(p), r) for p, r in (
     (r"^model\.", ""),
+    (r"\.weight_scale_inv$", ".scale"),
     (r"^embed_tokens\.weight$", "embed.weight"),
     (r"^lm_head\.weight$", "head.weight"),
     (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
@@ -84,6 +85,35 @@ def _compressor(ours: str, theirs: str) -> dict[str, Source]:
     }
 
 
+def _block(ours: str, theirs: str, layer) -> dict[str, Source]:
+    """One decoder block's tensors (a main layer, or the MTP layer's block)."""
+    attn, ffn = f"{theirs}.attn", f"{theirs}.ffn"
+    table = {}
+    table.update(_hyper_connection(f"{ours}.attn_hc", f"{theirs}.hc_attn"))
+    table.update(_hyper_connection(f"{ours}.ffn_hc", f"{theirs}.hc_ffn"))
+    table[f"{ours}.attn_norm"] = Source(f"{theirs}.attn_norm.weight")
+    table[f"{ours}.ffn_norm"] = Source(f"{theirs}.ffn_norm.weight")
+    for k, v in (("q_a_proj", "wq_a"), ("q_a_norm", "q_norm"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"),
+                 ("kv_norm", "norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b")):
+        table[f"{ours}.attn.{k}"] = Source(f"{attn}.{v}.weight")
+    table[f"{ours}.attn.sinks"] = Source(f"{attn}.attn_sink")
+    if layer.compress_ratio:
+        table.update(_compressor(f"{ours}.attn.compressor", f"{attn}.compressor"))
+    if layer.has_indexer:
+        table.update(_compressor(f"{ours}.attn.indexer.compressor", f"{attn}.indexer.compressor"))
+        table[f"{ours}.attn.indexer.q_b_proj"] = Source(f"{attn}.indexer.wq_b.weight")
+        table[f"{ours}.attn.indexer.weights_proj"] = Source(f"{attn}.indexer.weights_proj.weight")
+    table[f"{ours}.moe.router"] = Source(f"{ffn}.gate.weight")
+    if layer.mlp == HASH_MOE:
+        table[f"{ours}.moe.tid2eid"] = Source(f"{ffn}.gate.tid2eid")
+    else:
+        table[f"{ours}.moe.router_bias"] = Source(f"{ffn}.gate.bias")
+    for w in ("w1", "w2", "w3"):
+        table[f"{ours}.moe.{w}"] = Source(f"{ffn}.experts", expert=w)
+        table[f"{ours}.moe.shared_{w}"] = Source(f"{ffn}.shared_experts.{w}.weight")
+    return table
+
+
 def weight_names(cfg: ModelConfig) -> dict[str, Source]:
     """dsjax parameter path (as `dsjax.params.path_str` prints it) -> canonical tensor."""
     table = {
@@ -96,30 +126,17 @@ def weight_names(cfg: ModelConfig) -> dict[str, Source]:
     if not cfg.tie_word_embeddings:
         table["lm_head"] = Source("head.weight")
     for layer in cfg.layers:
-        ours, theirs = f"blocks.{layer.index}", f"layers.{layer.index}"
-        attn, ffn = f"{theirs}.attn", f"{theirs}.ffn"
-        table.update(_hyper_connection(f"{ours}.attn_hc", f"{theirs}.hc_attn"))
-        table.update(_hyper_connection(f"{ours}.ffn_hc", f"{theirs}.hc_ffn"))
-        table[f"{ours}.attn_norm"] = Source(f"{theirs}.attn_norm.weight")
-        table[f"{ours}.ffn_norm"] = Source(f"{theirs}.ffn_norm.weight")
-        for k, v in (("q_a_proj", "wq_a"), ("q_a_norm", "q_norm"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"),
-                     ("kv_norm", "norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b")):
-            table[f"{ours}.attn.{k}"] = Source(f"{attn}.{v}.weight")
-        table[f"{ours}.attn.sinks"] = Source(f"{attn}.attn_sink")
-        if layer.compress_ratio:
-            table.update(_compressor(f"{ours}.attn.compressor", f"{attn}.compressor"))
-        if layer.has_indexer:
-            table.update(_compressor(f"{ours}.attn.indexer.compressor", f"{attn}.indexer.compressor"))
-            table[f"{ours}.attn.indexer.q_b_proj"] = Source(f"{attn}.indexer.wq_b.weight")
-            table[f"{ours}.attn.indexer.weights_proj"] = Source(f"{attn}.indexer.weights_proj.weight")
-        table[f"{ours}.moe.router"] = Source(f"{ffn}.gate.weight")
-        if layer.mlp == HASH_MOE:
-            table[f"{ours}.moe.tid2eid"] = Source(f"{ffn}.gate.tid2eid")
-        else:
-            table[f"{ours}.moe.router_bias"] = Source(f"{ffn}.gate.bias")
-        for w in ("w1", "w2", "w3"):
-            table[f"{ours}.moe.{w}"] = Source(f"{ffn}.experts", expert=w)
-            table[f"{ours}.moe.shared_{w}"] = Source(f"{ffn}.shared_experts.{w}.weight")
+        table.update(_block(f"blocks.{layer.index}", f"layers.{layer.index}", layer))
+    return table
+
+
+def mtp_weight_names(cfg: ModelConfig) -> dict[str, Source]:
+    """MTP-layer parameter path (dsjax.model.MTPParams) -> canonical tensor (`mtp.0.*`)."""
+    from dsjax.model import mtp_layer
+
+    table = {f"{k}": Source(f"mtp.0.{k}.weight") for k in ("e_proj", "h_proj", "enorm", "hnorm", "norm")}
+    table.update({f"hc_head.{k}": Source(f"mtp.0.hc_head_{k}") for k in ("fn", "base", "scale")})
+    table.update(_block("block", "mtp.0", mtp_layer(cfg)))
     return table
 
 

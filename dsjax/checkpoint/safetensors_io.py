@@ -1,14 +1,16 @@
-"""A lazy safetensors reader: parse the JSON header, memory-map the data, slice on demand.
+"""A lazy safetensors reader: parse the JSON header, read only the bytes a slice needs.
 
 Written here rather than taken from `safetensors.safe_open(framework="np")` because V4
 checkpoints store F8_E4M3 / F8_E8M0 / BF16 tensors, which the numpy backend rejects, and
 the sharded loader needs byte-range reads of one tensor without touching the others.
+Reads use pread into fresh buffers (not a memory map), so host memory holds only what is
+being read: a mapped file's touched pages would count against the process until closed.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,26 +78,38 @@ class SafetensorsFile:
                     f"{self.path}: tensor '{name}' ends at byte {end} but the file holds {data_size} data bytes "
                     f"(truncated file?)")
             self.tensors[name] = TensorInfo(name, dtype, shape, begin, end, self.path)
-        self._mmap = None
+        self._fd = None
 
-    def _buffer(self):
-        if self._mmap is None:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return self._mmap
-
-    def read(self, name: str) -> np.ndarray:
-        """The whole tensor as a read-only numpy view of the mapped file."""
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The tensor, or its slice `index` (a tuple of slices): only the rows of the leading
+        axis that the slice covers are read from disk."""
         info = self.tensors[name]
         dtype = np.dtype(DTYPES[info.dtype])
-        count = (info.end - info.begin) // dtype.itemsize
-        return np.frombuffer(self._buffer(), dtype=dtype, count=count,
-                             offset=self.data_start + info.begin).reshape(info.shape)
+        shape = info.shape
+        index = tuple(index or ())
+        rows = range(shape[0]) if not shape else range(*(index[0] if index else slice(None)).indices(shape[0]))
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+        first, last = (rows.start, rows.stop) if len(rows) else (0, 0)
+        if rows.step != 1 and len(rows):
+            first, last = min(rows), max(rows) + 1
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        n = (last - first) * row_bytes
+        buf = np.empty(n, np.uint8)
+        got = os.preadv(self._fd, [buf], self.data_start + info.begin + first * row_bytes) if n else 0
+        if got != n:
+            raise CheckpointError(f"{self.path}: tensor '{name}': short read ({got} of {n} bytes)")
+        arr = buf.view(dtype)
+        if not shape:
+            return arr.reshape(())
+        arr = arr.reshape((last - first, *shape[1:]))
+        local = (slice(0, last - first, rows.step),) + index[1:] if index else ()
+        return arr[local] if local else arr
 
     def close(self):
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
@@ -155,9 +169,9 @@ class CheckpointFiles:
                     raise CheckpointError(f"{index}: tensor '{name}' is listed in {fname} but stored in "
                                           f"{self.tensors[name].file.name}")
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         info = self.tensors[name]
-        return self.files[info.file.name].read(name)
+        return self.files[info.file.name].read(name, index)
 
     def close(self):
         for sf in self.files.values():

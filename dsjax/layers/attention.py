@@ -24,6 +24,7 @@ from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_we
                                   select_topk)
 from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
+from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape, spec
@@ -109,7 +110,7 @@ def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
     """o [B, S, H, hd] -> [B, S, D]: per-group low-rank W_oa, then the mixing W_ob."""
     g = cfg.o_groups
     grouped = reshape(o, (*o.shape[:-2], g, -1))  # [B, S, G, H/G * hd]
-    w_oa = p.o_a_proj.reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
+    w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
     z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
     return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None))
 

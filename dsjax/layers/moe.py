@@ -21,6 +21,7 @@ from flax import struct
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import linear, linear_f32
+from dsjax.layers.quantized import dense
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape, spec
 
@@ -167,6 +168,7 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     through a grouped matmul (ragged_dot, or the tile loop on CPU)."""
     t, k = idx.shape
     path = path or moe_path(t, k, cfg.n_routed_experts)
+    p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     if path == "gather":
         y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit)
         return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * weights[..., None], axis=1)

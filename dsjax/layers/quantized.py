@@ -1,0 +1,91 @@
+"""Weights kept on device as stored (FP8 / MXFP4) and dequantized inside the jitted
+function that uses them: about half the bytes of bf16 for FP8, about a quarter for FP4.
+Formats: see dsjax/checkpoint/quant.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+E2M1_SIGNED = np.concatenate([E2M1, -E2M1])  # index = code (bit 3 = sign)
+MXFP4_GROUP = 32
+
+
+@struct.dataclass
+class Fp8Weight:
+    """An FP8 block-scaled [..., out, in] weight kept as stored; `dense()` inside jit."""
+
+    q: jax.Array  # [..., out, in] float8_e4m3fn
+    scale_exp: jax.Array  # [..., ceil(out/b0), ceil(in/b1)] uint8 (E8M0 exponent)
+    block: tuple[int, int] = struct.field(pytree_node=False, default=(128, 128))
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def dense(self, dtype) -> jax.Array:
+        b0, b1 = self.block
+        out, inn = self.q.shape[-2:]
+        s = jnp.exp2(self.scale_exp.astype(jnp.float32) - 127.0)
+        s = jnp.repeat(jnp.repeat(s, b0, axis=-2), b1, axis=-1)[..., :out, :inn]
+        return (self.q.astype(jnp.float32) * s).astype(dtype)
+
+
+@struct.dataclass
+class Fp4Weight:
+    """MXFP4 routed-expert weights [E, out, in] kept as stored (packed [E, out, in/2] bytes,
+    E8M0 exponents [E, out, in/32]); `dense()` inside jit."""
+
+    packed: jax.Array  # int8
+    scale_exp: jax.Array  # uint8
+
+    @property
+    def shape(self):
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def dense(self, dtype) -> jax.Array:
+        b = self.packed.astype(jnp.uint8)
+        codes = jnp.stack([b & 0x0F, b >> 4], axis=-1).reshape(self.shape)
+        vals = jnp.asarray(E2M1_SIGNED)[codes.astype(jnp.int32)]
+        s = jnp.exp2(self.scale_exp.astype(jnp.float32) - 127.0)
+        return (vals * jnp.repeat(s, MXFP4_GROUP, axis=-1)).astype(dtype)
+
+
+def dense(w, dtype) -> jax.Array:
+    """A weight as a plain array of `dtype`: dequantized if stored quantized."""
+    return w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight)) else w.astype(dtype)
+
+
+# The weights DeepSeek's checkpoints store in FP8 (routed experts: MXFP4, or FP8 per expert).
+FP8_LINEARS = ("attn.q_a_proj", "attn.q_b_proj", "attn.kv_proj", "attn.o_a_proj", "attn.o_b_proj",
+               "attn.indexer.q_b_proj", "moe.shared_w1", "moe.shared_w2", "moe.shared_w3", "e_proj", "h_proj")
+ROUTED_EXPERTS = ("moe.w1", "moe.w2", "moe.w3")
+
+
+def resident_specs(specs, block: tuple[int, int], experts_fp4: bool):
+    """Replace the spec of every weight the checkpoint stores quantized by its stored form
+    (an Fp8Weight / Fp4Weight of ParamSpecs), so it is loaded and kept as stored."""
+    import ml_dtypes
+
+    from dsjax.params import ParamSpec, is_spec, path_str
+
+    def one(path, s):
+        name = "." + path_str(path)
+        experts = name.endswith(tuple("." + n for n in ROUTED_EXPERTS))
+        if not (experts or name.endswith(tuple("." + n for n in FP8_LINEARS))):
+            return s
+        if experts and experts_fp4:
+            lead = s.shape[:-1]
+            return Fp4Weight(
+                packed=ParamSpec((*lead, s.shape[-1] // 2), np.int8, s.axes, init="zeros"),
+                scale_exp=ParamSpec((*lead, s.shape[-1] // MXFP4_GROUP), np.uint8, s.axes, init="zeros"))
+        *lead, out, inn = s.shape
+        return Fp8Weight(
+            q=ParamSpec(s.shape, ml_dtypes.float8_e4m3fn, s.axes, init="zeros"),
+            scale_exp=ParamSpec((*lead, -(-out // block[0]), -(-inn // block[1])), np.uint8, s.axes, init="zeros"),
+            block=block)
+
+    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
