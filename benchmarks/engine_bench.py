@@ -19,6 +19,8 @@ import time
 import jax
 import numpy as np
 
+from results_io import write_result  # noqa: E402
+
 import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
@@ -185,10 +187,7 @@ def main():
     lo, hi = result["decode_vs_context"][str(contexts[0])], result["decode_vs_context"][str(contexts[-1])]
     result["decode_step_ratio_longest_vs_shortest"] = hi["decode_step_ms"] / lo["decode_step_ms"]
     print(json.dumps(result["decode_vs_context"]), flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print("wrote", args.out)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

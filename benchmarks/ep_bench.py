@@ -18,6 +18,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from results_io import write_result  # noqa: E402
+
 import dsjax  # noqa: E402
 from dsjax.config import load_config  # noqa: E402
 from dsjax.model import model_specs  # noqa: E402
@@ -68,10 +70,7 @@ def main():
                                                  ("expert=8,tensor=2", {"expert": 8, "tensor": 2}),
                                                  ("expert=64", {"expert": 64}))}
     result["memory_config"] = args.memory_config
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print("wrote", args.out)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -139,18 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     g.set_defaults(func=_cmd_generate)
 
-    c = sub.add_parser("params", help="parameter counts and bytes (abstract, nothing allocated)")
-    c.add_argument("--config", default="v4-flash", help="named config, config JSON, or checkpoint dir")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(func=_cmd_params)
+    def report(name, help, func):  # the abstract reports: nothing is allocated
+        r = sub.add_parser(name, help=help)
+        r.add_argument("--config", default="v4-flash", help="named config, config JSON, or checkpoint dir")
+        r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        r.add_argument("--json", action="store_true")
+        r.set_defaults(func=func)
+        return r
 
-    k = sub.add_parser("cache", help="decode-cache bytes per sequence and per token (abstract)")
-    k.add_argument("--config", default="v4-flash")
-    k.add_argument("--context", default="8192,131072,1048576", help="comma-separated context lengths")
-    k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    k.add_argument("--json", action="store_true")
-    k.set_defaults(func=_cmd_cache)
+    report("params", "parameter counts and bytes (abstract, nothing allocated)", _cmd_params)
+    report("cache", "decode-cache bytes per sequence and per token (abstract)", _cmd_cache).add_argument(
+        "--context", default="8192,131072,1048576", help="comma-separated context lengths")
 
     v = sub.add_parser("convert", help="safetensors checkpoint -> sharded orbax checkpoint")
     v.add_argument("src", help="checkpoint directory (config.json + safetensors)")
@@ -161,12 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--mesh", default="", help="write from (and for) this mesh, e.g. 'expert=8'")
     v.set_defaults(func=_cmd_convert)
 
-    m = sub.add_parser("memory", help="weight bytes per device by group on a mesh (abstract)")
-    m.add_argument("--config", default="v4-flash")
-    m.add_argument("--mesh", default="expert=8", help="e.g. 'data=2,expert=4,tensor=2'")
-    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    m.add_argument("--json", action="store_true")
-    m.set_defaults(func=_cmd_memory)
+    report("memory", "weight bytes per device by group on a mesh (abstract)", _cmd_memory).add_argument(
+        "--mesh", default="expert=8", help="e.g. 'data=2,expert=4,tensor=2'")
     return p
 
 
