@@ -82,7 +82,8 @@ def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
 
 def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int = 0, mesh=None,
                device_memory_bytes: int | None = None, quantized: str = "dequantize",
-               progress: bool = False, check_finite: bool = False, mtp: bool | None = None) -> Model:
+               progress: bool = False, check_finite: bool = False, mtp: bool | None = None,
+               kernels: str = "reference") -> Model:
     """A checkpoint directory (config.json + safetensors), or a named config (`tiny`,
     `v4-flash`, `v4-pro`) / config JSON file with seeded random weights.
 
@@ -96,10 +97,18 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     the weight memory).
 
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
-    True on a named config it gets seeded random weights."""
+    True on a named config it gets seeded random weights.
+
+    kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels; on CPU interpreted,
+    slow, for checking), or "auto" (Pallas on GPU / TPU, reference on CPU)."""
     dtype = resolve_dtype(dtype)
     path = Path(path_or_config_name)
     cfg = load_config(path_or_config_name)
+    if kernels not in ("reference", "pallas", "auto"):
+        raise ValueError(f"kernels must be 'reference', 'pallas' or 'auto', got {kernels!r}")
+    if kernels == "auto":
+        kernels = "reference" if jax.default_backend() == "cpu" else "pallas"
+    cfg = cfg.replace(kernels=kernels)
     specs = model_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):
         raise ValueError(f"quantized must be 'dequantize' or 'resident', got {quantized!r}")

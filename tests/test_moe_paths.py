@@ -46,6 +46,6 @@ def test_paths_agree(tiny, routing, tokens):
     weights = jnp.asarray(rng.uniform(0.1, 1.5, size=(tokens, k)), jnp.float32)
     want = _dense_reference(p, x, weights, idx, cfg.swiglu_limit)
     scale = np.abs(want).max()
-    for path in ("gather", "grouped", "tiled"):
+    for path in ("gather", "grouped", "tiled", "pallas"):
         got = jax.jit(lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path=path))(p, x, weights, idx)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0, err_msg=path)

@@ -8,7 +8,8 @@
     o_h = inverse_rope_t(sum_s p_s kv_s)
     out = W_ob concat_g(W_oa[g] concat(o_h, h in group g))
 
-`sink_attention` is the reference the Pallas kernels are checked against.
+`sink_attention` is the reference math; `attend` routes both paths through
+dsjax/pallas_kernels/sink_attention.py (reference or Pallas, per `cfg.kernels`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from dsjax.config import LayerSpec, ModelConfig
 from dsjax.layers.compressor import (Compressor, CompressorState, compress_extend, compress_kv, compressor_specs,
                                      compressor_state_shapes)
 from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_weights, indexer_specs,
-                                  select_topk)
+                                  select_topk_indices)
 from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
+from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape, spec
 
@@ -115,10 +117,19 @@ def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
     return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None))
 
 
-def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
-    """[..., S, T]: key s is in query t's window iff t - W < s <= t."""
-    diff = q_pos[..., :, None] - k_pos[..., None, :]
-    return (diff >= 0) & (diff < window)
+FOREVER = jnp.iinfo(jnp.int32).max
+
+
+def window_intervals(k_pos: jax.Array, valid: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+    """Window key at position p is seen by queries t with p <= t <= p + W - 1 (t - W < p <= t).
+    -> (lo, hi) [..., T]; an invalid key gets an empty interval."""
+    return jnp.where(valid, k_pos, 1), jnp.where(valid, k_pos + window - 1, 0)
+
+
+def entry_intervals(batch: int, n_entries: int, ratio: int) -> tuple[jax.Array, jax.Array]:
+    """Compressed entry w is seen once its window closed: w < (t + 1) // m <=> t >= (w + 1) m - 1."""
+    lo = (jnp.arange(n_entries, dtype=jnp.int32) + 1) * ratio - 1
+    return jnp.broadcast_to(lo, (batch, n_entries)), jnp.full((batch, n_entries), FOREVER, jnp.int32)
 
 
 def compressed_visible(q_pos: jax.Array, n_entries: int, ratio: int) -> jax.Array:
@@ -126,34 +137,46 @@ def compressed_visible(q_pos: jax.Array, n_entries: int, ratio: int) -> jax.Arra
     return jnp.arange(n_entries) < ((q_pos + 1) // ratio)[..., None]
 
 
+def attend(p: Attention, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer: LayerSpec,
+           cfg: ModelConfig) -> jax.Array:
+    """The attention core shared by the full-sequence and cached paths.
+
+    keys [B, T, hd] with visibility intervals lo / hi (window keys); entries [B, E, hd] the
+    compressed entries (None on window-only layers); index_keys the indexer's keys (CSA).
+    CSA selects each query's top-k entries by index when fewer than all visible entries are
+    kept; otherwise (and on HCA) all entries join the shared keys. -> o [B, S, H, hd]."""
+    kv_pq = mask_pq = None
+    if entries is not None:
+        b, n = entries.shape[:2]
+        e_lo, e_hi = entry_intervals(b, n, layer.compress_ratio)
+        if layer.has_indexer and cfg.index_topk < n:
+            scores = index_scores(index_queries(p.indexer, cq, cos, sin, cfg), index_keys,
+                                  index_weights(p.indexer, x, cfg), cfg)
+            top, mask_pq = select_topk_indices(scores, compressed_visible(positions, n, layer.compress_ratio),
+                                               cfg.index_topk)
+            kv_pq = jnp.take_along_axis(entries[:, None], top[..., None], axis=2)  # [B, S, k, hd]
+        else:
+            keys = jnp.concatenate([keys, entries], axis=1)
+            lo, hi = jnp.concatenate([lo, e_lo], axis=1), jnp.concatenate([hi, e_hi], axis=1)
+    return attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=cfg.kernels)
+
+
 # ----------------------------------------------------------------------------- full sequence
 def attention_forward(p: Attention, x: jax.Array, positions: jax.Array, layer: LayerSpec,
                       cfg: ModelConfig) -> jax.Array:
     """Full-sequence attention (no cache): x [B, S, D] normed input, positions [B, S]."""
-    rope = cfg.rope(layer.rope)
-    cos, sin = rope_cos_sin(positions, rope, cfg.qk_rope_head_dim)
+    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
     cq, q = project_q(p, x, cos, sin, cfg)
     kv = project_kv(p, x, cos, sin, cfg)
-    mask = window_mask(positions, positions, cfg.sliding_window)
-    keys = kv
+    lo, hi = window_intervals(positions, jnp.ones(positions.shape, bool), cfg.sliding_window)
+    entries = index_keys = None
     if layer.compress_ratio:
         entries = compress_kv(p.compressor, x, ratio=layer.compress_ratio, overlap=layer.overlap, cfg=cfg)
-        visible = compressed_visible(positions, entries.shape[1], layer.compress_ratio)
         if layer.has_indexer:
-            visible = select_topk(lightning_indexer(p.indexer, x, cq, cos, sin, layer, cfg), visible,
-                                  cfg.index_topk)
-        keys = jnp.concatenate([kv, entries], axis=1)
-        mask = jnp.concatenate([mask, visible], axis=-1)
-    o = sink_attention(q, keys, mask, p.sinks)
+            index_keys = compress_kv(p.indexer.compressor, x, ratio=layer.compress_ratio, overlap=True, cfg=cfg)
+    o = attend(p, q, cq, x, cos, sin, positions, kv, lo, hi, entries, index_keys, layer, cfg)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     return grouped_output(p, o, cfg)
-
-
-def lightning_indexer(p: Indexer, x, cq, cos, sin, layer: LayerSpec, cfg: ModelConfig) -> jax.Array:
-    """Full-sequence index scores [B, S, T] against the indexer's own compressed keys."""
-    keys = compress_kv(p.compressor, x, ratio=layer.compress_ratio, overlap=True, cfg=cfg)
-    q = index_queries(p, cq, cos, sin, cfg)
-    return index_scores(q, keys, index_weights(p, x, cfg), cfg)
 
 
 # ----------------------------------------------------------------------------- cached path
@@ -200,31 +223,20 @@ def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: j
     kv = project_kv(p, x, cos, sin, cfg)
 
     slot_pos = ring_positions(start, w)
-    keys = jnp.concatenate([state.window, kv], axis=1)  # [B, W + C, hd]
-    key_pos = jnp.concatenate([slot_pos, positions], axis=1)
-    key_valid = jnp.concatenate([slot_pos >= 0, valid], axis=1)
-    mask = window_mask(positions, key_pos, w) & key_valid[:, None, :]
-    kv_pq = mask_pq = None
-    comp = idx_state = None
+    keys = jnp.concatenate([state.window, kv], axis=1)  # [B, W + C, hd]: the ring, then the chunk
+    lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
+                              jnp.concatenate([slot_pos >= 0, valid], axis=1), w)
+    entries = index_keys = comp = idx_state = None
     if layer.compress_ratio:
         m = layer.compress_ratio
         comp = compress_extend(p.compressor, state.compressor, x, start, n_valid, ratio=m,
                                overlap=layer.overlap, cfg=cfg)
         entries = comp.entries[:, :n_entries]
-        visible = compressed_visible(positions, n_entries, m)  # [B, C, E]
         if layer.has_indexer:
             idx_state = compress_extend(p.indexer.compressor, state.indexer, x, start, n_valid, ratio=m,
                                         overlap=True, cfg=cfg)
-            if cfg.index_topk < n_entries:
-                scores = index_scores(index_queries(p.indexer, cq, cos, sin, cfg), idx_state.entries[:, :n_entries],
-                                      index_weights(p.indexer, x, cfg), cfg)
-                _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), cfg.index_topk)  # [B, C, k]
-                kv_pq = jnp.take_along_axis(entries[:, None], top[..., None], axis=2)
-                mask_pq = jnp.take_along_axis(visible, top, axis=-1)
-        if kv_pq is None:  # HCA, or every visible CSA entry is selected
-            keys = jnp.concatenate([keys, entries], axis=1)
-            mask = jnp.concatenate([mask, visible], axis=-1)
-    o = sink_attention(q, keys, mask, p.sinks, kv_pq, mask_pq)
+            index_keys = idx_state.entries[:, :n_entries]
+    o = attend(p, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer, cfg)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     # window ring: the chunk's last W valid tokens go to slot position % W
     keep = valid & (positions >= (start + n_valid)[:, None] - w)

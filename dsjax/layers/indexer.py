@@ -6,7 +6,8 @@
     keep  = top-min(k, visible) of the visible entries (w < (t+1) // m)
 
 Selection is `jax.lax.top_k` on the masked scores: among equal scores the lowest index wins
-(ReLU makes exact zeros common). Prefill and decode call the same `select_topk`.
+(ReLU makes exact zeros common). The full-sequence and cached paths both call
+`select_topk_indices`.
 """
 
 from __future__ import annotations
@@ -58,16 +59,18 @@ def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, cfg: ModelCo
     return jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots) * cfg.index_head_dim ** -0.5, weights)
 
 
+def select_topk_indices(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The selection rule: per query the top-min(k, #visible) visible entries (lowest index
+    first among ties). scores / visible [B, S, T], k < T -> (indices [B, S, k], valid)."""
+    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
+    return idx, jnp.take_along_axis(visible, idx, axis=-1)
+
+
 def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
-    """Boolean [B, S, T]: the top-min(k, #visible) visible entries per query (lowest index
-    first among ties). `visible` [B, S, T] is the causal mask of compressed entries."""
-    t = scores.shape[-1]
-    if t == 0:
+    """The same selection as a boolean [B, S, T] mask."""
+    if k >= scores.shape[-1]:
         return visible
-    if k >= t:
-        return visible
-    masked = jnp.where(visible, scores, -jnp.inf)
-    _, idx = jax.lax.top_k(masked, k)  # [B, S, k]
+    idx, valid = select_topk_indices(scores, visible, k)
     b, s = jnp.arange(scores.shape[0])[:, None, None], jnp.arange(scores.shape[1])[None, :, None]
-    chosen = jnp.zeros(scores.shape, bool).at[b, s, idx].set(True, out_sharding=spec("batch", None, None))
+    chosen = jnp.zeros(scores.shape, bool).at[b, s, idx].max(valid, out_sharding=spec("batch", None, None))
     return chosen & visible

@@ -141,23 +141,32 @@ def expert_ffn_tiled(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, li
     return jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros_like(x_padded, dtype=jnp.float32))[:m]
 
 
-def grouped_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
+def grouped_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float,
+                impl: str = "reference") -> jax.Array:
     """The experts on rows sorted by expert (rows past sum(group_sizes) are not computed and
-    come out 0): ragged_dot, or the tile loop on CPU. -> [M, D] fp32."""
-    if jax.default_backend() != "cpu":
-        return expert_ffn(x_sorted, group_sizes, w1, w3, w2, limit)
+    come out 0) -> [M, D] fp32: the Pallas kernel (impl="pallas"), else ragged_dot, or the
+    tile loop on CPU."""
     m, n_experts = x_sorted.shape[0], group_sizes.shape[0]
     rows = int(min(128, max(8, pl2(m / n_experts))))
+    if impl == "pallas":
+        from dsjax.pallas_kernels.grouped_matmul import pallas_grouped_ffn
+
+        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows,
+                                  interpret=jax.default_backend() == "cpu")
+    if jax.default_backend() != "cpu":
+        return expert_ffn(x_sorted, group_sizes, w1, w3, w2, limit)
     return expert_ffn_tiled(x_sorted, group_sizes, w1, w3, w2, limit, rows)
 
 
-def moe_path(tokens: int, k: int, n_experts: int) -> str:
+def moe_path(tokens: int, k: int, n_experts: int, kernels: str = "reference") -> str:
     """Which exact implementation of the routed experts suits this many tokens here.
 
     XLA's CPU backend lowers ragged_dot to roughly a masked dense product (measured 4-30x
     slower than the tile loop), so CPU runs the tile loop; accelerators run ragged_dot."""
     if tokens * k <= max(k, n_experts // 8):
         return "gather"
+    if kernels == "pallas":
+        return "pallas"
     return "tiled" if jax.default_backend() == "cpu" else "grouped"
 
 
@@ -167,7 +176,7 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     (see `moe_path`): per-assignment weight gather (decode), or assignments sorted by expert
     through a grouped matmul (ragged_dot, or the tile loop on CPU)."""
     t, k = idx.shape
-    path = path or moe_path(t, k, cfg.n_routed_experts)
+    path = path or moe_path(t, k, cfg.n_routed_experts, cfg.kernels)
     p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     if path == "gather":
         y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit)
@@ -178,6 +187,8 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     if path == "tiled":
         rows = int(min(128, max(8, pl2(t * k / cfg.n_routed_experts))))
         y = expert_ffn_tiled(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, rows)
+    elif path == "pallas" or cfg.kernels == "pallas":
+        y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, impl="pallas")
     else:
         y = expert_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]

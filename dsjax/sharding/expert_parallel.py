@@ -66,7 +66,7 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     by_expert = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_n + 1)[:local_n].astype(jnp.int32)
     w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
-    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, cfg.swiglu_limit)
+    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, cfg.swiglu_limit, impl=cfg.kernels)
     y = jnp.zeros((ep * cap, d), jnp.float32).at[by_expert].set(y_sorted).astype(x.dtype)
     back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
     per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)

@@ -1,0 +1,90 @@
+"""One GPU run: compile every Pallas kernel (no interpret mode), check it against its
+reference, and time kernel vs reference path. JSON out; meant to finish in < 8 minutes.
+
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+
+A kernel that fails to lower is recorded with its error rather than stopping the run.
+"""
+
+import argparse
+import json
+import platform
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from results_io import write_result
+
+from dsjax.pallas_kernels import grouped_matmul, sink_attention
+
+
+def timed(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / repeats, out
+
+
+def attention_cases(rng):
+    # (name, b, s, h, t, k): prefill chunk, decode with a wrapped ring + compressed entries, CSA top-k
+    for name, b, s, h, t, k in [("prefill_hca", 4, 256, 64, 2048, 0), ("decode_hca", 32, 1, 64, 4096, 0),
+                                ("decode_csa_topk", 32, 1, 64, 129, 512), ("prefill_csa_topk", 2, 128, 64, 256, 512)]:
+        d = 512
+        q = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.bfloat16)
+        kv = jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32) + t, (b, s))
+        lo = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        hi = lo + 10**6
+        sinks = jnp.asarray(rng.normal(size=h), jnp.float32)
+        kv_pq = mask = None
+        if k:
+            kv_pq = jnp.asarray(rng.normal(size=(b, s, k, d)), jnp.bfloat16)
+            mask = jnp.asarray(rng.random((b, s, k)) < 0.9)
+        yield name, (q, kv, lo, hi, pos, sinks, kv_pq, mask)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/gpu_check.json")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    result = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+              "platform": platform.platform(), "kernels": {}}
+    ref_attention = jax.jit(sink_attention.reference)
+    for name, a in attention_cases(rng):
+        row = {}
+        try:
+            t_ref, want = timed(ref_attention, *a)
+            t_k, got = timed(lambda *x: sink_attention.pallas_sink_attention(*x, block_q=16, block_k=128), *a)
+            err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
+            row = {"reference_ms": 1e3 * t_ref, "pallas_ms": 1e3 * t_k, "max_abs_err": err,
+                   "ok": err <= 4 * 2.0 ** -8 * float(jnp.abs(want.astype(jnp.float32)).max())}
+        except Exception as e:  # noqa: BLE001 - record lowering failures per kernel
+            row = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-2000:]}
+        result["kernels"][f"sink_attention/{name}"] = row
+        print(name, json.dumps(row)[:300], flush=True)
+    for name, (m, e, i, d) in {"moe_prefill": (8192, 64, 2048, 4096), "moe_decode": (192, 64, 2048, 4096)}.items():
+        sizes = jnp.asarray(np.bincount(rng.integers(0, e, m), minlength=e), jnp.int32)
+        x = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
+        w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)) * 0.02, jnp.bfloat16) for _ in range(2))
+        w2 = jnp.asarray(rng.normal(size=(e, d, i)) * 0.02, jnp.bfloat16)
+        try:
+            t_ref, want = timed(jax.jit(lambda *a: grouped_matmul.reference(*a, limit=10.0)), x, sizes, w1, w3, w2)
+            t_k, got = timed(jax.jit(lambda *a: grouped_matmul.pallas_grouped_ffn(*a, limit=10.0, rows=128)),
+                             x, sizes, w1, w3, w2)
+            err = float(jnp.abs(got - want).max())
+            row = {"reference_ms": 1e3 * t_ref, "pallas_ms": 1e3 * t_k, "max_abs_err": err,
+                   "ok": err <= 1e-2 * float(jnp.abs(want).max())}
+        except Exception as e:  # noqa: BLE001
+            row = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-2000:]}
+        result["kernels"][f"grouped_matmul/{name}"] = row
+        print(name, json.dumps(row)[:300], flush=True)
+    write_result(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

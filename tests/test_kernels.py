@@ -1,0 +1,110 @@
+"""Pallas kernels (interpret mode on CPU) against their pure-jnp references, over a seeded
+sweep of shapes, and end to end with kernels="pallas"."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsjax
+from dsjax.layers.attention import entry_intervals, ring_positions, window_intervals
+from dsjax.pallas_kernels import grouped_matmul, sink_attention
+
+
+def _attention_case(rng, b, s, h, d, window, n_entries, ratio, start, per_query_k, dtype):
+    """Realistic keys: the window ring (wrapped), the chunk, compressed entries."""
+    starts = jnp.asarray(start, jnp.int32)
+    positions = starts[:, None] + jnp.arange(s)
+    slot_pos = ring_positions(starts, window)
+    lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
+                              jnp.concatenate([slot_pos >= 0, jnp.ones(positions.shape, bool)], axis=1), window)
+    e_lo, e_hi = entry_intervals(b, n_entries, ratio)
+    lo, hi = jnp.concatenate([lo, e_lo], 1), jnp.concatenate([hi, e_hi], 1)
+    t = window + s + n_entries
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)), dtype)
+    kv = jnp.asarray(rng.normal(size=(b, t, d)), dtype)
+    sinks = jnp.asarray(rng.normal(size=h), jnp.float32)
+    kv_pq = mask_pq = None
+    if per_query_k:
+        kv_pq = jnp.asarray(rng.normal(size=(b, s, per_query_k, d)), dtype)
+        mask_pq = jnp.asarray(rng.random((b, s, per_query_k)) < 0.7)
+    return q, kv, lo, hi, positions, sinks, kv_pq, mask_pq
+
+
+CASES = [
+    # b, s, h, d, window, entries, ratio, start (per row), per-query k
+    (2, 5, 4, 32, 8, 6, 4, [0, 3], 0),  # ring filling up; no visible entries at row 0
+    (2, 1, 16, 64, 16, 40, 4, [37, 150], 0),  # decode, ring wrapped, many heads
+    (1, 17, 2, 16, 8, 0, 4, [0], 0),  # window-only, chunk longer than the window
+    (3, 4, 8, 32, 8, 12, 8, [5, 60, 95], 5),  # CSA: top-k per query on top of the window
+    (1, 1, 1, 16, 4, 3, 128, [1000], 3),  # one token, one head
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sink_attention_kernel_fp32(case):
+    args = _attention_case(np.random.default_rng(case), *CASES[case], jnp.float32)
+    want = sink_attention.reference(*args)
+    got = sink_attention.pallas_sink_attention(*args, block_q=4, block_k=8, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", [1, 3])
+def test_sink_attention_kernel_bf16(case):
+    """The reference rounds the probabilities to bf16 before the PV product (as DeepSeek's
+    kernel does); the Pallas kernel keeps them fp32. Both outputs round to bf16 (2^-8
+    relative), so they may differ by a few bf16 ulps of the largest output."""
+    args = _attention_case(np.random.default_rng(case), *CASES[case], jnp.bfloat16)
+    want = np.asarray(sink_attention.reference(*args), np.float32)
+    got = np.asarray(sink_attention.pallas_sink_attention(*args, block_q=4, block_k=8, interpret=True), np.float32)
+    assert np.abs(got - want).max() <= 4 * 2.0 ** -8 * np.abs(want).max()
+
+
+GROUPS = {
+    "ragged": [3, 0, 7, 1, 0, 12, 2, 5],
+    "empty_experts": [0, 0, 9, 0, 0, 0, 0, 4],
+    "all_in_one_expert": [0, 0, 0, 30, 0, 0, 0, 0],
+    "single_row": [0, 1, 0, 0, 0, 0, 0, 0],
+}
+
+
+@pytest.mark.parametrize("groups", list(GROUPS))
+@pytest.mark.parametrize("rows", [4, 8])
+def test_grouped_matmul_kernel(groups, rows):
+    rng = np.random.default_rng(rows)
+    sizes = jnp.asarray(GROUPS[groups], jnp.int32)
+    m, e, i, d = int(sizes.sum()) + 3, 8, 24, 16  # 3 padding rows past the groups
+    x = jnp.asarray(rng.normal(size=(m, d)) * 2, jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32)
+    want = grouped_matmul.reference(x, sizes, w1, w3, w2, limit=7.0)
+    got = grouped_matmul.pallas_grouped_ffn(x, sizes, w1, w3, w2, limit=7.0, rows=rows, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return (dsjax.load_model("tiny", dtype="float32"), dsjax.load_model("tiny", dtype="float32", kernels="pallas"))
+
+
+def test_model_logits_with_pallas_kernels(tiny_pair, rng):
+    """Every layer type (window, CSA with top-k gather at this length, HCA), both MoE kinds."""
+    ref, pallas = tiny_pair
+    assert pallas.config.kernels == "pallas"
+    ids = rng.integers(0, 5000, (2, 72))
+    np.testing.assert_allclose(pallas.logits(ids), ref.logits(ids), atol=1e-5, rtol=0)
+
+
+def test_engine_greedy_with_pallas_kernels(tiny_pair, rng):
+    """Prefill and decode through the kernels give the reference's tokens."""
+    ref, pallas = tiny_pair
+    prompts = [rng.integers(0, 5000, n).tolist() for n in (70, 9)]
+    assert dsjax.generate(pallas, prompts, 6) == dsjax.generate(ref, prompts, 6)
+
+
+def test_auto_picks_reference_on_cpu():
+    assert dsjax.load_model("tiny", kernels="auto").config.kernels == (
+        "reference" if jax.default_backend() == "cpu" else "pallas")
+    with pytest.raises(ValueError, match="kernels must be"):
+        dsjax.load_model("tiny", kernels="triton")
