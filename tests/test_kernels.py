@@ -18,7 +18,7 @@ def _attention_case(rng, b, s, h, d, window, n_entries, ratio, start, per_query_
     slot_pos = ring_positions(starts, window)
     lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
                               jnp.concatenate([slot_pos >= 0, jnp.ones(positions.shape, bool)], axis=1), window)
-    e_lo, e_hi = entry_intervals(b, n_entries, ratio)
+    e_lo, e_hi = entry_intervals(lo, n_entries, ratio)
     lo, hi = jnp.concatenate([lo, e_lo], 1), jnp.concatenate([hi, e_hi], 1)
     t = window + s + n_entries
     q = jnp.asarray(rng.normal(size=(b, s, h, d)), dtype)

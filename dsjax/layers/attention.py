@@ -126,10 +126,12 @@ def window_intervals(k_pos: jax.Array, valid: jax.Array, window: int) -> tuple[j
     return jnp.where(valid, k_pos, 1), jnp.where(valid, k_pos + window - 1, 0)
 
 
-def entry_intervals(batch: int, n_entries: int, ratio: int) -> tuple[jax.Array, jax.Array]:
-    """Compressed entry w is seen once its window closed: w < (t + 1) // m <=> t >= (w + 1) m - 1."""
-    lo = (jnp.arange(n_entries, dtype=jnp.int32) + 1) * ratio - 1
-    return jnp.broadcast_to(lo, (batch, n_entries)), jnp.full((batch, n_entries), FOREVER, jnp.int32)
+def entry_intervals(like: jax.Array, n_entries: int, ratio: int) -> tuple[jax.Array, jax.Array]:
+    """Compressed entry w is seen once its window closed: w < (t + 1) // m <=> t >= (w + 1) m - 1.
+    -> (lo, hi) [B, n_entries], batch-laid-out like `like` [B, ...] (int32)."""
+    rows = jnp.zeros_like(like[:, :1], dtype=jnp.int32)  # [B, 1], carrying like's batch sharding
+    lo = rows + (jnp.arange(n_entries, dtype=jnp.int32) + 1) * ratio - 1
+    return lo, jnp.full_like(lo, FOREVER)
 
 
 def compressed_visible(q_pos: jax.Array, n_entries: int, ratio: int) -> jax.Array:
@@ -147,8 +149,8 @@ def attend(p: Attention, q, cq, x, cos, sin, positions, keys, lo, hi, entries, i
     kept; otherwise (and on HCA) all entries join the shared keys. -> o [B, S, H, hd]."""
     kv_pq = mask_pq = None
     if entries is not None:
-        b, n = entries.shape[:2]
-        e_lo, e_hi = entry_intervals(b, n, layer.compress_ratio)
+        n = entries.shape[1]
+        e_lo, e_hi = entry_intervals(lo, n, layer.compress_ratio)
         if layer.has_indexer and cfg.index_topk < n:
             scores = index_scores(index_queries(p.indexer, cq, cos, sin, cfg), index_keys,
                                   index_weights(p.indexer, x, cfg), cfg)
