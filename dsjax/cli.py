@@ -32,14 +32,21 @@ def load_tokenizer():
 
 def _cmd_generate(args) -> int:
     import dsjax
+    from dsjax.generate import generation_engine
     from dsjax.sharding.distributed import initialize
 
     initialize(args.coordinator, args.num_processes, args.process_id)
-    model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None)
+    model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None,
+                             mtp=True if args.num_draft_tokens else None)
     encode, decode = load_tokenizer()
     prompt = [model.config.bos_token_id] + encode(args.text)
-    (new,) = dsjax.generate(model, [prompt], args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    engine, params = generation_engine(model, [prompt], args.max_new_tokens, args.temperature, args.top_p, args.top_k,
+                                       args.seed, args.num_draft_tokens, args.spec_policy)
+    (new,) = engine.generate([prompt], params) if engine is not None else ([],)
+    if args.num_draft_tokens and engine is not None:
+        m = engine.spec_metrics()
+        print(f"speculation: {m['drafts_accepted']}/{m['drafts_proposed']} drafts accepted, "
+              f"{m['tokens_per_row_step']:.2f} tokens per target step", file=sys.stderr)
     if args.ids:
         print(json.dumps({"prompt_ids": prompt, "new_ids": new}))
     else:
@@ -133,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--ids", action="store_true", help="print prompt and new token ids as JSON")
+    g.add_argument("--num-draft-tokens", type=int, default=0,
+                   help="speculative decoding: MTP drafts verified per step (0 = off)")
+    g.add_argument("--spec-policy", default="confidence", choices=["confidence", "fixed"],
+                   help="how many drafts each step verifies: from the drafter's confidence, or all")
     g.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
     g.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (jax.distributed)")
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")

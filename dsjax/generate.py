@@ -32,24 +32,42 @@ def engine_capacity(longest: int, model: Model) -> int:
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature=0.0,
-             top_p=1.0, top_k=0, seed=0) -> list[list[int]]:
+             top_p=1.0, top_k=0, seed=0, num_draft_tokens: int = 0, spec_policy: str = "confidence"
+             ) -> list[list[int]]:
     """New tokens for each prompt, stopping after an EOS token or max_new_tokens.
 
     temperature / top_p / top_k / seed: one value, or one per prompt; temperature 0 is
-    greedy. A request's tokens depend only on its prompt, its settings and its seed."""
+    greedy. A request's tokens depend only on its prompt, its settings and its seed.
+    num_draft_tokens > 0: speculative decoding with the model's MTP layer (greedy output is
+    unchanged; sampled output keeps its distribution), spec_policy "confidence" | "fixed"."""
+    engine, params = generation_engine(model, prompts, max_new_tokens, temperature, top_p, top_k, seed,
+                                       num_draft_tokens, spec_policy)
+    if engine is None:
+        return [[] for _ in prompts]
+    return engine.generate([list(p) for p in prompts], params)
+
+
+def generation_engine(model: Model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                      num_draft_tokens: int = 0, spec_policy: str = "confidence"):
+    """The engine and per-prompt settings `generate` runs (None when there is nothing to
+    generate); for callers that also want the engine's counters."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
     n = len(prompts)
-    if max_new_tokens == 0:
-        return [[] for _ in range(n)]
     params = [SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), seed=int(s),
                              max_tokens=int(max_new_tokens))
               for t, p, k, s in zip(_per_prompt(temperature, n, "temperature"), _per_prompt(top_p, n, "top_p"),
                                     _per_prompt(top_k, n, "top_k"), _per_prompt(seed, n, "seed"))]
-    longest = max(len(p) for p in prompts) + max_new_tokens
+    if max_new_tokens == 0:
+        return None, params
+    longest = max(len(p) for p in prompts) + max_new_tokens + num_draft_tokens
     shards = model.batch_shards()  # under a mesh, slots split evenly over the batch axes
     slots = -(-min(n, MAX_SLOTS) // shards) * shards
-    engine = Engine(model, max_slots=slots, capacity=engine_capacity(longest, model), decode_steps=4)
-    return engine.generate([list(p) for p in prompts], params)
+    engine = Engine(model, max_slots=slots, capacity=engine_capacity(longest, model),
+                    decode_steps=1 if num_draft_tokens else 4, num_draft_tokens=int(num_draft_tokens),
+                    spec_policy=spec_policy)
+    return engine, params

@@ -14,8 +14,6 @@ state at the next position, with the token it just drafted.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -62,19 +60,9 @@ def mtp_state_shapes(cfg: ModelConfig, batch: int, dtype) -> AttentionState:
 def mtp_extend(mtp: MTPParams, main: ModelParams, state: AttentionState, streams: jax.Array,
                next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, cfg: ModelConfig):
     """A chunk through the MTP layer against its ring: streams [B, C, N, D] at positions
-    start + i (i < n_valid), next_tokens [B, C] -> (logits [B, C, V], out streams, state)."""
+    start + i (i < n_valid), next_tokens [B, C] -> (out streams [B, C, N, D], state); the
+    caller applies `mtp_head` where it needs logits."""
     layer = mtp_layer(cfg)
     x = mtp_inputs(mtp, main, streams, next_tokens, cfg)
-    out, state = block_apply(mtp.block, x, next_tokens,
-                             lambda a, h: attention_extend(a, state, h, start, n_valid, layer, cfg, 0), cfg)
-    return mtp_head(mtp, main, out, cfg), out, state
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def mtp_loss(mtp: MTPParams, main: ModelParams, streams: jax.Array, next_tokens: jax.Array, targets: jax.Array,
-             mask: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Mean cross-entropy of the MTP layer's prediction of `targets` (x_{t+2}) where mask."""
-    logits, _ = mtp_forward(mtp, main, streams, next_tokens, cfg)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1)
+    return block_apply(mtp.block, x, next_tokens,
+                       lambda a, h: attention_extend(a, state, h, start, n_valid, layer, cfg, 0), cfg)

@@ -37,3 +37,14 @@ def test_params_json():
 def test_errors_name_the_problem():
     out = _run("generate", "x", "--model", "no-such-model")
     assert out.returncode == 2 and "no-such-model" in out.stderr and "named configs" in out.stderr
+
+
+def test_generate_with_speculation():
+    """--num-draft-tokens: greedy output unchanged, the speculation counters on stderr."""
+    out = _run("generate", "Hello, world", "--max-new-tokens", "6", "--ids", "--dtype", "float32",
+               "--num-draft-tokens", "2", "--spec-policy", "fixed")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    model = dsjax.load_model("tiny", dtype="float32", seed=0)
+    assert result["new_ids"] == dsjax.generate(model, [result["prompt_ids"]], 6)[0]
+    assert "drafts accepted" in out.stderr

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import time
 from typing import Callable, Iterator
 
 import jax
@@ -28,6 +29,7 @@ from dsjax.api import Model, check_token_ids
 from dsjax.config import ModelConfig
 from dsjax.engine.cache import Cache, init_cache
 from dsjax.engine.sampler import SamplingParams, SamplingState, record_tokens, sample_tokens, top_logprobs
+from dsjax.engine.speculative import Speculation, init_speculation, min_ring, prefill_chunk, verify
 from dsjax.engine.step import context_bucket, extend
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding, per_row, rows
@@ -53,6 +55,9 @@ class StepOutput:
     logprob: jax.Array | None  # [B]   (engines with max_logprobs > 0)
     top_values: jax.Array | None  # [B, n]
     top_ids: jax.Array | None
+    drafts_checked: jax.Array | None = None  # [B] speculative engines: drafts verified this step
+    drafts_accepted: jax.Array | None = None  # [B]
+    next_limit: jax.Array | None = None  # [B] drafts each row asks the next step to verify
 
 
 def _init_slots(batch: int, capacity: int) -> Slots:
@@ -133,6 +138,38 @@ def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid:
     return cache, slots, jax.tree.map(lambda a: a[None], out)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket"), donate_argnames=("cache", "spec", "slots"))
+def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
+                      next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, costs, *, cfg: ModelConfig,
+                      ctx_bucket: int):
+    """prefill_step for speculative engines: the chunk also goes through the MTP ring, and
+    a prompt's last chunk drafts the first speculation after the sampled first token."""
+    row_slots = _row(slots, slot)
+
+    def emit(logits, length, last):
+        state, out = _emit(row_slots, logits, length, last, 0)
+        return out.tokens, state.sampling, (state, out)
+
+    row_cache, row_spec, (row_slots, out) = prefill_chunk(
+        params, mtp, _row(cache, slot), _row(spec, slot), tokens, next_tokens, n_valid, is_last[None], emit,
+        cfg=cfg, ctx_bucket=ctx_bucket, costs=costs)
+    return (_set_row(cache, row_cache, slot), _set_row(spec, row_spec, slot), _set_row(slots, row_slots, slot),
+            jax.tree.map(lambda a: a[None], out))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "k"), donate_argnames=("cache", "spec", "slots"))
+def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, costs, *, k: int, cfg: ModelConfig,
+                     ctx_bucket: int):
+    """One verify step over k drafts for every slot; outputs stacked [k+1, B] like
+    decode_step's, with the drafts checked / accepted per row."""
+    cache, spec, slots, tokens, count, finished, checked, accepted = verify(
+        params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, costs=costs)
+    j = jnp.arange(k + 1)[:, None]
+    out = StepOutput(tokens.T, j < count[None], finished[None] & (j == count[None] - 1), None, None, None,
+                     checked, accepted, spec.limit)
+    return cache, spec, slots, out
+
+
 @functools.partial(jax.jit, donate_argnames=("cache", "slots"))
 def admit_slot(cache: Cache, slots: Slots, slot, settings: dict, prompt: jax.Array, stop_ids: jax.Array):
     """Reset one slot for a new request: empty cache row, its sampling settings, its prompt
@@ -176,13 +213,31 @@ class Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    target_steps: int = 0  # speculative engines: verify steps this request took part in
+    drafts_proposed: int = 0  # drafts sent to verification
+    drafts_accepted: int = 0
+    decode_tokens: int = 0  # tokens those steps produced (all but the prefill's first)
+
+
+SPEC_POLICIES = ("confidence", "fixed")
 
 
 class Engine:
-    """Continuous batching over `max_slots` decode slots with a `capacity`-token cache each."""
+    """Continuous batching over `max_slots` decode slots with a `capacity`-token cache each.
+
+    num_draft_tokens > 0: speculative decoding with the model's MTP layer. Each decode step
+    verifies up to that many drafts per slot in one target forward (lossless: the output
+    distribution is the target's). spec_policy "fixed" verifies all of them; "confidence"
+    lets each row verify the k maximising its expected tokens (from the drafter's
+    confidences) per unit of measured verify cost, and the step verifies the largest k any
+    row asked for (known one step late, as outputs are read while the next step runs).
+    The cost curve is measured at warmup() or the first step(); pass verify_costs (K + 1
+    relative costs of verifying k = 0..K drafts) to pin it, e.g. for reproducible runs: the
+    output distribution never depends on it, but sampled tokens follow the k chosen."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
-                 batch_invariant: bool = False, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1):
+                 batch_invariant: bool = False, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
+                 num_draft_tokens: int = 0, spec_policy: str = "confidence", verify_costs: list[float] | None = None):
         cfg = model.config
         ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
         if capacity % ratio:
@@ -200,6 +255,20 @@ class Engine:
                 raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's batch shards ({shards})")
             if batch_invariant:
                 raise ValueError("batch_invariant mode runs each slot alone; it is not supported on a mesh")
+        self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
+        self._check_speculation()
+        self.spec = self.costs = self.verify_costs = None
+        if verify_costs is not None:
+            if len(verify_costs) != num_draft_tokens + 1 or min(verify_costs) <= 0:
+                raise ValueError(f"verify_costs must be {num_draft_tokens + 1} positive numbers (k = 0.."
+                                 f"{num_draft_tokens}), got {verify_costs}")
+            self.verify_costs = [float(c) for c in verify_costs]
+            self.costs = jnp.asarray(self.verify_costs, jnp.float32)
+        if num_draft_tokens:
+            self.spec = init_speculation(cfg, max_slots, num_draft_tokens, model.dtype)
+        self._next_k = [num_draft_tokens] * max_slots  # per slot: drafts its latest output asked to verify
+        self.spec_totals = {"target_steps": 0, "row_steps": 0, "drafts_proposed": 0, "drafts_accepted": 0,
+                            "decode_tokens": 0}
         self.cache = self._place(init_cache(cfg, max_slots, capacity, model.dtype))
         self.slots = self._place(_init_slots(max_slots, capacity))
         # compile the cancel path now (a no-op on empty slots) so a later cancel is not a hiccup
@@ -211,6 +280,26 @@ class Engine:
         self._pending: collections.deque = collections.deque()  # (StepOutput, slot -> request id)
         self._ids = itertools.count()
         self.steps = 0
+
+    def _check_speculation(self) -> None:
+        k = self.num_draft_tokens
+        if k < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {k}")
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"spec_policy must be one of {SPEC_POLICIES}, got {self.spec_policy!r}")
+        if not k:
+            return
+        if self.model.mtp is None:
+            raise ValueError("num_draft_tokens > 0 needs the model's MTP layer: load a checkpoint with mtp.0.* "
+                             "tensors, or load_model(..., mtp=True)")
+        limit = min_ring(self.cfg) - 1
+        if k > limit:
+            raise ValueError(f"num_draft_tokens={k} is too many for this model: a verify step writes k + 1 "
+                             f"positions, at most its smallest cache ring ({limit + 1})")
+        for name, bad in (("a mesh", self.mesh is not None), ("batch_invariant", self.batch_invariant),
+                          ("max_logprobs > 0", self.max_logprobs > 0), ("decode_steps > 1", self.decode_steps > 1)):
+            if bad:
+                raise ValueError(f"speculative decoding (num_draft_tokens > 0) does not support {name}")
 
     def _place(self, tree):
         """Batch-major state onto the mesh: rows over the batch axes."""
@@ -228,6 +317,14 @@ class Engine:
         if len(prompt) + params.max_tokens > self.capacity:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
                              f"cache capacity ({self.capacity} tokens)")
+        if self.num_draft_tokens:
+            if len(prompt) + params.max_tokens + self.num_draft_tokens > self.capacity:
+                raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) + "
+                                 f"num_draft_tokens ({self.num_draft_tokens}) exceeds the engine's cache capacity "
+                                 f"({self.capacity} tokens)")
+            if params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty:
+                raise ValueError("penalties are not supported with speculative decoding (their token statistics "
+                                 "would change inside the draft chain); use an engine with num_draft_tokens=0")
         if params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={self.max_logprobs}")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
@@ -276,24 +373,74 @@ class Engine:
         self._reset_slot(0, [0], SamplingParams())
         buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
         chunks = [c for c in (2 ** i for i in range(4, 31)) if c < self.prefill_chunk] + [self.prefill_chunk]
+        self._measure_costs()
         b = self.max_slots
+        ks = self._verify_lengths()
         for bucket in buckets:
             for c in chunks:
                 if self.mesh is None:
-                    self.cache, self.slots, _ = prefill_step(
-                        self.model.params, self.cache, self.slots, jnp.int32(0), np.zeros((1, c), np.int32),
-                        np.zeros((1,), np.int32), np.bool_(False), cfg=self.cfg, ctx_bucket=bucket,
-                        n_logprobs=self.max_logprobs)
+                    zeros = np.zeros((1, c), np.int32)
+                    self._prefill_call(0, zeros, zeros, np.zeros((1,), np.int32), False, bucket)
                 else:
                     self.cache, self.slots, _ = prefill_rows(
                         self.model.params, self.cache, self.slots, self._place(np.zeros((b, c), np.int32)),
                         self._place(np.zeros(b, np.int32)), self._place(np.zeros(b, bool)), cfg=self.cfg,
                         ctx_bucket=bucket, n_logprobs=self.max_logprobs)
-            self.cache, self.slots, _ = decode_step(
+            for k in ks:
+                self._decode_call(bucket, k)
+        jax.block_until_ready(self.cache)
+        return len(buckets) * (len(chunks) + len(ks)) + 1
+
+    def _verify_lengths(self) -> list[int]:
+        """The verify lengths decode may dispatch ([0] without speculation)."""
+        if not self.num_draft_tokens:
+            return [0]
+        return list(range(self.num_draft_tokens + 1)) if self.spec_policy == "confidence" else [self.num_draft_tokens]
+
+    def _measure_costs(self, reps: int = 3) -> None:
+        """Confidence scheduling: time a verify step over k + 1 positions for k = 0..K (on
+        idle copies of the slot state, at the smallest context bucket) -> self.verify_costs,
+        relative to k = 0. Runs once (warmup(), or the first step())."""
+        if self.spec_policy != "confidence" or self.costs is not None or not self.num_draft_tokens:
+            return
+        placeholder = jnp.ones(self.num_draft_tokens + 1, jnp.float32)
+        seconds = []
+        for k in range(self.num_draft_tokens + 1):
+            slots = jax.tree.map(jnp.copy, self.slots).replace(active=jnp.zeros_like(self.slots.active))
+            spec = jax.tree.map(jnp.copy, self.spec)
+            times = []
+            for _ in range(reps + 1):  # the first call compiles
+                t = time.perf_counter()
+                self.cache, spec, slots, out = spec_decode_step(
+                    self.model.params, self.model.mtp, self.cache, spec, slots, placeholder, k=k, cfg=self.cfg,
+                    ctx_bucket=self._bucket(1))
+                jax.block_until_ready((self.cache, out))
+                times.append(time.perf_counter() - t)
+            seconds.append(min(times[1:]))
+        self.verify_costs = [t / seconds[0] for t in seconds]
+        self.costs = jnp.asarray(self.verify_costs, jnp.float32)
+
+    def _prefill_call(self, slot: int, tokens, next_tokens, n_valid, is_last: bool, bucket: int) -> StepOutput:
+        if self.spec is None:
+            self.cache, self.slots, out = prefill_step(
+                self.model.params, self.cache, self.slots, jnp.int32(slot), tokens, n_valid, np.bool_(is_last),
+                cfg=self.cfg, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
+        else:
+            self.cache, self.spec, self.slots, out = spec_prefill_step(
+                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, jnp.int32(slot), tokens,
+                next_tokens, n_valid, np.bool_(is_last), self.costs, cfg=self.cfg, ctx_bucket=bucket)
+        return out
+
+    def _decode_call(self, bucket: int, k: int) -> StepOutput:
+        if self.spec is None:
+            self.cache, self.slots, out = decode_step(
                 self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=bucket,
                 batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
-        jax.block_until_ready(self.cache)
-        return len(buckets) * (len(chunks) + 1) + 1
+        else:
+            self.cache, self.spec, self.slots, out = spec_decode_step(
+                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, self.costs, k=k, cfg=self.cfg,
+                ctx_bucket=bucket)
+        return out
 
     # ------------------------------------------------------------------ stepping
     def _admit(self) -> None:
@@ -303,6 +450,7 @@ class Engine:
             req = self.requests[self.waiting.popleft()]
             self._reset_slot(slot, req.prompt, req.params)
             req.state, req.slot = "prefilling", slot
+            self._next_k[slot] = self.num_draft_tokens
             self.slot_owner[slot] = req.request_id
 
     def _reset_slot(self, slot: int, prompt: list[int], p: SamplingParams) -> None:
@@ -328,9 +476,11 @@ class Engine:
         tokens = np.zeros((1, c), np.int32)
         tokens[0, : len(chunk)] = chunk
         is_last = req.prefilled + len(chunk) == len(req.prompt)
-        self.cache, self.slots, out = prefill_step(
-            self.model.params, self.cache, self.slots, jnp.int32(req.slot), tokens, np.array([len(chunk)], np.int32),
-            np.bool_(is_last), cfg=self.cfg, ctx_bucket=self._bucket(req.prefilled + c), n_logprobs=self.max_logprobs)
+        following = np.zeros((1, c), np.int32)  # the token after each (speculative engines' MTP ring)
+        after = req.prompt[req.prefilled + 1: req.prefilled + len(chunk) + 1]
+        following[0, : len(after)] = after
+        out = self._prefill_call(req.slot, tokens, following, np.array([len(chunk)], np.int32), is_last,
+                                 self._bucket(req.prefilled + c))
         req.prefilled += len(chunk)
         req.dispatched = req.prefilled
         if is_last:
@@ -374,11 +524,12 @@ class Engine:
         decoding = [r for r in decoding if r.state == "decoding"]
         if not decoding:
             return False
-        n = self.decode_steps
+        k = 0
+        if self.num_draft_tokens:
+            k = self.num_draft_tokens if self.spec_policy == "fixed" else max(self._next_k[r.slot] for r in decoding)
+        n = k + 1 if self.num_draft_tokens else self.decode_steps  # positions written per slot, at most
         needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
-        self.cache, self.slots, out = decode_step(
-            self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=self._bucket(needed),
-            batch_invariant=self.batch_invariant, n_logprobs=self.max_logprobs, n_steps=n)
+        out = self._decode_call(self._bucket(needed), k)
         for r in decoding:
             r.dispatched += n
         self._pending.append((out, {r.slot: r.request_id for r in decoding}))
@@ -390,6 +541,7 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[TokenEvent]:
+        self._measure_costs()
         self._admit()
         prefilling = [self.requests[o] for o in self.slot_owner
                       if o is not None and self.requests[o].state == "prefilling"]
@@ -408,6 +560,8 @@ class Engine:
     def _process(self, out: StepOutput, owners: dict[int, str]) -> list[TokenEvent]:
         """Turn one dispatch's outputs ([steps, rows]) into events, in order."""
         host = to_host(out)
+        if host.drafts_checked is not None:
+            self._count_speculation(host, owners)
         events = []
         for step in range(host.tokens.shape[0]):
             for row, request_id in owners.items():
@@ -416,6 +570,35 @@ class Engine:
                     continue
                 events.append(self._emit_event(req, host, step, row))
         return events
+
+    def _count_speculation(self, host: StepOutput, owners: dict[int, str]) -> None:
+        totals = self.spec_totals
+        totals["target_steps"] += 1
+        for row, request_id in owners.items():
+            req = self.requests[request_id]
+            if req.state in ("finished", "cancelled"):
+                continue
+            checked, accepted = int(host.drafts_checked[row]), int(host.drafts_accepted[row])
+            produced = int(host.emitted[:, row].sum())
+            req.target_steps += 1
+            req.drafts_proposed += checked
+            req.drafts_accepted += accepted
+            req.decode_tokens += produced
+            for key, n in (("row_steps", 1), ("drafts_proposed", checked), ("drafts_accepted", accepted),
+                           ("decode_tokens", produced)):
+                totals[key] += n
+            self._next_k[row] = int(host.next_limit[row])
+
+    def spec_metrics(self) -> dict:
+        """Engine-wide speculation counters since construction: target (verify) steps, the
+        drafts proposed and accepted, and tokens per target step, per request
+        (`tokens_per_row_step`) and for the whole batch (`tokens_per_target_step`)."""
+        t = dict(self.spec_totals)
+        t["acceptance_rate"] = t["drafts_accepted"] / max(t["drafts_proposed"], 1)
+        t["tokens_per_row_step"] = t["decode_tokens"] / max(t["row_steps"], 1)
+        t["tokens_per_target_step"] = t["decode_tokens"] / max(t["target_steps"], 1)
+        t["verify_costs"] = self.verify_costs
+        return t
 
     def _emit_event(self, req: Request, host: StepOutput, step: int, row: int) -> TokenEvent:
         token = int(host.tokens[step, row])

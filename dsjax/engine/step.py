@@ -29,8 +29,9 @@ def context_bucket(tokens_needed: int, capacity: int) -> int:
     return min(bucket, capacity)
 
 
-def _extend_rows(params: ModelParams, cache: Cache, tokens: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
-                 ctx_bucket: int, all_logits: bool):
+def run_layers(params: ModelParams, cache: Cache, tokens: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
+               ctx_bucket: int) -> tuple[jax.Array, Cache]:
+    """The decoder over a chunk against the cache -> (final streams [B, C, N, D], cache)."""
     start = cache.length
     streams = embed_streams(params, tokens, cfg)
     layers = []
@@ -42,10 +43,16 @@ def _extend_rows(params: ModelParams, cache: Cache, tokens: jax.Array, n_valid: 
 
         streams, new_state = block_apply(block, streams, tokens, attend, cfg)
         layers.append(new_state)
+    return streams, Cache(start + n_valid, tuple(layers))
+
+
+def _extend_rows(params: ModelParams, cache: Cache, tokens: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
+                 ctx_bucket: int, all_logits: bool):
+    streams, cache = run_layers(params, cache, tokens, n_valid, cfg, ctx_bucket)
     if not all_logits:  # only the last valid position of each row
         last = jnp.maximum(n_valid - 1, 0)
         streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)
-    return head_logits(params, streams, cfg), Cache(start + n_valid, tuple(layers))
+    return head_logits(params, streams, cfg), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "all_logits", "batch_invariant"),

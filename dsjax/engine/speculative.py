@@ -1,0 +1,298 @@
+"""Speculative decoding with the MTP drafter: k drafts per request verified in ONE jitted
+target forward over k+1 positions, lossless acceptance, and rollback of every ring the
+rejected positions wrote.
+
+Per step, for each slot at cache length L with pending token x_L (not yet in the cache):
+
+    feed [x_L, d_1..d_k] at positions L..L+k         -> target logits p_0..p_k
+    greedy : a = #leading i with d_{i+1} == argmax p_i;  next = argmax p_a
+    sampled: accept d_{i+1} iff u < p_i(d_{i+1}) / q_i(d_{i+1}) (u from (seed, position));
+             at the first rejection next ~ normalise(max(p_i - q_i, 0)); if all accepted
+             next ~ p_k (the bonus token)
+    keep positions L..L+a (length L + a + 1); restore the ring slots positions L+a+1..L+k
+    overwrote (window rings, compressor / indexer rings); compressed entries those
+    positions completed are recomputed when their windows really close, before any query
+    can see them, so nothing else is copied back.
+    MTP: commit positions L..L+a with the target's streams, then draft the next k.
+
+p and q are the request's *processed* distributions (temperature, top-k, top-p, min-p),
+so the output distribution is exactly the target's. Penalties, whose statistics would
+change inside the draft chain, are refused with speculation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dsjax.config import ModelConfig
+from dsjax.engine.cache import Cache
+from dsjax.engine.sampler import SamplingState, argmax_first, categorical, filter_logits, request_key
+from dsjax.layers.attention import AttentionState
+from dsjax.layers.compressor import CompressorState
+from dsjax.model import ModelParams, MTPParams
+from dsjax.engine.step import run_layers
+from dsjax.model import head_logits
+from dsjax.mtp import mtp_extend, mtp_head, mtp_state_shapes
+
+ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
+
+
+@struct.dataclass
+class Drafts:
+    """Per slot: the pending drafts and the drafter's distributions over them."""
+
+    tokens: jax.Array  # [B, K] int32
+    q: jax.Array  # [B, K, V] fp32: the processed draft distribution each was drawn from
+    confidence: jax.Array  # [B, K] fp32: q(d_j) (greedy rows: the drafter's softmax at d_j), for scheduling
+
+
+def processed_probs(logits: jax.Array, s: SamplingState) -> jax.Array:
+    """The distribution a request samples from: softmax(filter(logits / T)); greedy rows get
+    a one-hot on the first maximum. logits [B, ..., V] -> probs (same shape, fp32). The
+    softmax and the top-k / top-p / min-p threshold search run only when some row needs them."""
+    shape = logits.shape
+    flat = logits.reshape(shape[0], -1, shape[-1]).astype(jnp.float32)
+    rows = jnp.repeat(jnp.arange(shape[0]), flat.shape[1])
+    flat = flat.reshape(-1, shape[-1])
+    t, top_k, top_p, min_p = s.temperature[rows], s.top_k[rows], s.top_p[rows], s.min_p[rows]
+    sampled = t > 0
+    greedy = jax.nn.one_hot(argmax_first(flat), shape[-1], dtype=jnp.float32)
+
+    def sampled_probs(z):
+        scaled = z / jnp.where(sampled, t, 1.0)[:, None]
+        needs_filter = jnp.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0)))
+        scaled = jax.lax.cond(needs_filter, lambda y: filter_logits(y, top_k, top_p, min_p), lambda y: y, scaled)
+        return jnp.where(sampled[:, None], jax.nn.softmax(scaled, axis=-1), greedy)
+
+    return jax.lax.cond(jnp.any(sampled), sampled_probs, lambda _: greedy, flat).reshape(shape)
+
+
+def _salted(seed, position, salt):
+    return jax.random.fold_in(request_key(seed, position), salt)
+
+
+def draw(probs: jax.Array, seeds: jax.Array, positions: jax.Array, salt: int) -> jax.Array:
+    """One draw per row from probs [B, V] with the key of (seed, position, salt)."""
+    keys = jax.vmap(lambda s, p: _salted(s, p, salt))(seeds, positions)
+    return categorical(keys, jnp.log(jnp.maximum(probs, 0.0)))
+
+
+def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, limit: jax.Array, s: SamplingState, start: jax.Array):
+    """Lossless acceptance of the first `limit` [B] of k drafts. p [B, k+1, V] target, q
+    [B, k, V] draft distributions, drafts [B, k]; start [B] = position of the pending token.
+    -> (accepted count a [B], next token [B]): a drafts accepted, then `next`: drawn from the
+    residual max(p - q, 0) at a rejection, from p itself when the drafts ran out (a = limit).
+    The stopping point `limit` depends only on the drafter, so every choice is lossless."""
+    b, k = drafts.shape
+    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    draft_pos = start[:, None] + 1 + jnp.arange(k)
+    u = jax.vmap(jax.vmap(lambda sd, ps: jax.random.uniform(_salted(sd, ps, ACCEPT)), (None, 0)))(s.seed, draft_pos)
+    greedy = s.temperature <= 0
+    ok = jnp.where(greedy[:, None], p_d > 0.5, u * q_d < p_d)  # u < p/q without dividing by q = 0
+    ok &= jnp.arange(k) < limit[:, None]
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepted drafts
+    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), a[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_a - jnp.where((a < limit)[:, None], q_a, 0.0), 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 1e-8, residual / jnp.maximum(mass, 1e-30), p_a)
+    nxt = draw(residual, s.seed, start + 1 + a, TOKEN)
+    return a, jnp.where(greedy, argmax_first(p_a), nxt)
+
+
+# ----------------------------------------------------------------------------- rollback
+def _slots_of(state: AttentionState, ratio: int, positions: jax.Array):
+    """(array, index [B, n]) of every row an extend over `positions` may write: the ring
+    slots (position % size) and the compressed entry each position would complete."""
+    out = [(state.window, positions % state.window.shape[1])]
+    for comp in (state.compressor, state.indexer):
+        if comp is not None:
+            ring = comp.ring_kv.shape[1]
+            out += [(comp.entries, positions // ratio), (comp.ring_kv, positions % ring),
+                    (comp.ring_gate, positions % ring)]
+    return out
+
+
+def _with_arrays(state: AttentionState, arrays) -> AttentionState:
+    it = iter(arrays)
+    window = next(it)
+    comps = [None if comp is None else CompressorState(next(it), next(it), next(it))
+             for comp in (state.compressor, state.indexer)]
+    return AttentionState(window, *comps)
+
+
+def save_rows(cache: Cache, positions: jax.Array, cfg: ModelConfig):
+    """What an extend over positions [B, n] will overwrite, per layer."""
+    rows = jnp.arange(positions.shape[0])[:, None]
+    return [[a.at[rows, idx].get(mode="fill", fill_value=0) for a, idx in _slots_of(st, layer.compress_ratio, positions)]
+            for st, layer in zip(cache.layers, cfg.layers)]
+
+
+def restore_rows(cache: Cache, saved, positions: jax.Array, rejected: jax.Array, cfg: ModelConfig) -> Cache:
+    """Put back the rows that the positions marked rejected [B, n] wrote. A rejected
+    position's entry index holds its pre-step value: every position of that group at or
+    after it was rejected too, so no kept position wrote it."""
+    rows = jnp.arange(positions.shape[0])[:, None]
+    layers = []
+    for st, layer, kept in zip(cache.layers, cfg.layers, saved):
+        arrays = []
+        for (a, idx), old in zip(_slots_of(st, layer.compress_ratio, positions), kept):
+            idx = jnp.where(rejected, idx, a.shape[1])  # out of bounds: dropped
+            arrays.append(a.at[rows, idx].set(old, mode="drop"))
+        layers.append(_with_arrays(st, arrays))
+    return cache.replace(layers=tuple(layers))
+
+
+def min_ring(cfg: ModelConfig) -> int:
+    """The smallest ring of the cache: one verify step may write at most this many positions
+    (each ring slot at most once, so the saved rows are the pre-step ones)."""
+    sizes = [cfg.sliding_window]
+    for layer in cfg.layers:
+        if layer.compress_ratio:
+            sizes.append(layer.compress_ratio * (2 if layer.overlap else 1))
+        if layer.has_indexer:
+            sizes.append(2 * layer.compress_ratio)
+    return min(sizes)
+
+
+# ----------------------------------------------------------------------------- drafting
+@struct.dataclass
+class Speculation:
+    """Per slot: the MTP layer's window ring, the pending drafts and how many of them the
+    next verify step checks."""
+
+    mtp: AttentionState
+    drafts: Drafts
+    limit: jax.Array  # [B] int32
+
+
+def init_speculation(cfg: ModelConfig, batch: int, n_drafts: int, dtype) -> Speculation:
+    f32 = jnp.float32
+    drafts = Drafts(jnp.zeros((batch, n_drafts), jnp.int32), jnp.zeros((batch, n_drafts, cfg.vocab_size), f32),
+                    jnp.zeros((batch, n_drafts), f32))
+    ring = jax.tree.map(lambda sh: jnp.zeros(sh.shape, sh.dtype), mtp_state_shapes(cfg, batch, dtype))
+    return Speculation(ring, drafts, jnp.zeros((batch,), jnp.int32))
+
+
+def choose_limits(confidence: jax.Array, costs: jax.Array | None) -> jax.Array:
+    """How many drafts to verify per row. Fixed (costs None): all of them. Otherwise the k
+    maximising expected tokens per unit cost, (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k]:
+    the prefix-survival estimate from the drafter's own confidences c [B, K] against the
+    measured cost curve cost [K+1] of a verify step over k+1 positions."""
+    b, k = confidence.shape
+    if costs is None:
+        return jnp.full((b,), k, jnp.int32)
+    survival = jnp.cumprod(confidence, axis=1)
+    expected = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(survival, axis=1)], axis=1)  # [B, K+1]
+    return jnp.argmax(expected / costs[None, :], axis=1).astype(jnp.int32)
+
+
+def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionState, streams: jax.Array,
+                     next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, s: SamplingState,
+                     n_drafts: int, cfg: ModelConfig):
+    """Commit true positions start .. start+n_valid-1 to the MTP ring (target streams
+    [B, C, N, D] and the tokens after them [B, C]), then draft n_drafts tokens from the last
+    one by reusing the MTP layer on its own output streams (on a scratch copy of the ring,
+    so the ring only ever holds true positions and needs no rollback)."""
+    out, mtp_state = mtp_extend(mtp, params, mtp_state, streams, next_tokens, start, n_valid, cfg)
+    last = jnp.maximum(n_valid - 1, 0)
+    h = jnp.take_along_axis(out, last[:, None, None, None], axis=1)  # [B, 1, N, D]
+    pos = start + last  # the position the MTP step just ran at; it predicts the token at pos + 2
+    sampled = s.temperature > 0
+
+    def one(carry, _):
+        h, scratch, pos = carry
+        logits = mtp_head(mtp, params, h, cfg)[:, 0]
+        q = processed_probs(logits, s)
+        d = jnp.where(sampled, draw(q, s.seed, pos + 2, DRAFT), argmax_first(q))
+        # confidence: q(d), or for greedy rows (q one-hot) the drafter's softmax at d
+        raw = jnp.exp(jnp.take_along_axis(logits, d[:, None], axis=1)[:, 0] - jax.nn.logsumexp(logits, axis=-1))
+        conf = jnp.where(sampled, jnp.take_along_axis(q, d[:, None], axis=1)[:, 0], raw)
+        # the next draft runs the layer on its own output with d (the last one's is unused)
+        h, scratch = mtp_extend(mtp, params, scratch, h, d[:, None], pos + 1, jnp.ones_like(pos), cfg)
+        return (h, scratch, pos + 1), (d, q, conf)
+
+    _, (tokens, qs, confs) = jax.lax.scan(one, (h, mtp_state, pos), None, length=n_drafts)
+    return mtp_state, Drafts(tokens.T, jnp.moveaxis(qs, 0, 1), confs.T)
+
+
+def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Drafts, rows: jax.Array,
+                       costs: jax.Array | None) -> Speculation:
+    """The new ring and drafts for `rows` [B] (bool); the other rows keep theirs."""
+    def keep(new, old):
+        return jnp.where(rows.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+
+    drafts = jax.tree.map(keep, drafts, spec.drafts)
+    return Speculation(jax.tree.map(keep, mtp_state, spec.mtp), drafts,
+                       keep(choose_limits(drafts.confidence, costs), spec.limit))
+
+
+# ----------------------------------------------------------------------------- steps
+def emit_tokens(slots, tokens: jax.Array, n_new: jax.Array, start: jax.Array):
+    """Book tokens [B, n] (the first n_new valid, at positions start + 1 + j) for the
+    slots: stop ids and max_tokens cut the run short. -> (slots, count [B], finished [B])."""
+    n = tokens.shape[1]
+    i = jnp.arange(n)
+    stop = jnp.any(tokens[..., None] == slots.stop_ids[:, None, :], axis=-1) & (i < n_new[:, None])
+    first_stop = jnp.min(jnp.where(stop, i, n), axis=1)
+    count = jnp.minimum(jnp.minimum(n_new, first_stop + 1), slots.max_tokens - slots.n_generated)
+    count = jnp.where(slots.active, count, 0)
+    finished = slots.active & ((first_stop < count) | (slots.n_generated + count >= slots.max_tokens))
+    history = slots.sampling.history
+    at = jnp.where(i < count[:, None], start[:, None] + 1 + i, history.shape[1])  # beyond: dropped
+    sampling = slots.sampling.replace(history=history.at[jnp.arange(n_new.shape[0])[:, None], at].set(
+        tokens, mode="drop"))
+    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    slots = slots.replace(sampling=sampling, n_generated=slots.n_generated + count,
+                          last_token=jnp.where(count > 0, last, slots.last_token),
+                          active=slots.active & ~finished)
+    return slots, count, finished
+
+
+def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
+           cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None):
+    """One speculative step for every active slot: feed [pending token, first k drafts] in
+    one target forward, accept (at most each row's limit), roll the caches back to the
+    kept positions, commit them to the MTP ring and draft anew.
+    -> (cache, spec, slots, tokens [B, k+1], count [B], finished [B], checked [B], accepted [B])."""
+    start, active = cache.length, slots.active
+    drafts = spec.drafts
+    tokens = jnp.concatenate([slots.last_token[:, None], drafts.tokens[:, :k]], axis=1)  # [B, k+1]
+    positions = start[:, None] + jnp.arange(k + 1)
+    saved = save_rows(cache, positions, cfg)
+    streams, cache = run_layers(params, cache, tokens, jnp.where(active, k + 1, 0), cfg, ctx_bucket)
+    p = processed_probs(head_logits(params, streams, cfg), slots.sampling)
+    limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
+    a, nxt = accept(p, drafts.q[:, :k], drafts.tokens[:, :k], limit, slots.sampling, start)
+    i = jnp.arange(k + 1)
+    produced = jnp.where(i < a[:, None], jnp.pad(drafts.tokens[:, :k], ((0, 0), (0, 1))), nxt[:, None])
+    cache = restore_rows(cache, saved, positions, (i > a[:, None]) & active[:, None], cfg)
+    cache = cache.replace(length=jnp.where(active, start + a + 1, start))
+    slots, count, finished = emit_tokens(slots, produced, a + 1, start)
+    mtp_state, new = commit_and_draft(params, mtp, spec.mtp, streams, produced, start, jnp.where(active, a + 1, 0),
+                                      slots.sampling, drafts.tokens.shape[1], cfg)
+    spec = update_speculation(spec, mtp_state, new, active, costs)
+    return cache, spec, slots, produced, count, finished, limit, a
+
+
+def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, tokens: jax.Array,
+                  next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, emit, *, cfg: ModelConfig,
+                  ctx_bucket: int, costs: jax.Array | None):
+    """A prompt chunk tokens [B, C] through the target and the MTP ring. next_tokens [B, C]:
+    the token after each (from the prompt; after its end, the sampled first token).
+    `emit(logits [B, V], length [B], is_last [B]) -> (first token [B], sampling state, aux)`
+    samples the first token of rows whose prompt ends here; their drafts follow it.
+    -> (cache, spec, aux)."""
+    start = cache.length
+    streams, cache = run_layers(params, cache, tokens, n_valid, cfg, ctx_bucket)
+    last = jnp.maximum(n_valid - 1, 0)
+    logits = head_logits(params, jnp.take_along_axis(streams, last[:, None, None, None], axis=1), cfg)[:, 0]
+    first, sampling, aux = emit(logits, cache.length, is_last)
+    rows = jnp.arange(tokens.shape[0])
+    next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
+    mtp_state, drafts = commit_and_draft(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
+                                         spec.drafts.tokens.shape[1], cfg)
+    return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, costs), aux

@@ -1,0 +1,306 @@
+"""Speculative decoding with the MTP drafter: the MTP layer's cached path against its
+full-sequence form, greedy outputs identical to plain decoding, the sampled output
+distribution against the target's (chi-square), caches after accept / reject sequences
+against plain decoding, and confidence scheduling against its closed form."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import dsjax
+from dsjax.engine.cache import init_cache
+from dsjax.engine.engine import Engine, _init_slots
+from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.speculative import (DRAFT, Drafts, accept, choose_limits, draw, init_speculation, min_ring,
+                                      prefill_chunk, verify)
+from dsjax.model import forward_streams, model_specs, mtp_specs
+from dsjax.mtp import mtp_extend, mtp_forward, mtp_head
+from dsjax.params import init_params
+
+F32 = jnp.float32
+
+
+def _model(vocab: int | None = None, seed: int = 0) -> dsjax.Model:
+    """tiny (every layer type), with its vocabulary cut to `vocab` so that a random drafter
+    agrees with the target often enough to exercise acceptance as well as rejection."""
+    cfg = dsjax.load_config("tiny")
+    if vocab is not None:
+        cfg = cfg.replace(vocab_size=vocab, name=f"tiny-v{vocab}")
+    return dsjax.Model(cfg, init_params(model_specs(cfg, F32), seed), F32, None,
+                       init_params(mtp_specs(cfg, F32), seed + 1))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return _model(vocab=6, seed=3)
+
+
+def _prompts(rng, vocab, lengths):
+    return [rng.integers(2, vocab, n).tolist() for n in lengths]
+
+
+# ----------------------------------------------------------------------------- MTP layer
+def test_mtp_cached_matches_full_sequence(small_vocab, rng):
+    """The MTP layer over its ring, fed in uneven chunks, equals its full-sequence form
+    (window attention wrapping the 16-slot ring)."""
+    tiny = small_vocab
+    cfg, s = tiny.config, 41
+    ids = jnp.asarray(rng.integers(2, cfg.vocab_size, (2, s + 1)))
+    streams = jax.jit(forward_streams, static_argnames="cfg")(tiny.params, ids[:, :s], cfg)
+    want_logits, want_out = jax.jit(mtp_forward, static_argnames="cfg")(tiny.mtp, tiny.params, streams, ids[:, 1:], cfg)
+    state = init_speculation(cfg, 2, 1, F32).mtp
+    start, outs = 0, []
+    extend = jax.jit(mtp_extend, static_argnames="cfg")
+    for c in (8, 1, 16, 16):
+        length = jnp.full((2,), start, jnp.int32)
+        out, state = extend(tiny.mtp, tiny.params, state, streams[:, start:start + c], ids[:, start + 1:start + c + 1],
+                                length, jnp.full((2,), c, jnp.int32), cfg)
+        outs.append(out)
+        start += c
+    out = jnp.concatenate(outs, axis=1)
+    np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(mtp_head(tiny.mtp, tiny.params, out, cfg), want_logits, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- greedy
+def _engine(model, **kw) -> Engine:
+    """One engine shape for the whole module (3 slots, 256 tokens, 16-token chunks), so the
+    tests share compiled steps, dsjax.generate's included."""
+    return Engine(model, max_slots=3, capacity=256, prefill_chunk=16, **kw)
+
+
+def _generate(model, prompts, params, **kw):
+    engine = _engine(model, **kw)
+    return engine.generate(prompts, params), engine
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_speculation_is_token_identical(small_vocab, rng, k):
+    """k drafts per step, batch 3 (+ a queued request), prompts and outputs crossing CSA (4)
+    and HCA (16) group boundaries: the tokens equal plain decoding's, and the drafter both
+    hit and missed (so acceptance, rejection and rollback all ran)."""
+    prompts = _prompts(rng, 6, (5, 19, 33, 12))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain, _ = _generate(small_vocab, prompts, params)
+    spec, engine = _generate(small_vocab, prompts, params, num_draft_tokens=k, spec_policy="fixed")
+    assert spec == plain
+    m = engine.spec_metrics()
+    assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
+    assert m["drafts_proposed"] == k * m["row_steps"]
+    assert m["decode_tokens"] == sum(len(t) - 1 for t in spec)
+    for rid in engine.requests:
+        req = engine.requests[rid]
+        assert req.decode_tokens == len(req.tokens) - 1 and req.drafts_accepted <= req.drafts_proposed
+
+
+def test_greedy_speculation_stops_inside_a_verified_run(small_vocab, rng):
+    """A stop token met among accepted drafts ends the request there, as in plain decoding."""
+    prompts = _prompts(rng, 6, (9, 14))
+    free = _generate(small_vocab, prompts, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    stop = free[0][6]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,))
+    plain = _generate(small_vocab, prompts, params)[0]
+    spec = _generate(small_vocab, prompts, params, num_draft_tokens=3, spec_policy="fixed")[0]
+    assert spec == plain and plain[0][-1] == stop and len(plain[0]) <= 7
+
+
+def test_confidence_scheduling_greedy_identical(small_vocab, rng):
+    """Confidence scheduling (cost curve pinned): rows verify different numbers of drafts,
+    steps different lengths, and the tokens still equal plain decoding's."""
+    prompts = _prompts(rng, 6, (7, 21, 30))
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain, _ = _generate(small_vocab, prompts, params)
+    spec, engine = _generate(small_vocab, prompts, params, num_draft_tokens=2, verify_costs=[1.0, 1.05, 1.1])
+    assert spec == plain
+    m = engine.spec_metrics()
+    assert 0 < m["drafts_proposed"] < 2 * m["row_steps"]  # not always the maximum
+
+
+def test_choose_limits_closed_form(rng):
+    """argmax_k (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k], by enumeration."""
+    conf = rng.uniform(0, 1, (64, 5)).astype(np.float32)
+    costs = np.array([1.0, 1.15, 1.4, 1.5, 2.0, 2.1], np.float32)
+    got = np.asarray(choose_limits(jnp.asarray(conf), jnp.asarray(costs)))
+    for row, c in enumerate(conf):
+        value = [(1 + sum(np.prod(c[: j + 1]) for j in range(k))) / costs[k] for k in range(6)]
+        assert got[row] == int(np.argmax(value))
+    assert (np.asarray(choose_limits(jnp.asarray(conf), None)) == 5).all()
+
+
+# ----------------------------------------------------------------------------- sampled
+def _sampling_state(n, capacity, temperature, top_k=0, top_p=1.0):
+    s = _init_slots(n, capacity).sampling
+    return s.replace(temperature=jnp.full((n,), temperature, F32), top_k=jnp.full((n,), top_k, jnp.int32),
+                     top_p=jnp.full((n,), top_p, F32), seed=jnp.arange(n, dtype=jnp.uint32))
+
+
+def _chi_square_p(samples, probs):
+    probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
+    counts = np.bincount(samples, minlength=len(probs))
+    keep = probs * len(samples) >= 5  # pool the rare cells
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expected = np.append(probs[keep], probs[~keep].sum()) * len(samples)
+    if expected[-1] == 0:
+        assert observed[-1] == 0
+        observed, expected = observed[:-1], expected[:-1]
+    return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+
+@pytest.mark.parametrize("limit", [3, 1, 0])
+def test_acceptance_rule_keeps_the_target_distribution(rng, limit):
+    """accept() over 20000 seeds: the first emitted token follows p_0 and the second (given
+    the first draft was accepted) p_1, for drafts drawn from a different q; also when the
+    row verifies fewer drafts than it has (limit)."""
+    n, k, v = 20000, 3, 7
+    p = rng.dirichlet(np.ones(v) * 0.7, k + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(v) * 0.7, k).astype(np.float32)
+    s = _sampling_state(n, 16, 1.0)
+    start = jnp.zeros((n,), jnp.int32)
+    drafts = jnp.stack([draw(jnp.broadcast_to(q[j], (n, v)), s.seed, start + 2 + j, DRAFT) for j in range(k)], 1)
+    a, nxt = accept(jnp.broadcast_to(p, (n, k + 1, v)), jnp.broadcast_to(q, (n, k, v)), drafts,
+                    jnp.full((n,), limit, jnp.int32), s, start)
+    a, nxt, drafts = np.asarray(a), np.asarray(nxt), np.asarray(drafts)
+    assert (a <= limit).all()
+    first = np.where(a > 0, drafts[:, 0], nxt)
+    assert _chi_square_p(first, p[0]) > 1e-3
+    if limit >= 1:
+        second = np.where(a > 1, drafts[:, 1], nxt)[a >= 1]
+        assert _chi_square_p(second, p[1]) > 1e-3
+    # the test has power: q's distribution is rejected
+    assert _chi_square_p(drafts[:, 0], p[0]) < 1e-6
+
+
+def test_sampled_speculation_matches_target_distribution(small_vocab, rng):
+    """The whole verify path on the model (top-k 4, temperature 0.8): 4096 requests with the
+    same prompt and different seeds, two speculative steps; the first two generated tokens'
+    joint distribution equals the target's p(x1) p(x2 | x1) from full forwards."""
+    model, n, k = small_vocab, 4096, 2
+    cfg = model.config
+    prompt = _prompts(rng, 6, (11,))[0]
+    temperature, top_k = 0.8, 4
+
+    def target(ids):
+        logits = np.asarray(model.logits(np.asarray(ids)))[:, -1] / temperature
+        logits[logits < np.sort(logits, axis=-1)[:, -top_k][:, None]] = -np.inf
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p_last = target([prompt])[0]  # the pending token x0 is fixed below: condition on it
+    x0 = int(np.argmax(p_last))
+    p1 = target([prompt + [x0]])[0]
+    p2 = target([prompt + [x0, t] for t in range(cfg.vocab_size)])
+    joint = (p1[:, None] * p2).ravel()
+
+    # n copies of the prompt, each with its own seed, the pending token x0, drafts of their own
+    slots = _init_slots(n, 64)
+    slots = slots.replace(sampling=_sampling_state(n, 64, temperature, top_k=top_k), last_token=jnp.full((n,), x0),
+                          active=jnp.ones((n,), bool), n_generated=jnp.ones((n,), jnp.int32),
+                          max_tokens=jnp.full((n,), 8, jnp.int32))
+    chunk = np.zeros((n, 16), np.int32)
+    chunk[:, : len(prompt)] = prompt
+    following = np.zeros((n, 16), np.int32)
+    following[:, : len(prompt) - 1] = prompt[1:]
+
+    @jax.jit
+    def prefill(cache, spec, chunk, following, sampling):
+        emit = lambda logits, length, last: (jnp.full((n,), x0, jnp.int32), sampling, None)  # noqa: E731
+        return prefill_chunk(model.params, model.mtp, cache, spec, chunk, following,
+                             jnp.full((n,), len(prompt), jnp.int32), jnp.ones((n,), bool), emit, cfg=cfg,
+                             ctx_bucket=64, costs=None)[:2]
+
+    cache, spec = prefill(init_cache(cfg, n, 64, F32), init_speculation(cfg, n, k, F32), chunk, following,
+                          slots.sampling)
+    step = jax.jit(functools.partial(verify, k=k, cfg=cfg, ctx_bucket=64, costs=None))
+    tokens = [[] for _ in range(n)]
+    for _ in range(2):
+        cache, spec, slots, produced, count, *_ = step(model.params, model.mtp, cache, spec, slots)
+        produced, count = np.asarray(produced), np.asarray(count)
+        for i in range(n):
+            tokens[i] += produced[i, : count[i]].tolist()
+    assert all(len(t) >= 2 for t in tokens)
+    cells = np.array([t[0] * cfg.vocab_size + t[1] for t in tokens])
+    assert _chi_square_p(cells, joint) > 1e-3
+    assert _chi_square_p(cells, np.full_like(joint, 1 / len(joint))) < 1e-6  # the test has power
+
+
+# ----------------------------------------------------------------------------- caches
+def _forced(tokens_ahead: list[int], n_right: int, k: int, v: int, rows: int) -> Drafts:
+    """k drafts for row 0: the first n_right are the true continuation, then wrong ones."""
+    d = [t if i < n_right else (t + 1) % v for i, t in enumerate(tokens_ahead[:k])]
+    tokens = jnp.zeros((rows, k), jnp.int32).at[0].set(jnp.asarray(d + [0] * (k - len(d))))
+    return Drafts(tokens, jax.nn.one_hot(tokens, v, dtype=F32), jnp.ones((rows, k), F32))
+
+
+def test_caches_after_accept_reject_equal_plain_decoding(small_vocab, rng):
+    """Forced accept / reject patterns (0..3 of 3 drafts, through CSA and HCA group ends):
+    after each step every cache leaf — window ring, compressor and indexer entries and
+    rings — and the MTP ring equal those of plain decoding of the same tokens."""
+    model, k = small_vocab, 3
+    cfg = model.config
+    prompt = _prompts(rng, cfg.vocab_size, (13,))[0]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    truth = _generate(model, [prompt], params)[0][0]
+
+    spec_engine = _engine(model, num_draft_tokens=k, spec_policy="fixed")
+    plain = _engine(model)
+    reqs = []
+    for e in (spec_engine, plain):
+        reqs.append(e.requests[e.add_request(prompt, params)])
+        e._admit()
+        e._prefill(reqs[-1])
+    emitted = 1  # the prefill's first token
+    for n_right in (2, 0, 3, 1, 3, 0, 2, 3, 1):
+        spec_engine.spec = spec_engine.spec.replace(drafts=_forced(truth[emitted:], n_right, k, cfg.vocab_size, 3))
+        spec_engine._decode()
+        emitted += n_right + 1
+        while int(plain.cache.length[0]) < len(prompt) + emitted - 1:
+            plain._decode()
+        assert int(spec_engine.cache.length[0]) == int(plain.cache.length[0])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
+                     spec_engine.cache, plain.cache)
+    got = [t for out, _ in spec_engine._pending for t in np.asarray(out.tokens)[:, 0][np.asarray(out.emitted)[:, 0]]]
+    assert got == truth[: emitted]
+    # the MTP ring equals one built from the plain sequence in a single pass
+    seq = jnp.asarray([prompt + truth[: emitted]])
+    length = len(prompt) + emitted - 1
+    streams = forward_streams(model.params, seq[:, :length], cfg)
+    _, want = mtp_extend(model.mtp, model.params, init_speculation(cfg, 1, k, F32).mtp, streams, seq[:, 1:length + 1],
+                         jnp.zeros((1,), jnp.int32), jnp.full((1,), length, jnp.int32), cfg)
+    np.testing.assert_allclose(spec_engine.spec.mtp.window[:1], want.window, atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------- errors
+def test_speculation_refuses_what_it_cannot_do(tiny, small_vocab):
+    no_mtp = dsjax.Model(tiny.config, tiny.params, F32, None, None)
+    with pytest.raises(ValueError, match="MTP layer"):
+        Engine(no_mtp, num_draft_tokens=2, capacity=128)
+    with pytest.raises(ValueError, match="smallest cache ring"):
+        Engine(tiny, num_draft_tokens=min_ring(tiny.config), capacity=128)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        Engine(tiny, num_draft_tokens=2, capacity=128, batch_invariant=True)
+    with pytest.raises(ValueError, match="spec_policy"):
+        Engine(tiny, num_draft_tokens=2, capacity=128, spec_policy="sometimes")
+    with pytest.raises(ValueError, match="verify_costs"):
+        Engine(tiny, num_draft_tokens=2, capacity=128, verify_costs=[1.0, 2.0])
+    engine = Engine(small_vocab, num_draft_tokens=2, capacity=64, spec_policy="fixed")
+    with pytest.raises(ValueError, match="penalties"):
+        engine.add_request([2, 3], SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        engine.add_request([2, 3], SamplingParams(max_tokens=61))
+
+
+def test_generate_with_drafts(small_vocab, rng):
+    prompts = _prompts(rng, 6, (3, 8, 15))
+    plain = _generate(small_vocab, prompts, SamplingParams(max_tokens=12))[0]
+    assert dsjax.generate(small_vocab, prompts, 12, num_draft_tokens=3, spec_policy="fixed") == plain
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        dsjax.generate(small_vocab, prompts, 12, num_draft_tokens=-1)
