@@ -29,15 +29,21 @@ from dsjax.model import model_specs
 from dsjax.params import spec_leaves
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import dsjax, jax
-baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # interpreter + jax, before loading
+
+def status(key):  # /proc, not ru_maxrss: that one keeps the forking parent's high-water mark across exec
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+baseline = status("VmRSS")  # interpreter + jax, before loading
 t = time.perf_counter()
 model = dsjax.load_model(sys.argv[1], dtype="bfloat16", mesh=sys.argv[2] or None)
 jax.block_until_ready(model.params)
 seconds = time.perf_counter() - t
 leaves = jax.tree.leaves(model.params)
-print(json.dumps({"seconds": seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps({"seconds": seconds, "peak_rss_bytes": status("VmHWM"),
                   "baseline_rss_bytes": baseline, "param_bytes": sum(x.nbytes for x in leaves),
                   "device_bytes": sum(s.data.nbytes for x in leaves for s in x.addressable_shards)}))
 """

@@ -12,8 +12,10 @@ every speculative run must reproduce the plain run's tokens (checked, `identical
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -56,6 +58,8 @@ def main():
     ap.add_argument("--max-drafts", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/spec_cpu_tiny.json")
+    ap.add_argument("--save", default="", help="also save the model with its trained MTP layer here (orbax)")
+    ap.add_argument("--load", default="", help="skip training: the model an earlier --save run saved")
     args = ap.parse_args()
 
     model = dsjax.load_model("tiny", dtype="float32", seed=args.seed, mtp=True)
@@ -63,16 +67,26 @@ def main():
     prompts = random_prompts(vocab, 8, args.prompt_len, args.seed + 100)
     held_out = random_prompts(vocab, 8, args.prompt_len, args.seed + 200)
 
-    t = time.perf_counter()
-    mtp, history = train_mtp(model, prompts, new_tokens=args.new_tokens, steps=args.steps, seed=args.seed)
-    trained = dsjax.Model(model.config, model.params, model.dtype, None, mtp)
+    if args.load:  # a model saved by an earlier --save run (same seed and prompts)
+        trained = dsjax.load_model(args.load, dtype="float32")
+        training = json.loads(Path(args.load, "training.json").read_text())
+    else:
+        t = time.perf_counter()
+        mtp, history = train_mtp(model, prompts, new_tokens=args.new_tokens, steps=args.steps, seed=args.seed)
+        trained = dsjax.Model(model.config, model.params, model.dtype, None, mtp)
+        training = {"steps": args.steps, "seconds": time.perf_counter() - t, "sequences": len(prompts),
+                    "loss_first": history["loss"][0], "loss_last": history["loss"][-1],
+                    "agreement_first": history["agreement"][0], "agreement_last": history["agreement"][-1]}
+        if args.save:
+            from dsjax.checkpoint import orbax_io
+
+            orbax_io.save(trained, args.save, quantized="dequantize")
+            Path(args.save, "training.json").write_text(json.dumps(training))
     result = {
         "platform": platform.processor() or platform.machine(), "jax": jax.__version__,
         "devices": str(jax.devices()), "model": "tiny (float32)", "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "decoding": "greedy",
-        "training": {"steps": args.steps, "seconds": time.perf_counter() - t, "sequences": len(prompts),
-                     "loss_first": history["loss"][0], "loss_last": history["loss"][-1],
-                     "agreement_first": history["agreement"][0], "agreement_last": history["agreement"][-1]},
+        "training": training,
         "runs": {},
     }
     for batch in (1, 8):
@@ -85,15 +99,22 @@ def main():
         runs[f"confidence_k{args.max_drafts}"] = run(trained, rows, args.new_tokens, args.repeats,
                                                      num_draft_tokens=args.max_drafts, spec_policy="confidence")
         base = runs["plain"]
+        expected = base["tokens"]
         for name, r in runs.items():
             r["speedup_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["identical"] = r.pop("tokens") == base["tokens"]
+            r["identical"] = r.pop("tokens") == expected
         result["runs"][f"batch{batch}"] = runs
         print(f"batch {batch}:", {n: (round(r["tokens_per_s"], 1), round(r.get("tokens_per_row_step", 1.0), 2))
                                    for n, r in runs.items()}, flush=True)
-    held = run(trained, held_out, args.new_tokens, 1, num_draft_tokens=3, spec_policy="fixed")
-    held.pop("tokens")
-    result["held_out_batch8_fixed_k3"] = held
+    held = {"plain": run(trained, held_out, args.new_tokens, args.repeats),
+            "fixed_k3": run(trained, held_out, args.new_tokens, args.repeats, num_draft_tokens=3, spec_policy="fixed"),
+            f"confidence_k{args.max_drafts}": run(trained, held_out, args.new_tokens, args.repeats,
+                                                  num_draft_tokens=args.max_drafts, spec_policy="confidence")}
+    expected = held["plain"]["tokens"]
+    for r in held.values():
+        r["speedup_vs_plain"] = r["tokens_per_s"] / held["plain"]["tokens_per_s"]
+        r["identical"] = r.pop("tokens") == expected
+    result["held_out_batch8"] = held
     result["acceptance_vs_draft_length"] = {
         k: {key: result["runs"]["batch8"][f"fixed_k{k}"][key]
             for key in ("acceptance_rate", "accepted_per_row_step", "tokens_per_row_step")}

@@ -71,12 +71,12 @@ def mtp_objective(mtp, main, streams, next_tokens, targets, mask, cfg):
 
 
 def train_mtp(model, prompts: list[list[int]], *, new_tokens: int = 64, steps: int = 300, batch: int = 8,
-              lr: float = 1e-2, seed: int = 0, log_every: int = 50):
+              lr: float = 5e-2, seed: int = 0, log_every: int = 50):
     """-> (trained MTP params in the model's dtype, {"loss": [...], "agreement": [...]}).
-    Starts from model.mtp; adam with cosine decay; minibatches of `batch` sequences."""
+    Starts from model.mtp; adam with cosine decay to lr / 10; minibatches of `batch` sequences."""
     streams, next_tokens, targets, mask = distillation_data(model, prompts, new_tokens)
     cfg, n = model.config, len(prompts)
-    opt = optax.adam(optax.cosine_decay_schedule(lr, steps))
+    opt = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=0.1))
     mtp = jax.tree.map(lambda a: a.astype(jnp.float32) if _is_float(a) else a, model.mtp)
     trainable = jax.tree.map(_is_float, mtp)
     opt = optax.masked(opt, trainable)

@@ -85,14 +85,17 @@ def _generate(model, prompts, params, **kw):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_speculation_is_token_identical(small_vocab, rng, k):
-    """k drafts per step, batch 3 (+ a queued request), prompts and outputs crossing CSA (4)
-    and HCA (16) group boundaries: the tokens equal plain decoding's, and the drafter both
-    hit and missed (so acceptance, rejection and rollback all ran)."""
+    """k drafts per step, batch 3 (+ queued requests), prompts and outputs crossing CSA (4)
+    and HCA (16) group boundaries: the greedy tokens equal plain decoding's, and the drafter
+    both hit and missed (so acceptance, rejection and rollback all ran)."""
     prompts = _prompts(rng, 6, (5, 19, 33, 12))
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
+    if k % 2 == 0:  # a sampled request in the batch: greedy rows then go through the sampling variant
+        prompts.append(prompts[0])
+        params.append(SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=5))
     plain, _ = _generate(small_vocab, prompts, params)
     spec, engine = _generate(small_vocab, prompts, params, num_draft_tokens=k, spec_policy="fixed")
-    assert spec == plain
+    assert spec[:4] == plain[:4]
     m = engine.spec_metrics()
     assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
     assert m["drafts_proposed"] == k * m["row_steps"]

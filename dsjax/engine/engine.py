@@ -138,12 +138,14 @@ def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid:
     return cache, slots, jax.tree.map(lambda a: a[None], out)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket"), donate_argnames=("cache", "spec", "slots"))
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "sampled"),
+                   donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
                       next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, costs, *, cfg: ModelConfig,
-                      ctx_bucket: int):
+                      ctx_bucket: int, sampled: bool):
     """prefill_step for speculative engines: the chunk also goes through the MTP ring, and
-    a prompt's last chunk drafts the first speculation after the sampled first token."""
+    a prompt's last chunk drafts the first speculation after the sampled first token.
+    sampled=False: the request is greedy (drafts by argmax, no draft distributions)."""
     row_slots = _row(slots, slot)
 
     def emit(logits, length, last):
@@ -152,18 +154,20 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
 
     row_cache, row_spec, (row_slots, out) = prefill_chunk(
         params, mtp, _row(cache, slot), _row(spec, slot), tokens, next_tokens, n_valid, is_last[None], emit,
-        cfg=cfg, ctx_bucket=ctx_bucket, costs=costs)
+        cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled)
     return (_set_row(cache, row_cache, slot), _set_row(spec, row_spec, slot), _set_row(slots, row_slots, slot),
             jax.tree.map(lambda a: a[None], out))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "k"), donate_argnames=("cache", "spec", "slots"))
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx_bucket", "k", "sampled"),
+                   donate_argnames=("cache", "spec", "slots"))
 def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, costs, *, k: int, cfg: ModelConfig,
-                     ctx_bucket: int):
+                     ctx_bucket: int, sampled: bool):
     """One verify step over k drafts for every slot; outputs stacked [k+1, B] like
-    decode_step's, with the drafts checked / accepted per row."""
+    decode_step's, with the drafts checked / accepted per row. sampled=False: every
+    decoding row is greedy (argmax on the logits; no distributions formed)."""
     cache, spec, slots, tokens, count, finished, checked, accepted = verify(
-        params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, costs=costs)
+        params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled)
     j = jnp.arange(k + 1)[:, None]
     out = StepOutput(tokens.T, j < count[None], finished[None] & (j == count[None] - 1), None, None, None,
                      checked, accepted, spec.limit)
@@ -380,16 +384,22 @@ class Engine:
             for c in chunks:
                 if self.mesh is None:
                     zeros = np.zeros((1, c), np.int32)
-                    self._prefill_call(0, zeros, zeros, np.zeros((1,), np.int32), False, bucket)
+                    for sampled in self._variants():
+                        self._prefill_call(0, zeros, zeros, np.zeros((1,), np.int32), False, bucket, sampled)
                 else:
                     self.cache, self.slots, _ = prefill_rows(
                         self.model.params, self.cache, self.slots, self._place(np.zeros((b, c), np.int32)),
                         self._place(np.zeros(b, np.int32)), self._place(np.zeros(b, bool)), cfg=self.cfg,
                         ctx_bucket=bucket, n_logprobs=self.max_logprobs)
             for k in ks:
-                self._decode_call(bucket, k)
+                for sampled in self._variants():
+                    self._decode_call(bucket, k, sampled)
         jax.block_until_ready(self.cache)
-        return len(buckets) * (len(chunks) + len(ks)) + 1
+        return len(buckets) * (len(chunks) + len(ks)) * len(self._variants()) + 1
+
+    def _variants(self) -> tuple[bool, ...]:
+        """Speculative steps come in a greedy-only and a sampling variant."""
+        return (False, True) if self.num_draft_tokens else (False,)
 
     def _verify_lengths(self) -> list[int]:
         """The verify lengths decode may dispatch ([0] without speculation)."""
@@ -413,14 +423,15 @@ class Engine:
                 t = time.perf_counter()
                 self.cache, spec, slots, out = spec_decode_step(
                     self.model.params, self.model.mtp, self.cache, spec, slots, placeholder, k=k, cfg=self.cfg,
-                    ctx_bucket=self._bucket(1))
+                    ctx_bucket=self._bucket(1), sampled=False)
                 jax.block_until_ready((self.cache, out))
                 times.append(time.perf_counter() - t)
             seconds.append(min(times[1:]))
         self.verify_costs = [t / seconds[0] for t in seconds]
         self.costs = jnp.asarray(self.verify_costs, jnp.float32)
 
-    def _prefill_call(self, slot: int, tokens, next_tokens, n_valid, is_last: bool, bucket: int) -> StepOutput:
+    def _prefill_call(self, slot: int, tokens, next_tokens, n_valid, is_last: bool, bucket: int,
+                      sampled: bool = False) -> StepOutput:
         if self.spec is None:
             self.cache, self.slots, out = prefill_step(
                 self.model.params, self.cache, self.slots, jnp.int32(slot), tokens, n_valid, np.bool_(is_last),
@@ -428,10 +439,10 @@ class Engine:
         else:
             self.cache, self.spec, self.slots, out = spec_prefill_step(
                 self.model.params, self.model.mtp, self.cache, self.spec, self.slots, jnp.int32(slot), tokens,
-                next_tokens, n_valid, np.bool_(is_last), self.costs, cfg=self.cfg, ctx_bucket=bucket)
+                next_tokens, n_valid, np.bool_(is_last), self.costs, cfg=self.cfg, ctx_bucket=bucket, sampled=sampled)
         return out
 
-    def _decode_call(self, bucket: int, k: int) -> StepOutput:
+    def _decode_call(self, bucket: int, k: int, sampled: bool = False) -> StepOutput:
         if self.spec is None:
             self.cache, self.slots, out = decode_step(
                 self.model.params, self.cache, self.slots, cfg=self.cfg, ctx_bucket=bucket,
@@ -439,7 +450,7 @@ class Engine:
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
                 self.model.params, self.model.mtp, self.cache, self.spec, self.slots, self.costs, k=k, cfg=self.cfg,
-                ctx_bucket=bucket)
+                ctx_bucket=bucket, sampled=sampled)
         return out
 
     # ------------------------------------------------------------------ stepping
@@ -480,7 +491,7 @@ class Engine:
         after = req.prompt[req.prefilled + 1: req.prefilled + len(chunk) + 1]
         following[0, : len(after)] = after
         out = self._prefill_call(req.slot, tokens, following, np.array([len(chunk)], np.int32), is_last,
-                                 self._bucket(req.prefilled + c))
+                                 self._bucket(req.prefilled + c), req.params.temperature > 0)
         req.prefilled += len(chunk)
         req.dispatched = req.prefilled
         if is_last:
@@ -529,7 +540,7 @@ class Engine:
             k = self.num_draft_tokens if self.spec_policy == "fixed" else max(self._next_k[r.slot] for r in decoding)
         n = k + 1 if self.num_draft_tokens else self.decode_steps  # positions written per slot, at most
         needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
-        out = self._decode_call(self._bucket(needed), k)
+        out = self._decode_call(self._bucket(needed), k, any(r.params.temperature > 0 for r in decoding))
         for r in decoding:
             r.dispatched += n
         self._pending.append((out, {r.slot: r.request_id for r in decoding}))

@@ -1,23 +1,28 @@
 """Speculative decoding with the MTP drafter: k drafts per request verified in ONE jitted
-target forward over k+1 positions, lossless acceptance, and rollback of every ring the
+target forward over k+1 positions, lossless acceptance, and rollback of every cache row the
 rejected positions wrote.
 
 Per step, for each slot at cache length L with pending token x_L (not yet in the cache):
 
-    feed [x_L, d_1..d_k] at positions L..L+k         -> target logits p_0..p_k
+    feed [x_L, d_1..d_k] at positions L..L+k         -> target distributions p_0..p_k
     greedy : a = #leading i with d_{i+1} == argmax p_i;  next = argmax p_a
     sampled: accept d_{i+1} iff u < p_i(d_{i+1}) / q_i(d_{i+1}) (u from (seed, position));
-             at the first rejection next ~ normalise(max(p_i - q_i, 0)); if all accepted
-             next ~ p_k (the bonus token)
-    keep positions L..L+a (length L + a + 1); restore the ring slots positions L+a+1..L+k
-    overwrote (window rings, compressor / indexer rings); compressed entries those
-    positions completed are recomputed when their windows really close, before any query
-    can see them, so nothing else is copied back.
-    MTP: commit positions L..L+a with the target's streams, then draft the next k.
+             at the first rejection next ~ normalise(max(p_i - q_i, 0)); if the row's
+             drafts ran out (a = its limit) next ~ p_a (the bonus token)
+    keep positions L..L+a (length L + a + 1).
+
+Rollback: before the forward, the rows the k+1 positions will overwrite are saved — per
+layer the window-ring slots, the compressor / indexer ring slots, and the compressed entry
+each position would complete (k+1 rows each, never a whole cache); afterwards the rows of
+rejected positions are put back. So after any accept / reject sequence the cache equals
+the one plain decoding of the kept tokens builds. The MTP ring only ever receives true
+positions (the target's streams of the kept positions), and drafting k tokens runs the
+MTP layer recurrently on a scratch copy of its ring, so it needs no rollback.
 
 p and q are the request's *processed* distributions (temperature, top-k, top-p, min-p),
 so the output distribution is exactly the target's. Penalties, whose statistics would
-change inside the draft chain, are refused with speculation.
+change inside the draft chain, are refused with speculation. Randomness comes from
+(seed, position, salt) keys, so a request's draws never depend on its batch neighbours.
 """
 
 from __future__ import annotations
@@ -101,6 +106,16 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, limit: jax.Array, s: S
     residual = jnp.where(mass > 1e-8, residual / jnp.maximum(mass, 1e-30), p_a)
     nxt = draw(residual, s.seed, start + 1 + a, TOKEN)
     return a, jnp.where(greedy, argmax_first(p_a), nxt)
+
+
+def accept_greedy(logits: jax.Array, drafts: jax.Array, limit: jax.Array):
+    """accept() for batches of greedy rows only, on the raw logits [B, k+1, V]: no
+    distributions are formed. -> (a [B], next token [B])."""
+    b, k1, v = logits.shape
+    target = argmax_first(logits.reshape(b * k1, v)).reshape(b, k1)
+    ok = (drafts == target[:, :-1]) & (jnp.arange(k1 - 1) < limit[:, None])
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
 
 
 # ----------------------------------------------------------------------------- rollback
@@ -192,40 +207,54 @@ def choose_limits(confidence: jax.Array, costs: jax.Array | None) -> jax.Array:
 
 def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionState, streams: jax.Array,
                      next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, s: SamplingState,
-                     n_drafts: int, cfg: ModelConfig):
+                     old: Drafts, cfg: ModelConfig, *, sampled: bool, confidence: bool):
     """Commit true positions start .. start+n_valid-1 to the MTP ring (target streams
-    [B, C, N, D] and the tokens after them [B, C]), then draft n_drafts tokens from the last
-    one by reusing the MTP layer on its own output streams (on a scratch copy of the ring,
-    so the ring only ever holds true positions and needs no rollback)."""
+    [B, C, N, D] and the tokens after them [B, C]), then draft as many tokens as `old` holds
+    from the last one by reusing the MTP layer on its own output streams (on a scratch copy
+    of the ring, so the ring only ever holds true positions and needs no rollback).
+    sampled=False (every row greedy): draft by argmax and leave old.q untouched;
+    confidence=False (fixed policy): no confidences (old's kept)."""
     out, mtp_state = mtp_extend(mtp, params, mtp_state, streams, next_tokens, start, n_valid, cfg)
     last = jnp.maximum(n_valid - 1, 0)
     h = jnp.take_along_axis(out, last[:, None, None, None], axis=1)  # [B, 1, N, D]
     pos = start + last  # the position the MTP step just ran at; it predicts the token at pos + 2
-    sampled = s.temperature > 0
+    row_sampled = s.temperature > 0
 
     def one(carry, _):
         h, scratch, pos = carry
         logits = mtp_head(mtp, params, h, cfg)[:, 0]
-        q = processed_probs(logits, s)
-        d = jnp.where(sampled, draw(q, s.seed, pos + 2, DRAFT), argmax_first(q))
-        # confidence: q(d), or for greedy rows (q one-hot) the drafter's softmax at d
-        raw = jnp.exp(jnp.take_along_axis(logits, d[:, None], axis=1)[:, 0] - jax.nn.logsumexp(logits, axis=-1))
-        conf = jnp.where(sampled, jnp.take_along_axis(q, d[:, None], axis=1)[:, 0], raw)
+        out = {}
+        if sampled:
+            q = processed_probs(logits, s)
+            d = jnp.where(row_sampled, draw(q, s.seed, pos + 2, DRAFT), argmax_first(logits))
+            out["q"] = q
+        else:
+            d = argmax_first(logits)
+        if confidence:  # q(d); for greedy rows (q one-hot) the drafter's softmax at d
+            at_d = jnp.take_along_axis(logits, d[:, None], axis=1)[:, 0]
+            conf = jnp.exp(at_d - jax.nn.logsumexp(logits, axis=-1))
+            if sampled:
+                conf = jnp.where(row_sampled, jnp.take_along_axis(out["q"], d[:, None], axis=1)[:, 0], conf)
+            out["confidence"] = conf
         # the next draft runs the layer on its own output with d (the last one's is unused)
         h, scratch = mtp_extend(mtp, params, scratch, h, d[:, None], pos + 1, jnp.ones_like(pos), cfg)
-        return (h, scratch, pos + 1), (d, q, conf)
+        return (h, scratch, pos + 1), (d, out)
 
-    _, (tokens, qs, confs) = jax.lax.scan(one, (h, mtp_state, pos), None, length=n_drafts)
-    return mtp_state, Drafts(tokens.T, jnp.moveaxis(qs, 0, 1), confs.T)
+    _, (tokens, out) = jax.lax.scan(one, (h, mtp_state, pos), None, length=old.tokens.shape[1])
+    return mtp_state, Drafts(tokens.T, jnp.moveaxis(out["q"], 0, 1) if sampled else old.q,
+                             out["confidence"].T if confidence else old.confidence)
 
 
 def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Drafts, rows: jax.Array,
                        costs: jax.Array | None) -> Speculation:
     """The new ring and drafts for `rows` [B] (bool); the other rows keep theirs."""
     def keep(new, old):
+        if new is old:  # not recomputed (greedy-only q, fixed-policy confidence)
+            return old
         return jnp.where(rows.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
 
-    drafts = jax.tree.map(keep, drafts, spec.drafts)
+    drafts = Drafts(*(keep(n, o) for n, o in zip((drafts.tokens, drafts.q, drafts.confidence),
+                                                 (spec.drafts.tokens, spec.drafts.q, spec.drafts.confidence))))
     return Speculation(jax.tree.map(keep, mtp_state, spec.mtp), drafts,
                        keep(choose_limits(drafts.confidence, costs), spec.limit))
 
@@ -253,10 +282,11 @@ def emit_tokens(slots, tokens: jax.Array, n_new: jax.Array, start: jax.Array):
 
 
 def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
-           cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None):
+           cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None, sampled: bool = True):
     """One speculative step for every active slot: feed [pending token, first k drafts] in
     one target forward, accept (at most each row's limit), roll the caches back to the
-    kept positions, commit them to the MTP ring and draft anew.
+    kept positions, commit them to the MTP ring and draft anew. sampled=False: a batch of
+    greedy rows only (no distributions formed: argmax on the logits).
     -> (cache, spec, slots, tokens [B, k+1], count [B], finished [B], checked [B], accepted [B])."""
     start, active = cache.length, slots.active
     drafts = spec.drafts
@@ -264,23 +294,27 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     positions = start[:, None] + jnp.arange(k + 1)
     saved = save_rows(cache, positions, cfg)
     streams, cache = run_layers(params, cache, tokens, jnp.where(active, k + 1, 0), cfg, ctx_bucket)
-    p = processed_probs(head_logits(params, streams, cfg), slots.sampling)
+    logits = head_logits(params, streams, cfg)
     limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
-    a, nxt = accept(p, drafts.q[:, :k], drafts.tokens[:, :k], limit, slots.sampling, start)
+    if sampled:
+        p = processed_probs(logits, slots.sampling)
+        a, nxt = accept(p, drafts.q[:, :k], drafts.tokens[:, :k], limit, slots.sampling, start)
+    else:
+        a, nxt = accept_greedy(logits, drafts.tokens[:, :k], limit)
     i = jnp.arange(k + 1)
     produced = jnp.where(i < a[:, None], jnp.pad(drafts.tokens[:, :k], ((0, 0), (0, 1))), nxt[:, None])
     cache = restore_rows(cache, saved, positions, (i > a[:, None]) & active[:, None], cfg)
     cache = cache.replace(length=jnp.where(active, start + a + 1, start))
     slots, count, finished = emit_tokens(slots, produced, a + 1, start)
     mtp_state, new = commit_and_draft(params, mtp, spec.mtp, streams, produced, start, jnp.where(active, a + 1, 0),
-                                      slots.sampling, drafts.tokens.shape[1], cfg)
+                                      slots.sampling, drafts, cfg, sampled=sampled, confidence=costs is not None)
     spec = update_speculation(spec, mtp_state, new, active, costs)
     return cache, spec, slots, produced, count, finished, limit, a
 
 
 def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, tokens: jax.Array,
                   next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, emit, *, cfg: ModelConfig,
-                  ctx_bucket: int, costs: jax.Array | None):
+                  ctx_bucket: int, costs: jax.Array | None, sampled: bool = True):
     """A prompt chunk tokens [B, C] through the target and the MTP ring. next_tokens [B, C]:
     the token after each (from the prompt; after its end, the sampled first token).
     `emit(logits [B, V], length [B], is_last [B]) -> (first token [B], sampling state, aux)`
@@ -294,5 +328,5 @@ def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Specu
     rows = jnp.arange(tokens.shape[0])
     next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
     mtp_state, drafts = commit_and_draft(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
-                                         spec.drafts.tokens.shape[1], cfg)
+                                         spec.drafts, cfg, sampled=sampled, confidence=costs is not None)
     return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, costs), aux
