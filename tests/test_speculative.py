@@ -126,6 +126,10 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     assert spec == plain
     m = engine.spec_metrics()
     assert 0 < m["drafts_proposed"] < 2 * m["row_steps"]  # not always the maximum
+    measured = _engine(small_vocab, num_draft_tokens=2)  # the same step shapes: no new compiles
+    measured._measure_costs()
+    assert len(measured.verify_costs) == 3 and measured.verify_costs[0] == 1.0
+    assert all(c > 0 for c in measured.verify_costs) and measured.costs.shape == (3,)
 
 
 def test_choose_limits_closed_form(rng):

@@ -407,7 +407,7 @@ class Engine:
             return [0]
         return list(range(self.num_draft_tokens + 1)) if self.spec_policy == "confidence" else [self.num_draft_tokens]
 
-    def _measure_costs(self, reps: int = 3) -> None:
+    def _measure_costs(self, reps: int = 10) -> None:
         """Confidence scheduling: time a verify step over k + 1 positions for k = 0..K (on
         idle copies of the slot state, at the smallest context bucket) -> self.verify_costs,
         relative to k = 0. Runs once (warmup(), or the first step())."""
@@ -426,7 +426,7 @@ class Engine:
                     ctx_bucket=self._bucket(1), sampled=False)
                 jax.block_until_ready((self.cache, out))
                 times.append(time.perf_counter() - t)
-            seconds.append(min(times[1:]))
+            seconds.append(float(np.median(times[1:])))
         self.verify_costs = [t / seconds[0] for t in seconds]
         self.costs = jnp.asarray(self.verify_costs, jnp.float32)
 
