@@ -220,8 +220,8 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
     pos = start + last  # the position the MTP step just ran at; it predicts the token at pos + 2
     row_sampled = s.temperature > 0
 
-    def one(carry, _):
-        h, scratch, pos = carry
+    def draft(h, pos):
+        """One draft from the MTP output streams h at pos (predicting pos + 2)."""
         logits = mtp_head(mtp, params, h, cfg)[:, 0]
         out = {}
         if sampled:
@@ -236,13 +236,19 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
             if sampled:
                 conf = jnp.where(row_sampled, jnp.take_along_axis(out["q"], d[:, None], axis=1)[:, 0], conf)
             out["confidence"] = conf
-        # the next draft runs the layer on its own output with d (the last one's is unused)
-        h, scratch = mtp_extend(mtp, params, scratch, h, d[:, None], pos + 1, jnp.ones_like(pos), cfg)
-        return (h, scratch, pos + 1), (d, out)
+        return d, out
 
-    _, (tokens, out) = jax.lax.scan(one, (h, mtp_state, pos), None, length=old.tokens.shape[1])
-    return mtp_state, Drafts(tokens.T, jnp.moveaxis(out["q"], 0, 1) if sampled else old.q,
-                             out["confidence"].T if confidence else old.confidence)
+    def one(carry, _):  # the layer again, on its own output streams and the draft it just made
+        h, scratch, pos, d = carry
+        h, scratch = mtp_extend(mtp, params, scratch, h, d[:, None], pos + 1, jnp.ones_like(pos), cfg)
+        d, out = draft(h, pos + 1)
+        return (h, scratch, pos + 1, d), (d, out)
+
+    first, first_out = draft(h, pos)
+    _, (rest, rest_out) = jax.lax.scan(one, (h, mtp_state, pos, first), None, length=old.tokens.shape[1] - 1)
+    stack = lambda a, b: jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1)  # noqa: E731  [B, K, ...]
+    return mtp_state, Drafts(stack(first, rest), stack(first_out["q"], rest_out["q"]) if sampled else old.q,
+                             stack(first_out["confidence"], rest_out["confidence"]) if confidence else old.confidence)
 
 
 def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Drafts, rows: jax.Array,
