@@ -9,6 +9,10 @@ sampling settings and decode state. Each `step()`:
   4. reads back the *previous* step's tokens while the device runs this one (JAX's async
      dispatch), turning them into events. Stop conditions are evaluated on the device, so
      the host being one step behind never feeds a finished slot.
+
+With num_draft_tokens > 0 the decode step is a speculative verify step
+(`dsjax.engine.speculative`): each slot's pending token and up to k MTP drafts go through
+the target at once, and a slot advances by 1..k+1 tokens.
 """
 
 from __future__ import annotations
