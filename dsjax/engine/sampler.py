@@ -214,6 +214,16 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     return (blk * block + idx).astype(jnp.int32)
 
 
+def processed_logits(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Array:
+    """logits [B, V] of the distribution sampled rows draw from: / temperature, then top-k,
+    top-p, min-p (settings [B]; rows with temperature 0 are left unscaled). The threshold
+    search behind the filters runs only if a sampled row uses them."""
+    sampled = temperature > 0
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    needs_filter = jnp.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0)))
+    return jax.lax.cond(needs_filter, lambda z: filter_logits(z, top_k, top_p, min_p), lambda z: z, scaled)
+
+
 def sample_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array) -> jax.Array:
     """logits [B, V] -> token ids [B] (int32). temperature 0: greedy (first maximum)."""
     logits = logits.astype(jnp.float32)
@@ -224,11 +234,7 @@ def sample_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array) -> 
     sampled = s.temperature > 0
 
     def draw(logits):
-        scaled = logits / jnp.where(sampled, s.temperature, 1.0)[:, None]
-        # the threshold search behind top-k / top-p / min-p runs only if a sampled row uses them
-        needs_filter = jnp.any(sampled & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)))
-        scaled = jax.lax.cond(needs_filter, lambda z: filter_logits(z, s.top_k, s.top_p, s.min_p),
-                              lambda z: z, scaled)
+        scaled = processed_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
         return categorical(jax.vmap(request_key)(s.seed, positions), scaled)
 
     drawn = jax.lax.cond(jnp.any(sampled), draw, lambda _: greedy, logits)

@@ -33,7 +33,7 @@ from flax import struct
 
 from dsjax.config import ModelConfig
 from dsjax.engine.cache import Cache
-from dsjax.engine.sampler import SamplingState, argmax_first, categorical, filter_logits, request_key
+from dsjax.engine.sampler import SamplingState, argmax_first, categorical, processed_logits, request_key
 from dsjax.layers.attention import AttentionState
 from dsjax.layers.compressor import CompressorState
 from dsjax.model import ModelParams, MTPParams
@@ -66,10 +66,8 @@ def processed_probs(logits: jax.Array, s: SamplingState) -> jax.Array:
     greedy = jax.nn.one_hot(argmax_first(flat), shape[-1], dtype=jnp.float32)
 
     def sampled_probs(z):
-        scaled = z / jnp.where(sampled, t, 1.0)[:, None]
-        needs_filter = jnp.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0)))
-        scaled = jax.lax.cond(needs_filter, lambda y: filter_logits(y, top_k, top_p, min_p), lambda y: y, scaled)
-        return jnp.where(sampled[:, None], jax.nn.softmax(scaled, axis=-1), greedy)
+        probs = jax.nn.softmax(processed_logits(z, t, top_k, top_p, min_p), axis=-1)
+        return jnp.where(sampled[:, None], probs, greedy)
 
     return jax.lax.cond(jnp.any(sampled), sampled_probs, lambda _: greedy, flat).reshape(shape)
 
@@ -90,7 +88,7 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, limit: jax.Array, s: S
     -> (accepted count a [B], next token [B]): a drafts accepted, then `next`: drawn from the
     residual max(p - q, 0) at a rejection, from p itself when the drafts ran out (a = limit).
     The stopping point `limit` depends only on the drafter, so every choice is lossless."""
-    b, k = drafts.shape
+    k = drafts.shape[1]
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     draft_pos = start[:, None] + 1 + jnp.arange(k)
