@@ -14,7 +14,7 @@ import numpy as np
 from dsjax.checkpoint import load_checkpoint
 from dsjax.checkpoint.loader import checkpoint_format
 from dsjax.layers.quantized import resident_specs
-from dsjax.config import ModelConfig, load_config
+from dsjax.config import KERNELS, ModelConfig, load_config
 from dsjax.checkpoint.loader import has_mtp
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.checkpoint import orbax_io
@@ -99,13 +99,15 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
     True on a named config it gets seeded random weights.
 
-    kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels; on CPU interpreted,
-    slow, for checking), or "auto" (Pallas on GPU / TPU, reference on CPU)."""
+    kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: Mosaic GPU kernels on a
+    GPU, generic Pallas elsewhere; on CPU interpreted, slow, for checking), "mosaic_gpu" (the
+    Mosaic GPU kernels even off the GPU, in GPU interpret mode), or "auto" (Pallas on GPU /
+    TPU, reference on CPU)."""
     dtype = resolve_dtype(dtype)
     path = Path(path_or_config_name)
     cfg = load_config(path_or_config_name)
-    if kernels not in ("reference", "pallas", "auto"):
-        raise ValueError(f"kernels must be 'reference', 'pallas' or 'auto', got {kernels!r}")
+    if kernels not in (*KERNELS, "auto"):
+        raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
     if kernels == "auto":
         kernels = "reference" if jax.default_backend() == "cpu" else "pallas"
     cfg = cfg.replace(kernels=kernels)

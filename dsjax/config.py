@@ -28,6 +28,7 @@ HASH_MOE = "hash_moe"
 TOPK_MOE = "moe"
 MLP_LAYER_TYPES = (HASH_MOE, TOPK_MOE)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+KERNELS = ("reference", "pallas", "mosaic_gpu")
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
 
@@ -118,8 +119,10 @@ class ModelConfig:
     # Runtime knob, not a model property: cap expert-parallel send buffers at
     # ceil(tokens * k / ep * factor) and drop assignments past it. None = dropless.
     moe_capacity_factor: float | None = None
-    # Runtime knob: "reference" (pure jnp) or "pallas" (dsjax/pallas_kernels; interpreted on
-    # CPU). load_model(kernels="auto") picks Pallas on GPU / TPU.
+    # Runtime knob: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: the Mosaic GPU
+    # kernels on a GPU, the generic Pallas kernels elsewhere, interpreted on CPU) or
+    # "mosaic_gpu" (the Mosaic GPU kernels; in GPU interpret mode off the GPU).
+    # load_model(kernels="auto") picks Pallas on GPU / TPU.
     kernels: str = "reference"
     name: str = "custom"
 
@@ -366,8 +369,8 @@ def _validate(c: ModelConfig) -> None:
     if c.num_experts_per_tok > c.n_routed_experts:
         raise ConfigError(f"field 'num_experts_per_tok': must be <= n_routed_experts ({c.n_routed_experts}), "
                           f"got {c.num_experts_per_tok}")
-    if c.kernels not in ("reference", "pallas"):
-        raise ConfigError(f"field 'kernels': expected 'reference' or 'pallas', got {c.kernels!r}")
+    if c.kernels not in KERNELS:
+        raise ConfigError(f"field 'kernels': expected one of {KERNELS}, got {c.kernels!r}")
     if c.scoring_func not in SCORING_FUNCS:
         raise ConfigError(f"field 'scoring_func': expected one of {SCORING_FUNCS}, got {c.scoring_func!r}")
     for name, types, allowed in (("layer_types", c.layer_types, LAYER_TYPES),

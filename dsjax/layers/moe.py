@@ -144,10 +144,16 @@ def expert_ffn_tiled(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, li
 def grouped_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float,
                 impl: str = "reference") -> jax.Array:
     """The experts on rows sorted by expert (rows past sum(group_sizes) are not computed and
-    come out 0) -> [M, D] fp32: the Pallas kernel (impl="pallas"), else ragged_dot, or the
-    tile loop on CPU."""
+    come out 0) -> [M, D] fp32: a Pallas kernel (impl="pallas": Mosaic GPU's on a GPU, the
+    generic one elsewhere; impl="mosaic_gpu": Mosaic GPU's, interpreted off the GPU), else
+    ragged_dot, or the tile loop on CPU."""
     m, n_experts = x_sorted.shape[0], group_sizes.shape[0]
     rows = int(min(128, max(8, pl2(m / n_experts))))
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "mosaic_gpu" or (impl == "pallas" and on_gpu):
+        from dsjax.pallas_kernels.grouped_matmul import mgpu_grouped_ffn
+
+        return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=not on_gpu)
     if impl == "pallas":
         from dsjax.pallas_kernels.grouped_matmul import pallas_grouped_ffn
 
@@ -165,7 +171,7 @@ def moe_path(tokens: int, k: int, n_experts: int, kernels: str = "reference") ->
     slower than the tile loop), so CPU runs the tile loop; accelerators run ragged_dot."""
     if tokens * k <= max(k, n_experts // 8):
         return "gather"
-    if kernels == "pallas":
+    if kernels != "reference":
         return "pallas"
     return "tiled" if jax.default_backend() == "cpu" else "grouped"
 
@@ -187,8 +193,9 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     if path == "tiled":
         rows = int(min(128, max(8, pl2(t * k / cfg.n_routed_experts))))
         y = expert_ffn_tiled(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, rows)
-    elif path == "pallas" or cfg.kernels == "pallas":
-        y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, impl="pallas")
+    elif path == "pallas" or cfg.kernels != "reference":
+        impl = cfg.kernels if cfg.kernels != "reference" else "pallas"
+        y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, impl=impl)
     else:
         y = expert_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]

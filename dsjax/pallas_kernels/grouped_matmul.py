@@ -10,11 +10,21 @@ at most ceil(M / rows) + E tiles). Each kernel program takes one tile:
 and writes its own output block [rows, D], so programs never write the same memory (tile
 outputs are scattered back to row order outside the kernel). The tile table is the
 metadata a TPU / GPU grouped-matmul kernel takes too.
+
+`mgpu_grouped_ffn` is the Hopper (sm90) version for Mosaic GPU, two kernels over the same
+tile table (64-row tiles, one warpgroup each; bf16 operands, fp32 accumulation):
+  1. grid (tile, I block): gate and up [64, block_n] accumulate in two wgmma accumulators
+     while x and the tile's expert's W1 / W3 blocks stream through a TMA pipeline over D;
+     the clamped SwiGLU runs on the accumulators and h [64, block_n] goes out in bf16;
+  2. grid (tile, D block): y [64, block_n] = h W2[e]^T, pipelined over I, out in fp32.
+The expert of a tile is read from the tile table inside the kernel and picks the weight
+blocks the pipeline copies; empty tiles (past the last group) return at once.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,3 +93,97 @@ def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = 
     from dsjax.layers.moe import grouped_ffn as model_grouped_ffn
 
     return model_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit, impl=impl)
+
+
+def _mgpu_swiglu_kernel(expert_gmem, used_gmem, x_gmem, w1_gmem, w3_gmem, h_gmem, *, rows: int, block_n: int,
+                        block_k: int, steps: int, limit: float, interpret: bool):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dsjax.pallas_kernels.mgpu import operand_transforms, store_tile, wgmma_nt
+
+    t, n = jax.lax.axis_index("tile"), jax.lax.axis_index("n")
+    e = expert_gmem[t]
+    tf = operand_transforms(x_gmem.dtype, block_k)
+
+    @pl.when(used_gmem[t] > 0)
+    def _():
+        def accumulate(gate_ref, up_ref):
+            def step(_, x_smem, w1_smem, w3_smem):
+                wgmma_nt(gate_ref, x_smem, w1_smem, interpret)
+                wgmma_nt(up_ref, x_smem, w3_smem, interpret)
+
+            plgpu.emit_pipeline(
+                step, grid=(x_gmem.shape[1] // block_k,), max_concurrent_steps=steps,
+                in_specs=[plgpu.BlockSpec((rows, block_k), lambda k: (t, k), transforms=tf),
+                          plgpu.BlockSpec((block_n, block_k), lambda k: (n, k), transforms=tf),
+                          plgpu.BlockSpec((block_n, block_k), lambda k: (n, k), transforms=tf)],
+            )(x_gmem, w1_gmem.at[e], w3_gmem.at[e])
+            return gate_ref[...], up_ref[...]
+
+        gate, up = pl.run_scoped(accumulate, plgpu.ACC((rows, block_n), jnp.float32),
+                                 plgpu.ACC((rows, block_n), jnp.float32))
+        gate = jnp.minimum(gate, limit)
+        h = gate / (1.0 + jnp.exp(-gate)) * jnp.minimum(jnp.maximum(up, -limit), limit)
+        store_tile(h.astype(h_gmem.dtype), h_gmem.at[pl.ds(t * rows, rows), pl.ds(n * block_n, block_n)])
+
+
+def _mgpu_down_kernel(expert_gmem, used_gmem, h_gmem, w2_gmem, y_gmem, *, rows: int, block_n: int, block_k: int,
+                      steps: int, interpret: bool):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dsjax.pallas_kernels.mgpu import operand_transforms, store_tile, wgmma_nt
+
+    t, n = jax.lax.axis_index("tile"), jax.lax.axis_index("n")
+    e = expert_gmem[t]
+    tf = operand_transforms(h_gmem.dtype, block_k)
+
+    @pl.when(used_gmem[t] > 0)
+    def _():
+        def accumulate(acc_ref):
+            plgpu.emit_pipeline(
+                lambda _, h_smem, w2_smem: wgmma_nt(acc_ref, h_smem, w2_smem, interpret),
+                grid=(h_gmem.shape[1] // block_k,), max_concurrent_steps=steps,
+                in_specs=[plgpu.BlockSpec((rows, block_k), lambda k: (t, k), transforms=tf),
+                          plgpu.BlockSpec((block_n, block_k), lambda k: (n, k), transforms=tf)],
+            )(h_gmem, w2_gmem.at[e])
+            return acc_ref[...]
+
+        y = pl.run_scoped(accumulate, plgpu.ACC((rows, block_n), jnp.float32))
+        store_tile(y, y_gmem.at[pl.ds(t * rows, rows), pl.ds(n * block_n, block_n)])
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "block_n", "block_k", "steps", "interpret"))
+def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n: int = 128, block_k: int = 64,
+                     steps: int = 3, interpret: bool = False):
+    """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation). D and
+    I are padded to the block sizes with zeros (which add nothing)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dsjax.pallas_kernels.mgpu import interpret_params, pad_axis, round_up
+
+    rows = 64  # one warpgroup's wgmma M
+    m, d = x_sorted.shape
+    n_experts, inter, _ = w1.shape
+    dt = jnp.bfloat16
+    dp, ip = round_up(d, math.lcm(block_n, block_k)), round_up(inter, math.lcm(block_n, block_k))
+    expert, first, used = tile_table(group_sizes, m, rows)
+    n_tiles = expert.shape[0]
+    r = jnp.arange(rows)
+    src = jnp.clip(first[:, None] + r, 0, m - 1)
+    x_tiles = jnp.where((r < used[:, None])[..., None], x_sorted[src], 0).astype(dt).reshape(n_tiles * rows, d)
+    x_tiles = pad_axis(x_tiles, 1, dp)
+    w1p, w3p = (pad_axis(pad_axis(w.astype(dt), 1, ip), 2, dp) for w in (w1, w3))
+    w2p = pad_axis(pad_axis(w2.astype(dt), 1, dp), 2, ip)
+    common = dict(rows=rows, block_n=block_n, block_k=block_k, steps=steps, interpret=interpret)
+    h = plgpu.kernel(
+        functools.partial(_mgpu_swiglu_kernel, limit=limit, **common),
+        out_type=jax.ShapeDtypeStruct((n_tiles * rows, ip), dt), grid=(n_tiles, ip // block_n),
+        grid_names=("tile", "n"), interpret=interpret_params(interpret),
+    )(expert, used, x_tiles, w1p, w3p)
+    y = plgpu.kernel(
+        functools.partial(_mgpu_down_kernel, **common),
+        out_type=jax.ShapeDtypeStruct((n_tiles * rows, dp), jnp.float32), grid=(n_tiles, dp // block_n),
+        grid_names=("tile", "n"), interpret=interpret_params(interpret),
+    )(expert, used, h, w2p)
+    dest = jnp.where(r < used[:, None], first[:, None] + r, m)
+    return jnp.zeros((m, d), jnp.float32).at[dest.reshape(-1)].set(y[:, :d], mode="drop")

@@ -13,6 +13,18 @@ Keys come in two sets:
 The kernel (grid: batch x query blocks) runs an online softmax over key blocks, then over
 the query's own top-k keys, and adds exp(sink - m) to the denominator at the end.
 `reference` is dsjax.layers.attention.sink_attention on the equivalent dense mask.
+
+`mgpu_sink_attention` is the Hopper (sm90) kernel for Mosaic GPU. All query heads share
+the one KV head, so a program takes 64 heads of ONE query as the 64 rows of a wgmma tile
+(MQA-style, as DeepSeek's FlashMLA decode does): its visibility rule is then one mask per
+key, and CSA's top-k keys of that query are shared by all 64 rows. Per program (batch x
+query, head block, output half): Q [64, D] is copied to shared memory once; keys stream
+through a double-buffered TMA pipeline ([block_k, D] tiles, 128-byte swizzle); the logits
+[64, block_k] come from one wgmma, the online softmax runs on the fp32 accumulator in
+registers, and P [64, block_k] (bf16, registers) times the key tile's output half (K = V in
+V4) accumulates into [64, D/2] fp32 — the output dimension is split over programs because
+a [64, 512] fp32 accumulator would not fit one warpgroup's registers. Operands are bf16,
+accumulation fp32.
 """
 
 from __future__ import annotations
@@ -117,9 +129,135 @@ def pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=N
     return out[:, :s]
 
 
+ROWS = 64  # one warpgroup's wgmma M
+
+
+def _mgpu_kernel(q_gmem, kv_gmem, lo_gmem, hi_gmem, pos_gmem, sink_gmem, *rest, n_query: int, block_k: int,
+                 n_kblocks: int, n_pq_blocks: int, dv: int, scale: float, steps: int, interpret: bool):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dsjax.pallas_kernels.mgpu import accumulate, layout, matmul_nt, operand_transforms
+
+    if n_pq_blocks:
+        kvq_gmem, mq_gmem, o_gmem, q_smem, p_smem, sink_smem, bars = rest
+    else:
+        o_gmem, q_smem, p_smem, sink_smem, bars = rest
+    bs, hb, half = (jax.lax.axis_index(n) for n in ("bs", "heads", "half"))
+    b, s = bs // n_query, bs % n_query
+    row0 = bs * sink_gmem.shape[0] + hb * ROWS  # q rows are (batch, query, padded head)
+    n_chunks = q_smem.shape[0]  # Q is kept as D / dv contiguous [64, dv] chunks
+    for c in range(n_chunks):
+        plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(row0, ROWS), pl.ds(c * dv, dv)], q_smem.at[c], bars.at[c])
+    plgpu.copy_gmem_to_smem(sink_gmem.at[pl.ds(hb * ROWS, ROWS)], sink_smem, bars.at[n_chunks])
+    for c in range(n_chunks + 1):
+        plgpu.barrier_wait(bars.at[c])
+    pos = pos_gmem[b, s]
+    init = (layout(jnp.zeros((ROWS, dv), jnp.float32), "tile", interpret),
+            layout(jnp.full((ROWS,), NEG, jnp.float32), "rows", interpret),
+            layout(jnp.zeros((ROWS,), jnp.float32), "rows", interpret))
+
+    def update(k_smem, visible, carry):
+        acc, m, l = carry
+
+        chunks = [(q_smem.at[c], k_smem.at[:, pl.ds(c * dv, dv)]) for c in range(n_chunks)]
+        logits = matmul_nt(chunks, interpret) * scale
+        vis = jax.lax.broadcast_in_dim(visible, (ROWS, block_k), [1])
+        logits = jnp.where(vis, logits, NEG)
+        m_new = jnp.maximum(m, logits.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(vis, jnp.exp(logits - jax.lax.broadcast_in_dim(m_new, (ROWS, block_k), [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        p_smem[...] = p.astype(p_smem.dtype)  # wgmma's A operand, staged in shared memory
+        plgpu.commit_smem()
+        # V = K in V4: this program's half of the key tile's columns
+        acc = accumulate(acc, p_smem, k_smem.at[:, pl.ds(half * dv, dv)], interpret)
+        return acc, m_new, l
+
+    def shared_keys(_, k_smem, lo_smem, hi_smem, carry):
+        lo = layout(lo_smem[...], "cols", interpret)
+        hi = layout(hi_smem[...], "cols", interpret)
+        return update(k_smem, (lo <= pos) & (pos <= hi), carry)
+
+    d = n_chunks * dv
+    tf = operand_transforms(q_smem.dtype, d)
+    carry = plgpu.emit_pipeline(
+        shared_keys, grid=(n_kblocks,), max_concurrent_steps=steps, init_carry=init,
+        in_specs=[plgpu.BlockSpec((block_k, d), lambda j: (j, 0), transforms=tf),
+                  plgpu.BlockSpec((block_k,), lambda j: (j,)), plgpu.BlockSpec((block_k,), lambda j: (j,))],
+    )(kv_gmem.at[b], lo_gmem.at[b], hi_gmem.at[b])
+    if n_pq_blocks:  # CSA: this query's own top-k entries, shared by its 64 head rows
+        def own_keys(_, k_smem, m_smem, carry):
+            return update(k_smem, layout(m_smem[...], "cols", interpret) != 0, carry)
+
+        carry = plgpu.emit_pipeline(
+            own_keys, grid=(n_pq_blocks,), max_concurrent_steps=steps, init_carry=carry,
+            in_specs=[plgpu.BlockSpec((block_k, d), lambda j: (j, 0), transforms=tf),
+                      plgpu.BlockSpec((block_k,), lambda j: (j,))],
+        )(kvq_gmem.at[b, s], mq_gmem.at[b, s])
+    acc, m, l = carry
+    sink = layout(sink_smem[...], "rows", interpret)
+    m_all = jnp.maximum(m, sink)
+    keep = jnp.exp(m - m_all)
+    factor = keep / (l * keep + jnp.exp(sink - m_all))
+    o_smem = q_smem.at[0]  # Q is no longer needed: its first chunk takes the output
+    o_smem[...] = (acc * jax.lax.broadcast_in_dim(factor, acc.shape, [0])).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(row0, ROWS), pl.ds(half * dv, dv)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "steps", "interpret"))
+def mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, block_k: int | None = None,
+                        steps: int = 2, interpret: bool = False):
+    """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation). Heads
+    are padded to a multiple of 64, D to a multiple of 64 (of 256 above 256), keys to
+    block_k; padding keys are invisible and padded heads are dropped."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dsjax.pallas_kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up
+
+    b, s, h, d = q.shape
+    t = kv.shape[1]
+    dt = jnp.bfloat16
+    dp = round_up(d, 64)
+    dv = dp if dp <= 256 else 256
+    dp = round_up(dp, dv)
+    bk = block_k or 64  # shared memory: Q + `steps` key tiles + P (D=512: 200 KiB of 227)
+    hp = round_up(h, ROWS)
+    tp = round_up(max(t, 1), bk)
+    qf = pad_axis(pad_axis(q.astype(dt), 2, hp), 3, dp).reshape(b * s * hp, dp)
+    kvp = pad_axis(pad_axis(kv.astype(dt), 1, tp), 2, dp)
+    lo = pad_axis(k_lo.astype(jnp.int32), 1, tp, 1)  # padding keys: empty interval
+    hi = pad_axis(k_hi.astype(jnp.int32), 1, tp, 0)
+    args = [qf, kvp, lo, hi, q_pos.astype(jnp.int32), pad_axis(sinks.astype(jnp.float32), 0, hp)]
+    n_pq = 0
+    if kv_pq is not None:
+        kq = round_up(kv_pq.shape[2], bk)
+        n_pq = kq // bk
+        args += [pad_axis(pad_axis(kv_pq.astype(dt), 2, kq), 3, dp),
+                 pad_axis(mask_pq.astype(jnp.int32), 2, kq, 0)]
+    body = functools.partial(_mgpu_kernel, n_query=s, block_k=bk, n_kblocks=tp // bk, n_pq_blocks=n_pq, dv=dv,
+                             scale=d ** -0.5, steps=steps, interpret=interpret)
+    out = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((b * s * hp, dp), dt), grid=(b * s, hp // ROWS, dp // dv),
+        grid_names=("bs", "heads", "half"),
+        scratch_types=[plgpu.SMEM((dp // dv, ROWS, dv), dt, transforms=operand_transforms(dt, dv)),
+                       plgpu.SMEM((ROWS, bk), dt, transforms=operand_transforms(dt, bk)),
+                       plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_barriers=dp // dv + 1)],
+        interpret=interpret_params(interpret),
+    )(*args)
+    return out.reshape(b, s, hp, dp)[:, :, :h, :d].astype(q.dtype)
+
+
 def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference"):
-    """Dispatch: "reference" (jnp), "pallas" (the kernel; interpreted on CPU)."""
+    """Dispatch: "reference" (jnp); "pallas": the Mosaic GPU kernel on a GPU, else the
+    generic Pallas kernel (interpreted on CPU); "mosaic_gpu": the Mosaic GPU kernel
+    (GPU interpret mode off the GPU)."""
     if impl == "reference":
         return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq)
-    return pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq,
-                                 interpret=jax.default_backend() == "cpu")
+    backend = jax.default_backend()
+    if impl == "mosaic_gpu" or backend == "gpu":
+        return mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=backend != "gpu")
+    return pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=backend == "cpu")

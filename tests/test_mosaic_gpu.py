@@ -1,0 +1,119 @@
+"""The Mosaic GPU (Hopper) kernels, checked without a GPU in two ways:
+
+* GPU interpret mode (Pallas simulates shared memory, barriers, TMA copies and wgmma on the
+  CPU): each kernel against its pure-jnp reference over the shape sweep of test_kernels.py;
+* lowering for CUDA at V4-Flash / V4-Pro shapes: Mosaic GPU's own checks of wgmma shapes,
+  operand layouts / swizzles and the 227 KiB shared-memory budget of sm90 run at lowering
+  time (only ptxas needs the GPU).
+
+Tolerances: the kernels take bf16 operands (fp32 accumulation), so the references get the
+same bf16-rounded inputs; what remains is the rounding of the kernel's own bf16
+intermediates (P, or h between the two MoE matmuls) and of its bf16 output: <= 2 bf16 ulps
+of the output's scale.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import CASES, GROUPS, _attention_case
+
+from dsjax.pallas_kernels import grouped_matmul, sink_attention
+from dsjax.pallas_kernels.mgpu import lower_for_cuda
+
+BF16_ULP = 2.0 ** -8
+
+
+def _bf16(x):
+    return None if x is None or x.dtype != jnp.float32 else x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _rounded(args):
+    return tuple(_bf16(a) if a is not None and a.dtype == jnp.float32 else a for a in args)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_attention_kernel_interpreted(case):
+    rng = np.random.default_rng(100 + case)
+    args = _attention_case(rng, *CASES[case], jnp.float32)
+    got = np.asarray(sink_attention.mgpu_sink_attention(*args, interpret=True))
+    want = np.asarray(sink_attention.reference(*_rounded(args)))
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
+
+
+def test_attention_kernel_interpreted_two_output_halves():
+    """D = 512 (V4's head dim): the output is split over two programs, Q over two chunks."""
+    rng = np.random.default_rng(7)
+    args = _attention_case(rng, 1, 1, 64, 512, 8, 5, 4, [30], 4, jnp.float32)
+    got = np.asarray(sink_attention.mgpu_sink_attention(*args, interpret=True))
+    want = np.asarray(sink_attention.reference(*_rounded(args)))
+    assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
+
+
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_grouped_ffn_kernel_interpreted(groups):
+    rng = np.random.default_rng(len(groups))
+    sizes = jnp.asarray(GROUPS[groups], jnp.int32)
+    m, e, i, d = int(sizes.sum()) + 3, 8, 72, 48  # padding rows; I and D off the block sizes
+    # limit 3: the clamps of gate and up both engage (15% of |gate|, |up| are above 3 here)
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)) * 0.3, jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(e, d, i)) * 0.3, jnp.float32)
+    got = np.asarray(grouped_matmul.mgpu_grouped_ffn(x, sizes, w1, w3, w2, limit=3.0, block_n=64, interpret=True))
+    want = np.asarray(grouped_matmul.reference(_bf16(x), sizes, *map(_bf16, (w1, w3, w2)), limit=3.0))
+    assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
+    assert not got[-3:].any()  # rows past the groups are not computed
+
+
+S = jax.ShapeDtypeStruct
+
+
+def _attention_avals(b, s, h, t, d, k):
+    avals = [S((b, s, h, d), jnp.bfloat16), S((b, t, d), jnp.bfloat16), S((b, t), jnp.int32),
+             S((b, t), jnp.int32), S((b, s), jnp.int32), S((h,), jnp.float32)]
+    return avals + ([S((b, s, k, d), jnp.bfloat16), S((b, s, k), jnp.bool_)] if k else [])
+
+
+@pytest.mark.parametrize("shape", [
+    (32, 1, 64, 4096 + 128, 512, 0),  # V4-Flash decode, HCA layer: ring + 4096 entries
+    (32, 1, 64, 129, 512, 512),  # V4-Flash decode, CSA layer: ring + top-512 entries
+    (2, 256, 64, 384, 512, 512),  # V4-Flash prefill chunk, CSA
+    (4, 1, 128, 300, 512, 1024),  # V4-Pro: 128 heads (two head blocks), top-1024
+])
+def test_attention_kernel_lowers_for_hopper(shape):
+    assert "mosaic_gpu" in lower_for_cuda(sink_attention.mgpu_sink_attention, *_attention_avals(*shape))
+
+
+def test_attention_kernel_shared_memory_budget_is_checked():
+    """128-key tiles at D = 512 would need ~340 KiB of shared memory: refused at lowering."""
+    with pytest.raises(Exception, match="exceeds available shared memory"):
+        lower_for_cuda(functools.partial(sink_attention.mgpu_sink_attention, block_k=128),
+                       *_attention_avals(32, 1, 64, 4096, 512, 0))
+
+
+@pytest.mark.parametrize("m,e,i,d", [(8192, 256, 2048, 4096), (96, 256, 2048, 4096), (4096, 384, 3072, 7168)])
+def test_grouped_ffn_kernel_lowers_for_hopper(m, e, i, d):
+    """V4-Flash prefill / decode-sized batches, V4-Pro's expert shapes."""
+    avals = [S((m, d), jnp.bfloat16), S((e,), jnp.int32), S((e, i, d), jnp.bfloat16), S((e, i, d), jnp.bfloat16),
+             S((e, d, i), jnp.bfloat16)]
+    text = lower_for_cuda(lambda *a: grouped_matmul.mgpu_grouped_ffn(*a, limit=10.0), *avals)
+    assert text.count("mosaic_gpu") >= 2  # both kernels
+
+
+def test_model_logits_with_mosaic_gpu_kernels(rng):
+    """The whole tiny model (window, CSA with the top-k gather at 72 tokens, HCA; hash and
+    top-k MoE) through the Mosaic GPU kernels in GPU interpret mode. The kernels' bf16
+    operands put an fp32 model's logits no further from the fp32 reference than the bf16
+    model is (the oracle for "bf16 noise" here), and not exactly on it (they ran)."""
+    import dsjax
+
+    ids = rng.integers(0, 5000, (2, 72))
+    want = np.asarray(dsjax.load_model("tiny", dtype="float32").logits(ids))
+    bf16_err = np.abs(np.asarray(dsjax.load_model("tiny", dtype="bfloat16").logits(ids), np.float32) - want)
+    model = dsjax.load_model("tiny", dtype="float32", kernels="mosaic_gpu")
+    assert model.config.kernels == "mosaic_gpu"
+    err = np.abs(np.asarray(model.logits(ids)) - want)
+    assert 0 < err.mean() <= bf16_err.mean() and err.max() <= bf16_err.max()
