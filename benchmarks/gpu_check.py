@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from results_io import write_result
 
-from dsjax.pallas_kernels import grouped_matmul, sink_attention
+from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
 
 
 def timed(fn, *args, repeats=10):
@@ -89,6 +89,15 @@ def main():
                          "generic": lambda *a: grouped_matmul.pallas_grouped_ffn(*a, limit=10.0, rows=128)}.items():
             row = check(jax.jit(fn), a, want, t_ref, 1e-2)
             result["kernels"][f"grouped_matmul/{kind}/{name}"] = row
+            print(kind, name, json.dumps(row)[:300], flush=True)
+    for name, (b, s, t) in {"index_decode_256k": (32, 1, 65536), "index_prefill": (2, 256, 8192)}.items():
+        a = (jnp.asarray(rng.normal(size=(b, s, 64, 128)), jnp.bfloat16),
+             jnp.asarray(rng.normal(size=(b, t, 128)), jnp.bfloat16), jnp.asarray(rng.normal(size=(b, s, 64)), jnp.float32))
+        t_ref, want = timed(jax.jit(lambda *a: index_scores.reference(*a, scale=128 ** -0.5)), *a)
+        for kind, fn in {"mosaic_gpu": lambda *a: index_scores.mgpu_index_scores(*a, scale=128 ** -0.5),
+                         "generic": lambda *a: index_scores.pallas_index_scores(*a, scale=128 ** -0.5)}.items():
+            row = check(jax.jit(fn), a, want, t_ref, 1e-4)
+            result["kernels"][f"index_scores/{kind}/{name}"] = row
             print(kind, name, json.dumps(row)[:300], flush=True)
     write_result(result, args.out)
 

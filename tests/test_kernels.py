@@ -8,7 +8,7 @@ import pytest
 
 import dsjax
 from dsjax.layers.attention import entry_intervals, ring_positions, window_intervals
-from dsjax.pallas_kernels import grouped_matmul, sink_attention
+from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
 
 
 def _attention_case(rng, b, s, h, d, window, n_entries, ratio, start, per_query_k, dtype):
@@ -83,13 +83,40 @@ def test_grouped_matmul_kernel(groups, rows):
     assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
 
 
+INDEX_CASES = [
+    # b, s, h, d, t
+    (2, 3, 2, 32, 37),  # tiny's indexer; T off the key block
+    (1, 1, 64, 128, 300),  # V4: decode, 64 index heads of 128
+    (3, 9, 4, 64, 8),  # more queries than keys, S off the query block
+    (1, 2, 128, 64, 130),  # 128 heads
+]
+
+
+def index_case(rng, b, s, h, d, t, dtype=jnp.float32):
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)), dtype)
+    keys = jnp.asarray(rng.normal(size=(b, t, d)), dtype)
+    weights = jnp.asarray(rng.normal(size=(b, s, h)), jnp.float32)
+    return q, keys, weights
+
+
+@pytest.mark.parametrize("case", INDEX_CASES)
+def test_index_scores_kernel(case):
+    rng = np.random.default_rng(sum(case))
+    q, keys, w = index_case(rng, *case)
+    scale = case[3] ** -0.5
+    want = index_scores.reference(q, keys, w, scale=scale)
+    got = index_scores.pallas_index_scores(q, keys, w, scale=scale, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     return (dsjax.load_model("tiny", dtype="float32"), dsjax.load_model("tiny", dtype="float32", kernels="pallas"))
 
 
 def test_model_logits_with_pallas_kernels(tiny_pair, rng):
-    """Every layer type (window, CSA with top-k gather at this length, HCA), both MoE kinds."""
+    """Every layer type (window, CSA with the indexer's top-k gather at this length, HCA),
+    both MoE kinds."""
     ref, pallas = tiny_pair
     assert pallas.config.kernels == "pallas"
     ids = rng.integers(0, 5000, (2, 72))

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels import CASES, GROUPS, _attention_case
+from test_kernels import CASES, GROUPS, INDEX_CASES, _attention_case, index_case
 
-from dsjax.pallas_kernels import grouped_matmul, sink_attention
+from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
 from dsjax.pallas_kernels.mgpu import lower_for_cuda
 
 BF16_ULP = 2.0 ** -8
@@ -68,6 +68,17 @@ def test_grouped_ffn_kernel_interpreted(groups):
     assert not got[-3:].any()  # rows past the groups are not computed
 
 
+@pytest.mark.parametrize("case", INDEX_CASES)
+def test_index_scores_kernel_interpreted(case):
+    """bf16 operands that are exact in bf16: products are exact in fp32, only the summation
+    order differs from the reference."""
+    q, keys, w = index_case(np.random.default_rng(sum(case)), *case, dtype=jnp.bfloat16)
+    scale = case[3] ** -0.5
+    want = np.asarray(index_scores.reference(q, keys, w, scale=scale))
+    got = np.asarray(index_scores.mgpu_index_scores(q, keys, w, scale=scale, interpret=True))
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
 S = jax.ShapeDtypeStruct
 
 
@@ -92,6 +103,13 @@ def test_attention_kernel_shared_memory_budget_is_checked():
     with pytest.raises(Exception, match="exceeds available shared memory"):
         lower_for_cuda(functools.partial(sink_attention.mgpu_sink_attention, block_k=128),
                        *_attention_avals(32, 1, 64, 4096, 512, 0))
+
+
+@pytest.mark.parametrize("b,s,t", [(32, 1, 65536), (2, 256, 2048)])
+def test_index_scores_kernel_lowers_for_hopper(b, s, t):
+    """V4-Flash's indexer (64 heads x 128): decode at 256k tokens of context, a prefill chunk."""
+    avals = [S((b, s, 64, 128), jnp.bfloat16), S((b, t, 128), jnp.bfloat16), S((b, s, 64), jnp.float32)]
+    assert "mosaic_gpu" in lower_for_cuda(lambda *a: index_scores.mgpu_index_scores(*a, scale=128 ** -0.5), *avals)
 
 
 @pytest.mark.parametrize("m,e,i,d", [(8192, 256, 2048, 4096), (96, 256, 2048, 4096), (4096, 384, 3072, 7168)])
