@@ -53,6 +53,25 @@ def test_attention_kernel_interpreted_two_output_halves():
     assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_kernel_interpreted_decode_splits(splits):
+    """Decode: the row's top-k keys join the shared keys and the keys are split over 3
+    programs (flash-decoding), merged by log-sum-exp with the sink. Row 0 sits at position 37,
+    so its later splits see no key at all."""
+    rng = np.random.default_rng(11)
+    args = _attention_case(rng, 2, 1, 4, 64, 16, 300, 4, [37, 1200], 20, jnp.float32)
+    got = np.asarray(sink_attention.mgpu_sink_attention(*args, splits=splits, interpret=True))
+    want = np.asarray(sink_attention.reference(*_rounded(args)))
+    assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
+
+
+def test_decode_splits_fill_the_gpu():
+    assert sink_attention.num_splits(programs=2, key_blocks=1026, sms=132) == 66  # batch 1, V4 D=512
+    assert sink_attention.num_splits(programs=64, key_blocks=66, sms=132) == 2
+    assert sink_attention.num_splits(programs=256, key_blocks=4000, sms=132) == 1  # grid already full
+    assert sink_attention.num_splits(programs=2, key_blocks=3, sms=132) == 1  # too few keys to split
+
+
 @pytest.mark.parametrize("groups", list(GROUPS))
 def test_grouped_ffn_kernel_interpreted(groups):
     rng = np.random.default_rng(len(groups))
@@ -90,6 +109,7 @@ def _attention_avals(b, s, h, t, d, k):
 
 @pytest.mark.parametrize("shape", [
     (32, 1, 64, 4096 + 128, 512, 0),  # V4-Flash decode, HCA layer: ring + 4096 entries
+    (1, 1, 64, 8192 + 128, 512, 0),  # batch-1 decode at 1M tokens (HCA): keys split over 66 programs
     (32, 1, 64, 129, 512, 512),  # V4-Flash decode, CSA layer: ring + top-512 entries
     (2, 256, 64, 384, 512, 512),  # V4-Flash prefill chunk, CSA
     (4, 1, 128, 300, 512, 1024),  # V4-Pro: 128 heads (two head blocks), top-1024

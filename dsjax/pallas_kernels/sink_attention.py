@@ -24,7 +24,8 @@ through a double-buffered TMA pipeline ([block_k, D] tiles, 128-byte swizzle); t
 registers, and P [64, block_k] (bf16, registers) times the key tile's output half (K = V in
 V4) accumulates into [64, D/2] fp32 — the output dimension is split over programs because
 a [64, 512] fp32 accumulator would not fit one warpgroup's registers. Operands are bf16,
-accumulation fp32.
+accumulation fp32. In decode (one query per row, few programs) the keys are also split over
+programs (flash-decoding, `num_splits`) and the partial outputs merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -133,16 +134,18 @@ ROWS = 64  # one warpgroup's wgmma M
 
 
 def _mgpu_kernel(q_gmem, kv_gmem, lo_gmem, hi_gmem, pos_gmem, sink_gmem, *rest, n_query: int, block_k: int,
-                 n_kblocks: int, n_pq_blocks: int, dv: int, scale: float, steps: int, interpret: bool):
+                 n_kblocks: int, n_pq_blocks: int, n_splits: int, dv: int, scale: float, steps: int,
+                 interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dsjax.pallas_kernels.mgpu import accumulate, layout, matmul_nt, operand_transforms
+    from dsjax.pallas_kernels.mgpu import accumulate, layout, matmul_nt, operand_transforms, store_tile
 
-    if n_pq_blocks:
-        kvq_gmem, mq_gmem, o_gmem, q_smem, p_smem, sink_smem, bars = rest
-    else:
-        o_gmem, q_smem, p_smem, sink_smem, bars = rest
-    bs, hb, half = (jax.lax.axis_index(n) for n in ("bs", "heads", "half"))
+    rest = list(rest)
+    kvq_gmem, mq_gmem = (rest.pop(0), rest.pop(0)) if n_pq_blocks else (None, None)
+    o_gmem, lse_gmem = (rest.pop(0), rest.pop(0)) if n_splits > 1 else (rest.pop(0), None)
+    q_smem, p_smem, sink_smem, bars = rest
+    bs, hb, part = (jax.lax.axis_index(n) for n in ("bs", "heads", "part"))
+    split, half = part // (q_smem.shape[0]), part % (q_smem.shape[0])
     b, s = bs // n_query, bs % n_query
     row0 = bs * sink_gmem.shape[0] + hb * ROWS  # q rows are (batch, query, padded head)
     n_chunks = q_smem.shape[0]  # Q is kept as D / dv contiguous [64, dv] chunks
@@ -182,10 +185,12 @@ def _mgpu_kernel(q_gmem, kv_gmem, lo_gmem, hi_gmem, pos_gmem, sink_gmem, *rest, 
 
     d = n_chunks * dv
     tf = operand_transforms(q_smem.dtype, d)
+    per_split = n_kblocks // n_splits  # this program's key blocks: [split * per_split, ...)
     carry = plgpu.emit_pipeline(
-        shared_keys, grid=(n_kblocks,), max_concurrent_steps=steps, init_carry=init,
-        in_specs=[plgpu.BlockSpec((block_k, d), lambda j: (j, 0), transforms=tf),
-                  plgpu.BlockSpec((block_k,), lambda j: (j,)), plgpu.BlockSpec((block_k,), lambda j: (j,))],
+        shared_keys, grid=(per_split,), max_concurrent_steps=steps, init_carry=init,
+        in_specs=[plgpu.BlockSpec((block_k, d), lambda j: (split * per_split + j, 0), transforms=tf),
+                  plgpu.BlockSpec((block_k,), lambda j: (split * per_split + j,)),
+                  plgpu.BlockSpec((block_k,), lambda j: (split * per_split + j,))],
     )(kv_gmem.at[b], lo_gmem.at[b], hi_gmem.at[b])
     if n_pq_blocks:  # CSA: this query's own top-k entries, shared by its 64 head rows
         def own_keys(_, k_smem, m_smem, carry):
@@ -197,28 +202,57 @@ def _mgpu_kernel(q_gmem, kv_gmem, lo_gmem, hi_gmem, pos_gmem, sink_gmem, *rest, 
                       plgpu.BlockSpec((block_k,), lambda j: (j,))],
         )(kvq_gmem.at[b, s], mq_gmem.at[b, s])
     acc, m, l = carry
-    sink = layout(sink_smem[...], "rows", interpret)
-    m_all = jnp.maximum(m, sink)
-    keep = jnp.exp(m - m_all)
-    factor = keep / (l * keep + jnp.exp(sink - m_all))
+    if n_splits == 1:  # finish here: the sink joins the denominator
+        sink = layout(sink_smem[...], "rows", interpret)
+        m_all = jnp.maximum(m, sink)
+        keep = jnp.exp(m - m_all)
+        factor = keep / (l * keep + jnp.exp(sink - m_all))
+        o_dst = o_gmem.at[pl.ds(row0, ROWS), pl.ds(half * dv, dv)]
+    else:  # a partial: normalised output and log-sum-exp, merged (with the sink) outside
+        l_safe = jnp.maximum(l, 1e-30)  # a split that sees no key: output 0, lse ~ -1e30
+        factor = 1.0 / l_safe
+        o_dst = o_gmem.at[split, pl.ds(row0, ROWS), pl.ds(half * dv, dv)]
+
+        @pl.when(half == 0)
+        def _():
+            store_tile(m + jnp.log(l_safe), lse_gmem.at[split, pl.ds(row0, ROWS)])
     o_smem = q_smem.at[0]  # Q is no longer needed: its first chunk takes the output
     o_smem[...] = (acc * jax.lax.broadcast_in_dim(factor, acc.shape, [0])).astype(o_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(row0, ROWS), pl.ds(half * dv, dv)])
+    plgpu.copy_smem_to_gmem(o_smem, o_dst)
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "steps", "interpret"))
+def num_splits(programs: int, key_blocks: int, sms: int | None = None) -> int:
+    """Split the keys over programs (flash-decoding) when the grid would leave SMs idle:
+    decode has few (batch x head block x half) programs and long key lists. Each split keeps
+    >= 2 key blocks so its pipeline still overlaps copies with compute."""
+    if sms is None:
+        sms = getattr(jax.devices()[0], "core_count", None) or 132  # H100 / H200: 132 SMs
+    return max(1, min(sms // max(programs, 1), key_blocks // 2))
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "steps", "splits", "interpret"))
 def mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, block_k: int | None = None,
-                        steps: int = 2, interpret: bool = False):
+                        steps: int = 2, splits: int | None = None, interpret: bool = False):
     """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation). Heads
     are padded to a multiple of 64, D to a multiple of 64 (of 256 above 256), keys to
-    block_k; padding keys are invisible and padded heads are dropped."""
+    block_k; padding keys are invisible and padded heads are dropped.
+
+    Decode (one query per row): the query's own top-k keys join the shared keys, and the
+    keys are split over `splits` programs per head block (default `num_splits`) whose
+    partial outputs are merged here by their log-sum-exp, with the sink."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from dsjax.pallas_kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up
 
     b, s, h, d = q.shape
+    if s == 1 and kv_pq is not None:  # decode: per-query keys are this row's keys
+        kv = jnp.concatenate([kv, kv_pq[:, 0].astype(kv.dtype)], axis=1)
+        k_lo = jnp.concatenate([k_lo, jnp.where(mask_pq[:, 0], 0, 1).astype(k_lo.dtype)], axis=1)
+        k_hi = jnp.concatenate([k_hi, jnp.where(mask_pq[:, 0], jnp.iinfo(jnp.int32).max, 0).astype(k_hi.dtype)],
+                               axis=1)
+        kv_pq = mask_pq = None
     t = kv.shape[1]
     dt = jnp.bfloat16
     dp = round_up(d, 64)
@@ -226,7 +260,12 @@ def mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=Non
     dp = round_up(dp, dv)
     bk = block_k or 64  # shared memory: Q + `steps` key tiles + P (D=512: 200 KiB of 227)
     hp = round_up(h, ROWS)
-    tp = round_up(max(t, 1), bk)
+    n_halves = dp // dv
+    if s > 1 or kv_pq is not None:
+        splits = 1
+    elif splits is None:
+        splits = num_splits(b * hp // ROWS * n_halves, -(-t // bk))
+    tp = round_up(max(t, 1), bk * splits)
     qf = pad_axis(pad_axis(q.astype(dt), 2, hp), 3, dp).reshape(b * s * hp, dp)
     kvp = pad_axis(pad_axis(kv.astype(dt), 1, tp), 2, dp)
     lo = pad_axis(k_lo.astype(jnp.int32), 1, tp, 1)  # padding keys: empty interval
@@ -238,17 +277,31 @@ def mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=Non
         n_pq = kq // bk
         args += [pad_axis(pad_axis(kv_pq.astype(dt), 2, kq), 3, dp),
                  pad_axis(mask_pq.astype(jnp.int32), 2, kq, 0)]
-    body = functools.partial(_mgpu_kernel, n_query=s, block_k=bk, n_kblocks=tp // bk, n_pq_blocks=n_pq, dv=dv,
-                             scale=d ** -0.5, steps=steps, interpret=interpret)
+    body = functools.partial(_mgpu_kernel, n_query=s, block_k=bk, n_kblocks=tp // bk, n_pq_blocks=n_pq,
+                             n_splits=splits, dv=dv, scale=d ** -0.5, steps=steps, interpret=interpret)
+    rows = b * s * hp
+    out_type = jax.ShapeDtypeStruct((rows, dp), dt)
+    if splits > 1:
+        out_type = (jax.ShapeDtypeStruct((splits, rows, dp), dt), jax.ShapeDtypeStruct((splits, rows), jnp.float32))
     out = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((b * s * hp, dp), dt), grid=(b * s, hp // ROWS, dp // dv),
-        grid_names=("bs", "heads", "half"),
+        body, out_type=out_type, grid=(b * s, hp // ROWS, splits * n_halves), grid_names=("bs", "heads", "part"),
         scratch_types=[plgpu.SMEM((dp // dv, ROWS, dv), dt, transforms=operand_transforms(dt, dv)),
                        plgpu.SMEM((ROWS, bk), dt, transforms=operand_transforms(dt, bk)),
                        plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_barriers=dp // dv + 1)],
         interpret=interpret_params(interpret),
     )(*args)
+    if splits > 1:
+        out = merge_splits(*out, jnp.tile(args[5], b * s))
     return out.reshape(b, s, hp, dp)[:, :, :h, :d].astype(q.dtype)
+
+
+def merge_splits(outs: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
+    """Partial outputs [n, R, D] (each normalised over its own keys) with their log-sum-exps
+    [n, R] and the sink logits [R] -> the attention output [R, D] in fp32."""
+    top = jnp.maximum(lse.max(axis=0), sinks)
+    weights = jnp.exp(lse - top)  # [n, R]
+    denom = weights.sum(axis=0) + jnp.exp(sinks - top)
+    return jnp.einsum("nr,nrd->rd", weights / denom, outs.astype(jnp.float32))
 
 
 def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference"):
