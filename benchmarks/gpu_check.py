@@ -13,24 +13,14 @@ A kernel that fails to lower is recorded with its error rather than stopping the
 import argparse
 import json
 import platform
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from results_io import write_result
+from results_io import timed, write_result
 
 from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
-
-
-def timed(fn, *args, repeats=10):
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / repeats, out
 
 
 def check(fn, args, want, t_ref, rel_tol):

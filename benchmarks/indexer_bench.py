@@ -14,26 +14,16 @@ with context). Reference (jnp) path on this backend; JSON out.
 
 import argparse
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from results_io import write_result
+from results_io import timed, write_result
 
 from dsjax.layers.indexer import select_topk_indices
 from dsjax.pallas_kernels import index_scores, sink_attention
 
 H, D, H_I, D_I, TOPK, WINDOW, RATIO = 64, 512, 64, 128, 512, 128, 4
-
-
-def timed(fn, *args, repeats=5):
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return 1e3 * (time.perf_counter() - t) / repeats
 
 
 def main():
@@ -67,8 +57,8 @@ def main():
             return sink_attention.reference(q, ring, lo, lo + WINDOW - 1, pos, jnp.zeros(H), kv_pq, valid)
 
         top, valid = indexer(q_i, keys_i, w)
-        t_index = timed(indexer, q_i, keys_i, w)
-        t_attention = timed(attention, top, valid, entries, q, ring)
+        t_index = 1e3 * timed(indexer, q_i, keys_i, w, repeats=5)[0]
+        t_attention = 1e3 * timed(attention, top, valid, entries, q, ring, repeats=5)[0]
         row = {"context_tokens": context, "compressed_entries": n, "indexer_ms": t_index,
                "attention_ms": t_attention, "indexer_share": t_index / (t_index + t_attention),
                "indexer_gflop_per_query": 2 * H_I * D_I * n / 1e9,
