@@ -15,6 +15,7 @@ from dsjax.checkpoint import load_checkpoint
 from dsjax.checkpoint.loader import checkpoint_format
 from dsjax.layers.quantized import resident_specs
 from dsjax.config import KERNELS, ModelConfig, load_config
+from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
 from dsjax.checkpoint.loader import has_mtp
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.checkpoint import orbax_io
@@ -101,15 +102,16 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
 
     kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: Mosaic GPU kernels on a
     GPU, generic Pallas elsewhere; on CPU interpreted, slow, for checking), "mosaic_gpu" (the
-    Mosaic GPU kernels even off the GPU, in GPU interpret mode), or "auto" (Pallas on GPU /
-    TPU, reference on CPU)."""
+    Mosaic GPU kernels even off the GPU, in GPU interpret mode), or "auto" (the Mosaic GPU
+    kernels on a Hopper-or-newer NVIDIA GPU, the reference elsewhere: the generic Pallas kernels take whole key /
+    expert-weight arrays as blocks, which V4-sized layers cannot fit in a TPU's VMEM)."""
     dtype = resolve_dtype(dtype)
     path = Path(path_or_config_name)
     cfg = load_config(path_or_config_name)
     if kernels not in (*KERNELS, "auto"):
         raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
     if kernels == "auto":
-        kernels = "reference" if jax.default_backend() == "cpu" else "pallas"
+        kernels = "pallas" if mosaic_gpu_available() else "reference"
     cfg = cfg.replace(kernels=kernels)
     specs = model_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):

@@ -122,7 +122,7 @@ class ModelConfig:
     # Runtime knob: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: the Mosaic GPU
     # kernels on a GPU, the generic Pallas kernels elsewhere, interpreted on CPU) or
     # "mosaic_gpu" (the Mosaic GPU kernels; in GPU interpret mode off the GPU).
-    # load_model(kernels="auto") picks Pallas on GPU / TPU.
+    # load_model(kernels="auto") picks the Mosaic GPU kernels on Hopper+, else the reference.
     kernels: str = "reference"
     name: str = "custom"
 

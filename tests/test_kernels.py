@@ -130,8 +130,27 @@ def test_engine_greedy_with_pallas_kernels(tiny_pair, rng):
     assert dsjax.generate(pallas, prompts, 6) == dsjax.generate(ref, prompts, 6)
 
 
-def test_auto_picks_reference_on_cpu():
+def _lower_for_tpu(fn, *avals):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def test_generic_kernels_block_shapes_lower_for_tpu():
+    """Pallas' TPU lowering checks every block's last two dims ((8, 128)-multiples or whole):
+    the attention and indexer kernels pass at tiny and at V4 shapes."""
+    S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    for b, s, h, t, d, k in [(2, 5, 4, 19, 32, 3), (8, 1, 64, 4096, 512, 0), (2, 128, 64, 256, 512, 512)]:
+        avals = [S((b, s, h, d), bf16), S((b, t, d), bf16), S((b, t), i32), S((b, t), i32), S((b, s), i32),
+                 S((h,), jnp.float32)] + ([S((b, s, k, d), bf16), S((b, s, k), jnp.bool_)] if k else [])
+        assert "tpu_custom_call" in _lower_for_tpu(sink_attention.pallas_sink_attention, *avals)
+    for b, s, h, d, t in [(2, 3, 2, 32, 37), (2, 64, 64, 128, 8192)]:
+        avals = [S((b, s, h, d), bf16), S((b, t, d), bf16), S((b, s, h), jnp.float32)]
+        assert "tpu_custom_call" in _lower_for_tpu(lambda *a: index_scores.pallas_index_scores(*a, scale=0.1), *avals)
+
+
+def test_auto_picks_the_kernels_only_on_hopper():
+    from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
+
     assert dsjax.load_model("tiny", kernels="auto").config.kernels == (
-        "reference" if jax.default_backend() == "cpu" else "pallas")
+        "pallas" if mosaic_gpu_available() else "reference")
     with pytest.raises(ValueError, match="kernels must be"):
         dsjax.load_model("tiny", kernels="triton")

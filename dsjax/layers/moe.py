@@ -149,16 +149,14 @@ def grouped_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: 
     ragged_dot, or the tile loop on CPU."""
     m, n_experts = x_sorted.shape[0], group_sizes.shape[0]
     rows = int(min(128, max(8, pl2(m / n_experts))))
-    on_gpu = jax.default_backend() == "gpu"
-    if impl == "mosaic_gpu" or (impl == "pallas" and on_gpu):
-        from dsjax.pallas_kernels.grouped_matmul import mgpu_grouped_ffn
+    if impl != "reference":
+        from dsjax.pallas_kernels.grouped_matmul import mgpu_grouped_ffn, pallas_grouped_ffn
+        from dsjax.pallas_kernels.mgpu import kernel_choice
 
-        return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=not on_gpu)
-    if impl == "pallas":
-        from dsjax.pallas_kernels.grouped_matmul import pallas_grouped_ffn
-
-        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows,
-                                  interpret=jax.default_backend() == "cpu")
+        kind, interpret = kernel_choice(impl)
+        if kind == "mosaic_gpu":
+            return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret)
+        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret)
     if jax.default_backend() != "cpu":
         return expert_ffn(x_sorted, group_sizes, w1, w3, w2, limit)
     return expert_ffn_tiled(x_sorted, group_sizes, w1, w3, w2, limit, rows)

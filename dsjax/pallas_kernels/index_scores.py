@@ -115,7 +115,8 @@ def index_scores(q, keys, weights, *, scale: float, impl: str = "reference"):
     generic Pallas, interpreted on CPU); "mosaic_gpu" (interpreted off the GPU)."""
     if impl == "reference":
         return reference(q, keys, weights, scale=scale)
-    backend = jax.default_backend()
-    if impl == "mosaic_gpu" or backend == "gpu":
-        return mgpu_index_scores(q, keys, weights, scale=scale, interpret=backend != "gpu")
-    return pallas_index_scores(q, keys, weights, scale=scale, interpret=backend == "cpu")
+    from dsjax.pallas_kernels.mgpu import kernel_choice
+
+    kind, interpret = kernel_choice(impl)
+    fn = mgpu_index_scores if kind == "mosaic_gpu" else pallas_index_scores
+    return fn(q, keys, weights, scale=scale, interpret=interpret)

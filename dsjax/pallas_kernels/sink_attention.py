@@ -58,7 +58,7 @@ def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: in
         (o_ref,) = rest
     q = q_ref[0].astype(jnp.float32)  # [bq, H, D]
     bq, h, d = q.shape
-    pos = pos_ref[0]  # [bq]
+    pos = pos_ref[0][:, 0]  # [bq]
     m = jnp.full((bq, h), NEG, jnp.float32)
     l = jnp.zeros((bq, h), jnp.float32)
     acc = jnp.zeros((bq, h, d), jnp.float32)
@@ -73,7 +73,7 @@ def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: in
     def key_block(j, carry):
         start = j * block_k
         k = kv_ref[0, pl.ds(start, block_k), :].astype(jnp.float32)  # [bk, D]
-        lo, hi = lo_ref[0, pl.ds(start, block_k)], hi_ref[0, pl.ds(start, block_k)]
+        lo, hi = lo_ref[0, 0, pl.ds(start, block_k)], hi_ref[0, 0, pl.ds(start, block_k)]
         visible = (pos[:, None] >= lo[None, :]) & (pos[:, None] <= hi[None, :])  # [bq, bk]
         logits = jnp.einsum("qhd,kd->qhk", q, k) * scale
         logits = jnp.where(visible[:, None, :], logits, NEG)
@@ -82,12 +82,12 @@ def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: in
     carry = jax.lax.fori_loop(0, n_kblocks, key_block, (m, l, acc))
     if per_query:
         k = kvq_ref[0].astype(jnp.float32)  # [bq, k, D]
-        visible = mq_ref[0]  # [bq, k]
+        visible = mq_ref[0] != 0  # [bq, k]
         logits = jnp.where(visible[:, None, :], jnp.einsum("qhd,qkd->qhk", q, k) * scale, NEG)
         carry = update(carry, logits,
                        lambda p: jnp.einsum("qhk,qkd->qhd", jnp.where(visible[:, None, :], p, 0), k))
     m, l, acc = carry
-    sink = sink_ref[...].astype(jnp.float32)[None, :]  # [1, H]
+    sink = sink_ref[...].astype(jnp.float32)  # [1, H]
     m_all = jnp.maximum(m, sink)
     denom = l * jnp.exp(m - m_all) + jnp.exp(sink - m_all)
     o_ref[0] = (acc * jnp.exp(m - m_all)[..., None] / denom[..., None]).astype(o_ref.dtype)
@@ -103,25 +103,27 @@ def pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=N
     bk = max(8, min(block_k, t))
     sp, tp = -(-s // bq) * bq, max(bk, -(-t // bk) * bk)
     pad_s = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, sp - s)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)  # noqa: E731
-    q_p, pos_p = pad_s(q), pad_s(q_pos, -1)
+    # Layouts keep every block's last two dims TPU-legal (multiples of (8, 128) or whole):
+    # positions as [B, S, 1], key intervals as [B, 1, T], sinks as [1, H], masks as int32.
+    q_p, pos_p = pad_s(q), pad_s(q_pos, -1)[..., None]
     kv_p = jnp.pad(kv, [(0, 0), (0, tp - t), (0, 0)])
-    lo_p = jnp.pad(k_lo, [(0, 0), (0, tp - t)], constant_values=1)  # padding keys: empty interval
-    hi_p = jnp.pad(k_hi, [(0, 0), (0, tp - t)], constant_values=0)
+    lo_p = jnp.pad(k_lo, [(0, 0), (0, tp - t)], constant_values=1)[:, None]  # padding keys: empty interval
+    hi_p = jnp.pad(k_hi, [(0, 0), (0, tp - t)], constant_values=0)[:, None]
     per_query = kv_pq is not None
     in_specs = [
         pl.BlockSpec((1, bq, h, d), lambda i, j: (i, j, 0, 0)),
-        pl.BlockSpec((1, bq), lambda i, j: (i, j)),
+        pl.BlockSpec((1, bq, 1), lambda i, j: (i, j, 0)),
         pl.BlockSpec((1, tp, d), lambda i, j: (i, 0, 0)),
-        pl.BlockSpec((1, tp), lambda i, j: (i, 0)),
-        pl.BlockSpec((1, tp), lambda i, j: (i, 0)),
-        pl.BlockSpec((h,), lambda i, j: (0,)),
+        pl.BlockSpec((1, 1, tp), lambda i, j: (i, 0, 0)),
+        pl.BlockSpec((1, 1, tp), lambda i, j: (i, 0, 0)),
+        pl.BlockSpec((1, h), lambda i, j: (0, 0)),
     ]
-    args = [q_p, pos_p, kv_p, lo_p, hi_p, sinks]
+    args = [q_p, pos_p, kv_p, lo_p, hi_p, sinks.reshape(1, h)]
     if per_query:
         kq = kv_pq.shape[2]
         in_specs += [pl.BlockSpec((1, bq, kq, d), lambda i, j: (i, j, 0, 0)),
                      pl.BlockSpec((1, bq, kq), lambda i, j: (i, j, 0))]
-        args += [pad_s(kv_pq), pad_s(mask_pq, False)]
+        args += [pad_s(kv_pq), pad_s(mask_pq.astype(jnp.int32), 0)]
     kernel = functools.partial(_kernel, block_k=bk, n_kblocks=tp // bk, scale=d ** -0.5, per_query=per_query)
     out = pl.pallas_call(
         kernel, grid=(b, sp // bq), in_specs=in_specs,
@@ -310,7 +312,8 @@ def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *,
     (GPU interpret mode off the GPU)."""
     if impl == "reference":
         return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq)
-    backend = jax.default_backend()
-    if impl == "mosaic_gpu" or backend == "gpu":
-        return mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=backend != "gpu")
-    return pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=backend == "cpu")
+    from dsjax.pallas_kernels.mgpu import kernel_choice
+
+    kind, interpret = kernel_choice(impl)
+    fn = mgpu_sink_attention if kind == "mosaic_gpu" else pallas_sink_attention
+    return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret)
