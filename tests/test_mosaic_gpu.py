@@ -155,3 +155,20 @@ def test_model_logits_with_mosaic_gpu_kernels(rng):
     assert model.config.kernels == "mosaic_gpu"
     err = np.abs(np.asarray(model.logits(ids)) - want)
     assert 0 < err.mean() <= bf16_err.mean() and err.max() <= bf16_err.max()
+
+
+def test_gpu_check_script_dry_run(tmp_path):
+    """benchmarks/gpu_check.py is what a GPU session runs first, on scarce device minutes:
+    its --smoke mode (small shapes, kernels interpreted) must produce a passing row for every
+    kernel here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "gpu_check.json"
+    subprocess.run([sys.executable, "gpu_check.py", "--smoke", "--out", str(out)], cwd=os.path.join(root, "benchmarks"),
+                   check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())["kernels"]
+    assert len(rows) == 18 and all(row["ok"] for row in rows.values()), rows

@@ -146,11 +146,11 @@ def _mgpu_kernel(q_gmem, kv_gmem, lo_gmem, hi_gmem, pos_gmem, sink_gmem, *rest, 
     kvq_gmem, mq_gmem = (rest.pop(0), rest.pop(0)) if n_pq_blocks else (None, None)
     o_gmem, lse_gmem = (rest.pop(0), rest.pop(0)) if n_splits > 1 else (rest.pop(0), None)
     q_smem, p_smem, sink_smem, bars = rest
+    n_chunks = q_smem.shape[0]  # Q is kept as D / dv contiguous [64, dv] chunks = output halves
     bs, hb, part = (jax.lax.axis_index(n) for n in ("bs", "heads", "part"))
-    split, half = part // (q_smem.shape[0]), part % (q_smem.shape[0])
+    split, half = part // n_chunks, part % n_chunks  # part: (key split, output half)
     b, s = bs // n_query, bs % n_query
     row0 = bs * sink_gmem.shape[0] + hb * ROWS  # q rows are (batch, query, padded head)
-    n_chunks = q_smem.shape[0]  # Q is kept as D / dv contiguous [64, dv] chunks
     for c in range(n_chunks):
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(row0, ROWS), pl.ds(c * dv, dv)], q_smem.at[c], bars.at[c])
     plgpu.copy_gmem_to_smem(sink_gmem.at[pl.ds(hb * ROWS, ROWS)], sink_smem, bars.at[n_chunks])
