@@ -8,6 +8,9 @@ deprecated since jax 0.11 — recorded for comparison, allowed to fail).
     python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --smoke --out /tmp/gpu_check_smoke.json   # CPU dry run
 
+On the lent H200 (its image has jax, flax and orbax; nothing to install), from the repo root:
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out $OUT/gpu_check.json
+
 A kernel that fails to lower is recorded with its error rather than stopping the run.
 """
 

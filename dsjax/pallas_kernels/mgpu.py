@@ -52,8 +52,12 @@ def interpret_params(interpret: bool):
     """`interpret=` argument for plgpu.kernel: GPU interpret mode, or None (compile)."""
     if not interpret:
         return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
+    try:  # not exported by jax.experimental.pallas.mosaic_gpu (jax 0.10)
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as e:
+        raise RuntimeError(f"the Mosaic GPU kernels need a Hopper+ GPU or Pallas' GPU interpret mode, which this "
+                           f"jax ({jax.__version__}) does not provide where dsjax looks for it; use "
+                           f"kernels='reference' or 'pallas'") from e
     return InterpretGPUParams()
 
 
