@@ -47,6 +47,22 @@ def tile_table(group_sizes: jax.Array, m: int, rows: int):
     return expert.astype(jnp.int32), first.astype(jnp.int32), used.astype(jnp.int32)
 
 
+def gather_tiles(x_sorted: jax.Array, first: jax.Array, used: jax.Array, rows: int) -> jax.Array:
+    """The tile table's rows of x: [tiles, rows, D], rows past a tile's `used` zero."""
+    r = jnp.arange(rows)
+    src = jnp.clip(first[:, None] + r, 0, x_sorted.shape[0] - 1)
+    return jnp.where((r < used[:, None])[..., None], x_sorted[src], 0).astype(x_sorted.dtype)
+
+
+def scatter_tiles(y_tiles: jax.Array, first: jax.Array, used: jax.Array, m: int) -> jax.Array:
+    """Tile outputs [tiles, rows, D] back to sorted row order [m, D] fp32 (unused rows dropped;
+    rows no tile covers stay 0)."""
+    rows, d = y_tiles.shape[1:]
+    r = jnp.arange(rows)
+    dest = jnp.where(r < used[:, None], first[:, None] + r, m)
+    return jnp.zeros((m, d), jnp.float32).at[dest.reshape(-1)].set(y_tiles.reshape(-1, d), mode="drop")
+
+
 def _kernel(expert_ref, x_ref, w1_ref, w3_ref, w2_ref, o_ref, *, limit: float):
     i = pl.program_id(0)
     e = expert_ref[i]
@@ -64,9 +80,7 @@ def pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows:
     m, d = x_sorted.shape
     expert, first, used = tile_table(group_sizes, m, rows)
     n_tiles = expert.shape[0]
-    r = jnp.arange(rows)
-    src = jnp.clip(first[:, None] + r, 0, m - 1)  # [tiles, rows]
-    x_tiles = jnp.where((r < used[:, None])[..., None], x_sorted[src], 0).astype(x_sorted.dtype)
+    x_tiles = gather_tiles(x_sorted, first, used, rows)
     w1, w3, w2 = (w.astype(x_sorted.dtype) for w in (w1, w3, w2))
     out = pl.pallas_call(
         functools.partial(_kernel, limit=limit), grid=(n_tiles,),
@@ -78,9 +92,7 @@ def pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows:
         out_specs=pl.BlockSpec((1, rows, d), lambda i: (i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((n_tiles, rows, d), jnp.float32), interpret=interpret,
     )(expert, x_tiles, w1, w3, w2)
-    # back to row order: each valid tile row lands on its sorted row
-    dest = jnp.where(r < used[:, None], first[:, None] + r, m)
-    return jnp.zeros((m, d), jnp.float32).at[dest.reshape(-1)].set(out.reshape(-1, d), mode="drop")
+    return scatter_tiles(out, first, used, m)
 
 
 def reference(x_sorted, group_sizes, w1, w3, w2, *, limit: float):
@@ -168,10 +180,7 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
     dp, ip = round_up(d, math.lcm(block_n, block_k)), round_up(inter, math.lcm(block_n, block_k))
     expert, first, used = tile_table(group_sizes, m, rows)
     n_tiles = expert.shape[0]
-    r = jnp.arange(rows)
-    src = jnp.clip(first[:, None] + r, 0, m - 1)
-    x_tiles = jnp.where((r < used[:, None])[..., None], x_sorted[src], 0).astype(dt).reshape(n_tiles * rows, d)
-    x_tiles = pad_axis(x_tiles, 1, dp)
+    x_tiles = pad_axis(gather_tiles(x_sorted.astype(dt), first, used, rows).reshape(n_tiles * rows, d), 1, dp)
     w1p, w3p = (pad_axis(pad_axis(w.astype(dt), 1, ip), 2, dp) for w in (w1, w3))
     w2p = pad_axis(pad_axis(w2.astype(dt), 1, dp), 2, ip)
     common = dict(rows=rows, block_n=block_n, block_k=block_k, steps=steps, interpret=interpret)
@@ -185,5 +194,4 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
         out_type=jax.ShapeDtypeStruct((n_tiles * rows, dp), jnp.float32), grid=(n_tiles, dp // block_n),
         grid_names=("tile", "n"), interpret=interpret_params(interpret),
     )(expert, used, h, w2p)
-    dest = jnp.where(r < used[:, None], first[:, None] + r, m)
-    return jnp.zeros((m, d), jnp.float32).at[dest.reshape(-1)].set(y[:, :d], mode="drop")
+    return scatter_tiles(y[:, :d].reshape(n_tiles, rows, d), first, used, m)
