@@ -205,20 +205,21 @@ def choose_limits(confidence: jax.Array, costs: jax.Array | None) -> jax.Array:
 
 def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionState, streams: jax.Array,
                      next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, s: SamplingState,
-                     old: Drafts, cfg: ModelConfig, *, sampled: bool, confidence: bool):
+                     old: Drafts, cfg: ModelConfig, *, sampled: bool, confidence: bool, draft=True):
     """Commit true positions start .. start+n_valid-1 to the MTP ring (target streams
     [B, C, N, D] and the tokens after them [B, C]), then draft as many tokens as `old` holds
     from the last one by reusing the MTP layer on its own output streams (on a scratch copy
     of the ring, so the ring only ever holds true positions and needs no rollback).
     sampled=False (every row greedy): draft by argmax and leave old.q untouched;
-    confidence=False (fixed policy): no confidences (old's kept)."""
+    confidence=False (fixed policy): no confidences (old's kept). draft: a traced bool to
+    draft only when it holds (prefill: on a prompt's last chunk), else `old` is returned."""
     out, mtp_state = mtp_extend(mtp, params, mtp_state, streams, next_tokens, start, n_valid, cfg)
     last = jnp.maximum(n_valid - 1, 0)
     h = jnp.take_along_axis(out, last[:, None, None, None], axis=1)  # [B, 1, N, D]
     pos = start + last  # the position the MTP step just ran at; it predicts the token at pos + 2
     row_sampled = s.temperature > 0
 
-    def draft(h, pos):
+    def draft_one(h, pos):
         """One draft from the MTP output streams h at pos (predicting pos + 2)."""
         logits = mtp_head(mtp, params, h, cfg)[:, 0]
         out = {}
@@ -239,14 +240,17 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
     def one(carry, _):  # the layer again, on its own output streams and the draft it just made
         h, scratch, pos, d = carry
         h, scratch = mtp_extend(mtp, params, scratch, h, d[:, None], pos + 1, jnp.ones_like(pos), cfg)
-        d, out = draft(h, pos + 1)
+        d, out = draft_one(h, pos + 1)
         return (h, scratch, pos + 1, d), (d, out)
 
-    first, first_out = draft(h, pos)
-    _, (rest, rest_out) = jax.lax.scan(one, (h, mtp_state, pos, first), None, length=old.tokens.shape[1] - 1)
-    stack = lambda a, b: jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1)  # noqa: E731  [B, K, ...]
-    return mtp_state, Drafts(stack(first, rest), stack(first_out["q"], rest_out["q"]) if sampled else old.q,
-                             stack(first_out["confidence"], rest_out["confidence"]) if confidence else old.confidence)
+    def chain() -> Drafts:
+        first, first_out = draft_one(h, pos)
+        _, (rest, rest_out) = jax.lax.scan(one, (h, mtp_state, pos, first), None, length=old.tokens.shape[1] - 1)
+        stack = lambda a, b: jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1)  # noqa: E731  [B, K, ...]
+        return Drafts(stack(first, rest), stack(first_out["q"], rest_out["q"]) if sampled else old.q,
+                      stack(first_out["confidence"], rest_out["confidence"]) if confidence else old.confidence)
+
+    return mtp_state, chain() if draft is True else jax.lax.cond(jnp.any(draft), chain, lambda: old)
 
 
 def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Drafts, rows: jax.Array,
@@ -332,5 +336,6 @@ def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Specu
     rows = jnp.arange(tokens.shape[0])
     next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
     mtp_state, drafts = commit_and_draft(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
-                                         spec.drafts, cfg, sampled=sampled, confidence=costs is not None)
+                                         spec.drafts, cfg, sampled=sampled, confidence=costs is not None,
+                                         draft=is_last)
     return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, costs), aux
