@@ -265,13 +265,12 @@ class Engine:
                 raise ValueError("batch_invariant mode runs each slot alone; it is not supported on a mesh")
         self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
         self._check_speculation()
-        self.spec = self.costs = self.verify_costs = None
+        self.spec = self.costs = None  # costs: [K + 1] relative verify costs, on the device
         if verify_costs is not None:
             if len(verify_costs) != num_draft_tokens + 1 or min(verify_costs) <= 0:
                 raise ValueError(f"verify_costs must be {num_draft_tokens + 1} positive numbers (k = 0.."
                                  f"{num_draft_tokens}), got {verify_costs}")
-            self.verify_costs = [float(c) for c in verify_costs]
-            self.costs = jnp.asarray(self.verify_costs, jnp.float32)
+            self.costs = jnp.asarray(verify_costs, jnp.float32)
         if num_draft_tokens:
             self.spec = init_speculation(cfg, max_slots, num_draft_tokens, model.dtype)
         self._next_k = [num_draft_tokens] * max_slots  # per slot: drafts its latest output asked to verify
@@ -413,8 +412,8 @@ class Engine:
 
     def _measure_costs(self, reps: int = 10) -> None:
         """Confidence scheduling: time a verify step over k + 1 positions for k = 0..K (on
-        idle copies of the slot state, at the smallest context bucket) -> self.verify_costs,
-        relative to k = 0. Runs once (warmup(), or the first step())."""
+        idle copies of the slot state, at the smallest context bucket) -> self.costs, relative
+        to k = 0. Runs once (warmup(), or the first step())."""
         if self.spec_policy != "confidence" or self.costs is not None or not self.num_draft_tokens:
             return
         placeholder = jnp.ones(self.num_draft_tokens + 1, jnp.float32)
@@ -431,8 +430,7 @@ class Engine:
                 jax.block_until_ready((self.cache, out))
                 times.append(time.perf_counter() - t)
             seconds.append(float(np.median(times[1:])))
-        self.verify_costs = [t / seconds[0] for t in seconds]
-        self.costs = jnp.asarray(self.verify_costs, jnp.float32)
+        self.costs = jnp.asarray([t / seconds[0] for t in seconds], jnp.float32)
 
     def _prefill_call(self, slot: int, tokens, next_tokens, n_valid, is_last: bool, bucket: int,
                       sampled: bool = False) -> StepOutput:
@@ -603,6 +601,11 @@ class Engine:
                            ("decode_tokens", produced)):
                 totals[key] += n
             self._next_k[row] = int(host.next_limit[row])
+
+    @property
+    def verify_costs(self) -> list[float] | None:
+        """The cost curve in use (pinned or measured), k = 0..K, relative to k = 0."""
+        return None if self.costs is None else [float(c) for c in np.asarray(self.costs)]
 
     def spec_metrics(self) -> dict:
         """Engine-wide speculation counters since construction: target (verify) steps, the
