@@ -137,7 +137,7 @@ def main():
             from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
             torch.manual_seed(0)
-            hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg.to_hf_dict())).eval()
+            hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**dsjax.config.to_hf_dict(cfg))).eval()
             hf_model.save_pretrained(tmp)
             model = dsjax.load_model(tmp, dtype="float32")
             result["transformers"] = __import__("transformers").__version__

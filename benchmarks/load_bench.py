@@ -86,7 +86,7 @@ def write_checkpoint(cfg, directory, shard_bytes=512 << 20) -> int:
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_dict(), f)
+        json.dump(dsjax.config.to_hf_dict(cfg), f)
     return total
 
 

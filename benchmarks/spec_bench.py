@@ -4,7 +4,7 @@ without MTP drafts, batch 1 and 8, acceptance against draft length. Writes JSON.
     python benchmarks/spec_bench.py --out benchmarks/results/spec_cpu_tiny.json
 
 The tiny model's random MTP layer never agrees with it, so the drafter is first trained by
-self-distillation (dsjax.mtp_train) on the target's greedy continuations of the benchmark
+self-distillation (dsjax.train.mtp_distill) on the target's greedy continuations of the benchmark
 prompts; `held_out` reports the same drafter on prompts it never saw. Greedy decoding, so
 every speculative run must reproduce the plain run's tokens (checked, `identical`).
 """
@@ -25,7 +25,7 @@ from results_io import write_result  # noqa: E402
 import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
-from dsjax.mtp_train import random_prompts, train_mtp
+from dsjax.train.mtp_distill import random_prompts, train_mtp
 
 
 def run(model, prompts, new_tokens, repeats, **engine_kw) -> dict:
@@ -73,7 +73,7 @@ def main():
     else:
         t = time.perf_counter()
         mtp, history = train_mtp(model, prompts, new_tokens=args.new_tokens, steps=args.steps, seed=args.seed)
-        trained = dsjax.Model(model.config, model.params, model.dtype, None, mtp)
+        trained = model.replace(mtp=mtp)
         training = {"steps": args.steps, "seconds": time.perf_counter() - t, "sequences": len(prompts),
                     "loss_first": history["loss"][0], "loss_last": history["loss"][-1],
                     "agreement_first": history["agreement"][0], "agreement_last": history["agreement"][-1]}

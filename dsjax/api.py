@@ -11,14 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax.checkpoint import load_checkpoint
-from dsjax.checkpoint.loader import checkpoint_format
+from dsjax.checkpoint import load_checkpoint, orbax_io
+from dsjax.checkpoint.loader import checkpoint_format, has_mtp
+from dsjax.config import KERNELS, ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
-from dsjax.config import KERNELS, ModelConfig, load_config
-from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
-from dsjax.checkpoint.loader import has_mtp
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
-from dsjax.checkpoint import orbax_io
+from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
 from dsjax.params import abstract_params, init_params
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
@@ -39,14 +37,20 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 @dataclasses.dataclass
 class Model:
-    """A config and its weights (and the mesh they are sharded over, if any). Everything
-    that runs is a pure function of these."""
+    """A config and its weights (and the mesh they are sharded over, if any), with the
+    options it runs under (kernels, MoE capacity). Everything that runs is a pure function
+    of these."""
 
     config: ModelConfig
     params: ModelParams
     dtype: jnp.dtype
     mesh: jax.sharding.Mesh | None = None
     mtp: MTPParams | None = None  # the next-token-prediction drafter, when loaded
+    options: RuntimeOptions = RuntimeOptions()
+
+    def replace(self, **changes) -> "Model":
+        """A copy with fields replaced, e.g. `model.replace(options=model.options.replace(kernels="pallas"))`."""
+        return dataclasses.replace(self, **changes)
 
     def mesh_context(self):
         """`with model.mesh_context():` runs code under this model's mesh (no-op without one)."""
@@ -70,7 +74,7 @@ class Model:
         ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]).astype(np.int32)
         with self.mesh_context():
             x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))
-            return to_host(forward(self.params, x, self.config))[:b]
+            return to_host(forward(self.params, x, self.config, opts=self.options)[0])[:b]
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
@@ -112,7 +116,6 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
         raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
     if kernels == "auto":
         kernels = "pallas" if mosaic_gpu_available() else "reference"
-    cfg = cfg.replace(kernels=kernels)
     specs = model_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):
         raise ValueError(f"quantized must be 'dequantize' or 'resident', got {quantized!r}")
@@ -162,7 +165,7 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     else:
         params = init_params(specs, seed, shardings)
         mtp_params = init_params(m_specs, seed + 1, m_shardings) if want_mtp else None
-    return Model(cfg, params, dtype, mesh, mtp_params)
+    return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized))
 
 
 def check_mesh_fits(cfg: ModelConfig, mesh) -> None:

@@ -108,7 +108,7 @@ def _cmd_cache(args) -> int:
     import jax.numpy as jnp
 
     from dsjax.config import load_config
-    from dsjax.engine.cache import cache_bytes
+    from dsjax.model.cache import cache_bytes
 
     cfg = load_config(args.config)
     rows = [cache_bytes(cfg, int(c), jnp.dtype(args.dtype)) for c in args.context.split(",")]

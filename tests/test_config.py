@@ -9,7 +9,7 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 import dsjax
-from dsjax.config import CSA, HCA, SLIDING, ConfigError, ModelConfig, load_config
+from dsjax.config import CSA, HCA, SLIDING, ConfigError, from_hf_dict, load_config, to_hf_dict
 from dsjax.layers.rope import inv_freq
 
 
@@ -34,7 +34,7 @@ def test_matches_hf_config_parsing(name):
     import hf_oracle
 
     hf = hf_oracle.make_config(name)
-    ours = ModelConfig.from_hf_dict(hf.to_dict())
+    ours = from_hf_dict(hf.to_dict())
     assert list(ours.layer_types) == hf.layer_types and list(ours.mlp_layer_types) == hf.mlp_layer_types
     assert ours.qk_rope_head_dim == hf.qk_rope_head_dim
     rotary = DeepseekV4RotaryEmbedding(hf)
@@ -46,9 +46,9 @@ def test_matches_hf_config_parsing(name):
 
 def test_hf_dict_round_trip():
     cfg = load_config("v4-flash")
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict(), name=cfg.name) == cfg
+    assert from_hf_dict(to_hf_dict(cfg), name=cfg.name) == cfg
     # and HF reads what we write
-    hf = DeepseekV4Config(**cfg.to_hf_dict())
+    hf = DeepseekV4Config(**to_hf_dict(cfg))
     assert list(hf.layer_types) == list(cfg.layer_types)
 
 
@@ -79,7 +79,7 @@ def test_bad_field_is_named(edit, field):
     raw = _flash_raw()
     edit(raw)
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf_dict(raw)
+        from_hf_dict(raw)
 
 
 def test_bad_file_is_named(tmp_path):

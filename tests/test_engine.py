@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax.engine.cache import cache_bytes, init_cache
+from dsjax.model.cache import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
-from dsjax.engine.step import extend
 from dsjax.model import forward
 
 
@@ -21,7 +20,7 @@ def tiny():
 
 
 def _feed(model, ids, lengths, schedule, capacity=256):
-    """Run `extend` over per-row prompts with the chunk sizes in `schedule` (the same C for
+    """Run the cached `forward` over per-row prompts with the chunk sizes in `schedule` (the same C for
     every row at each call; rows that run out feed fewer tokens); collect all logits."""
     cfg = model.config
     b = len(ids)
@@ -33,8 +32,8 @@ def _feed(model, ids, lengths, schedule, capacity=256):
         toks = np.zeros((b, c), np.int32)
         for r in range(b):
             toks[r, : n[r]] = ids[r][pos[r]: pos[r] + n[r]]
-        logits, cache = extend(model.params, cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32), cfg=cfg,
-                               ctx_bucket=capacity, all_logits=True)
+        logits, cache = forward(model.params, jnp.asarray(toks), cfg, cache, n_valid=jnp.asarray(n, jnp.int32),
+                                ctx_bucket=capacity)
         logits = np.asarray(logits)
         for r in range(b):
             got[r, pos[r]: pos[r] + n[r]] = logits[r, : n[r]]
@@ -58,7 +57,7 @@ def test_incremental_matches_full_forward_tiny(tiny, schedule, rng):
     got, cache = _feed(tiny, ids, lengths, SCHEDULES[schedule])
     np.testing.assert_array_equal(np.asarray(cache.length), lengths)
     for r, n in enumerate(lengths):
-        full = np.asarray(forward(tiny.params, jnp.asarray([ids[r]]), tiny.config))[0]
+        full = np.asarray(forward(tiny.params, jnp.asarray([ids[r]]), tiny.config)[0])[0]
         np.testing.assert_allclose(got[r, :n], full, atol=1e-5, rtol=0)
 
 
@@ -73,7 +72,7 @@ def test_incremental_matches_full_forward_hf_configs(hf_checkpoints, name, rng):
     ids = [rng.integers(0, 512, n).tolist() for n in lengths]
     got, _ = _feed(model, ids, lengths, [7] * 4 + [1] * 17)
     for r, n in enumerate(lengths):
-        full = np.asarray(forward(model.params, jnp.asarray([ids[r]]), model.config))[0]
+        full = np.asarray(forward(model.params, jnp.asarray([ids[r]]), model.config)[0])[0]
         np.testing.assert_allclose(got[r, :n], full, atol=1e-5 * max(1.0, np.abs(full).max()), rtol=0)
 
 

@@ -118,7 +118,7 @@ def test_model_logits_with_pallas_kernels(tiny_pair, rng):
     """Every layer type (window, CSA with the indexer's top-k gather at this length, HCA),
     both MoE kinds."""
     ref, pallas = tiny_pair
-    assert pallas.config.kernels == "pallas"
+    assert pallas.options.kernels == "pallas"
     ids = rng.integers(0, 5000, (2, 72))
     np.testing.assert_allclose(pallas.logits(ids), ref.logits(ids), atol=1e-5, rtol=0)
 
@@ -150,7 +150,7 @@ def test_generic_kernels_block_shapes_lower_for_tpu():
 def test_auto_picks_the_kernels_only_on_hopper():
     from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
 
-    assert dsjax.load_model("tiny", kernels="auto").config.kernels == (
+    assert dsjax.load_model("tiny", kernels="auto").options.kernels == (
         "pallas" if mosaic_gpu_available() else "reference")
     with pytest.raises(ValueError, match="kernels must be"):
         dsjax.load_model("tiny", kernels="triton")

@@ -152,7 +152,7 @@ def test_model_logits_with_mosaic_gpu_kernels(rng):
     want = np.asarray(dsjax.load_model("tiny", dtype="float32").logits(ids))
     bf16_err = np.abs(np.asarray(dsjax.load_model("tiny", dtype="bfloat16").logits(ids), np.float32) - want)
     model = dsjax.load_model("tiny", dtype="float32", kernels="mosaic_gpu")
-    assert model.config.kernels == "mosaic_gpu"
+    assert model.options.kernels == "mosaic_gpu"
     err = np.abs(np.asarray(model.logits(ids)) - want)
     assert 0 < err.mean() <= bf16_err.mean() and err.max() <= bf16_err.max()
 

@@ -21,7 +21,7 @@ def quantized(tmp_path_factory):
     """(directory, HF model carrying the dequantized weights)."""
     hf_model = hf_oracle.build("mixed")
     directory = tmp_path_factory.mktemp("fp8_fp4")
-    cfg = dsjax.ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    cfg = dsjax.config.from_hf_dict(hf_model.config.to_dict())
     dequantized = quantized_checkpoint.write(hf_model, directory, block=32, shards=3, mtp_cfg=cfg)
     hf_model.load_state_dict({k: torch.as_tensor(v) for k, v in dequantized.items() if not k.startswith("mtp.")})
     hf_model.mtp_reference = {k: v for k, v in dequantized.items() if k.startswith("mtp.")}

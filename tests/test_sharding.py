@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax.engine.cache import init_cache
-from dsjax.engine.step import extend
+from dsjax.model.cache import init_cache
 from dsjax.model import forward
 from dsjax.sharding.rules import batch_sharding, make_mesh, parse_mesh_spec
 
@@ -55,7 +54,7 @@ def test_cached_decode_on_mesh_matches_full_forward(single, mesh, rng):
     model = dsjax.load_model("tiny", dtype="float32", mesh=mesh)
     cfg = model.config
     ids = rng.integers(0, 5000, (8, 40)).astype(np.int32)
-    want = np.asarray(forward(single.params, jnp.asarray(ids), cfg))
+    want = np.asarray(forward(single.params, jnp.asarray(ids), cfg)[0])
     got = []
     with model.mesh_context():
         cache = jax.tree.map(lambda a: jax.device_put(a, batch_sharding(model.mesh, a.ndim)),
@@ -63,7 +62,7 @@ def test_cached_decode_on_mesh_matches_full_forward(single, mesh, rng):
         for start, c in ((0, 24), (24, 8), *((p, 1) for p in range(32, 40))):
             tok = jax.device_put(ids[:, start:start + c], batch_sharding(model.mesh, 2))
             n = jax.device_put(np.full(8, c, np.int32), batch_sharding(model.mesh, 1))
-            logits, cache = extend(model.params, cache, tok, n, cfg=cfg, ctx_bucket=256, all_logits=True)
+            logits, cache = forward(model.params, tok, cfg, cache, n_valid=n, ctx_bucket=256)
             got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5, rtol=0)
 
@@ -110,8 +109,7 @@ def test_skewed_routing(single, rng):
     want = skew_one.logits(ids)
     np.testing.assert_allclose(skew_mesh.logits(ids), want, atol=1e-5, rtol=0)
     # capacity-based dropping is an explicit option, and it does drop under this skew
-    capped = dsjax.Model(sharded.config.replace(moe_capacity_factor=1.0), skew_mesh.params, sharded.dtype,
-                         sharded.mesh)
+    capped = skew_mesh.replace(options=skew_mesh.options.replace(moe_capacity_factor=1.0))
     assert np.abs(capped.logits(ids) - want).max() > 1e-3
 
 

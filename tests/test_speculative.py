@@ -12,13 +12,11 @@ import pytest
 from scipy import stats
 
 import dsjax
-from dsjax.engine.cache import init_cache
 from dsjax.engine.engine import Engine, _init_slots
 from dsjax.engine.sampler import SamplingParams
-from dsjax.engine.speculative import (DRAFT, Drafts, accept, choose_limits, draw, init_speculation, min_ring,
-                                      prefill_chunk, verify)
-from dsjax.model import forward_streams, model_specs, mtp_specs
-from dsjax.mtp import mtp_extend, mtp_forward, mtp_head
+from dsjax.engine.speculative import DRAFT, Drafts, accept, choose_limits, draw, init_speculation, prefill_chunk, verify
+from dsjax.model import decoder_streams, model_specs, mtp_forward, mtp_head, mtp_specs
+from dsjax.model.cache import init_cache, min_ring
 from dsjax.params import init_params
 
 F32 = jnp.float32
@@ -55,15 +53,16 @@ def test_mtp_cached_matches_full_sequence(small_vocab, rng):
     tiny = small_vocab
     cfg, s = tiny.config, 41
     ids = jnp.asarray(rng.integers(2, cfg.vocab_size, (2, s + 1)))
-    streams = jax.jit(forward_streams, static_argnames="cfg")(tiny.params, ids[:, :s], cfg)
-    want_logits, want_out = jax.jit(mtp_forward, static_argnames="cfg")(tiny.mtp, tiny.params, streams, ids[:, 1:], cfg)
+    streams, _ = jax.jit(decoder_streams, static_argnames="cfg")(tiny.params, ids[:, :s], cfg)
+    mtp = jax.jit(mtp_forward, static_argnames="cfg")
+    want_out, _ = mtp(tiny.mtp, tiny.params, streams, ids[:, 1:], cfg)
+    want_logits = mtp_head(tiny.mtp, tiny.params, want_out, cfg)
     state = init_speculation(cfg, 2, 1, F32).mtp
     start, outs = 0, []
-    extend = jax.jit(mtp_extend, static_argnames="cfg")
     for c in (8, 1, 16, 16):
         length = jnp.full((2,), start, jnp.int32)
-        out, state = extend(tiny.mtp, tiny.params, state, streams[:, start:start + c], ids[:, start + 1:start + c + 1],
-                                length, jnp.full((2,), c, jnp.int32), cfg)
+        out, state = mtp(tiny.mtp, tiny.params, streams[:, start:start + c], ids[:, start + 1:start + c + 1], cfg,
+                         state, start=length, n_valid=jnp.full((2,), c, jnp.int32))
         outs.append(out)
         start += c
     out = jnp.concatenate(outs, axis=1)

@@ -131,12 +131,10 @@ def weight_names(cfg: ModelConfig) -> dict[str, Source]:
 
 
 def mtp_weight_names(cfg: ModelConfig) -> dict[str, Source]:
-    """MTP-layer parameter path (dsjax.model.MTPParams) -> canonical tensor (`mtp.0.*`)."""
-    from dsjax.model import mtp_layer
-
+    """MTP-layer parameter path (dsjax.model.mtp.MTPParams) -> canonical tensor (`mtp.0.*`)."""
     table = {f"{k}": Source(f"mtp.0.{k}.weight") for k in ("e_proj", "h_proj", "enorm", "hnorm", "norm")}
     table.update({f"hc_head.{k}": Source(f"mtp.0.hc_head_{k}") for k in ("fn", "base", "scale")})
-    table.update(_block("block", "mtp.0", mtp_layer(cfg)))
+    table.update(_block("block", "mtp.0", cfg.mtp_layer))
     return table
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
+from dsjax.config import to_hf_dict
+
 MARKER = "dsjax_orbax.json"
 
 
@@ -27,7 +29,7 @@ def save(model, directory: str | Path, *, quantized: str, fp8_block=(128, 128), 
     """Write `model`'s params (as they are: sharded, possibly FP8 / FP4-resident)."""
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_hf_dict()
+    config = to_hf_dict(model.config)
     if quantized == "resident":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                          "weight_block_size": list(fp8_block),

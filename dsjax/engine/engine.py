@@ -31,9 +31,9 @@ from flax import struct
 
 from dsjax.api import Model, check_token_ids
 from dsjax.config import ModelConfig
-from dsjax.engine.cache import Cache, init_cache
+from dsjax.model.cache import Cache, init_cache, min_ring
 from dsjax.engine.sampler import SamplingParams, SamplingState, record_tokens, sample_tokens, top_logprobs
-from dsjax.engine.speculative import Speculation, init_speculation, min_ring, prefill_chunk, verify
+from dsjax.engine.speculative import Speculation, init_speculation, prefill_chunk, verify
 from dsjax.engine.step import context_bucket, extend
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding, per_row, rows

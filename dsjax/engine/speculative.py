@@ -31,15 +31,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dsjax.config import ModelConfig
-from dsjax.engine.cache import Cache
+from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import SamplingState, argmax_first, categorical, processed_logits, request_key
 from dsjax.layers.attention import AttentionState
-from dsjax.layers.compressor import CompressorState
-from dsjax.model import ModelParams, MTPParams
-from dsjax.engine.step import run_layers
-from dsjax.model import head_logits
-from dsjax.mtp import mtp_extend, mtp_head, mtp_state_shapes
+from dsjax.model.cache import Cache, restore_rows, save_rows
+from dsjax.model.decoder import DEFAULT_OPTIONS, ModelParams, decoder_streams, last_valid, logits_of
+from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
 
@@ -116,61 +113,6 @@ def accept_greedy(logits: jax.Array, drafts: jax.Array, limit: jax.Array):
     return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
 
 
-# ----------------------------------------------------------------------------- rollback
-def _slots_of(state: AttentionState, ratio: int, positions: jax.Array):
-    """(array, index [B, n]) of every row an extend over `positions` may write: the ring
-    slots (position % size) and the compressed entry each position would complete."""
-    out = [(state.window, positions % state.window.shape[1])]
-    for comp in (state.compressor, state.indexer):
-        if comp is not None:
-            ring = comp.ring_kv.shape[1]
-            out += [(comp.entries, positions // ratio), (comp.ring_kv, positions % ring),
-                    (comp.ring_gate, positions % ring)]
-    return out
-
-
-def _with_arrays(state: AttentionState, arrays) -> AttentionState:
-    it = iter(arrays)
-    window = next(it)
-    comps = [None if comp is None else CompressorState(next(it), next(it), next(it))
-             for comp in (state.compressor, state.indexer)]
-    return AttentionState(window, *comps)
-
-
-def save_rows(cache: Cache, positions: jax.Array, cfg: ModelConfig):
-    """What an extend over positions [B, n] will overwrite, per layer."""
-    rows = jnp.arange(positions.shape[0])[:, None]
-    return [[a.at[rows, idx].get(mode="fill", fill_value=0) for a, idx in _slots_of(st, layer.compress_ratio, positions)]
-            for st, layer in zip(cache.layers, cfg.layers)]
-
-
-def restore_rows(cache: Cache, saved, positions: jax.Array, rejected: jax.Array, cfg: ModelConfig) -> Cache:
-    """Put back the rows that the positions marked rejected [B, n] wrote. A rejected
-    position's entry index holds its pre-step value: every position of that group at or
-    after it was rejected too, so no kept position wrote it."""
-    rows = jnp.arange(positions.shape[0])[:, None]
-    layers = []
-    for st, layer, kept in zip(cache.layers, cfg.layers, saved):
-        arrays = []
-        for (a, idx), old in zip(_slots_of(st, layer.compress_ratio, positions), kept):
-            idx = jnp.where(rejected, idx, a.shape[1])  # out of bounds: dropped
-            arrays.append(a.at[rows, idx].set(old, mode="drop"))
-        layers.append(_with_arrays(st, arrays))
-    return cache.replace(layers=tuple(layers))
-
-
-def min_ring(cfg: ModelConfig) -> int:
-    """The smallest ring of the cache: one verify step may write at most this many positions
-    (each ring slot at most once, so the saved rows are the pre-step ones)."""
-    sizes = [cfg.sliding_window]
-    for layer in cfg.layers:
-        if layer.compress_ratio:
-            sizes.append(layer.compress_ratio * (2 if layer.overlap else 1))
-        if layer.has_indexer:
-            sizes.append(2 * layer.compress_ratio)
-    return min(sizes)
-
-
 # ----------------------------------------------------------------------------- drafting
 @struct.dataclass
 class Speculation:
@@ -205,7 +147,8 @@ def choose_limits(confidence: jax.Array, costs: jax.Array | None) -> jax.Array:
 
 def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionState, streams: jax.Array,
                      next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, s: SamplingState,
-                     old: Drafts, cfg: ModelConfig, *, sampled: bool, confidence: bool, draft=True):
+                     old: Drafts, cfg: ModelConfig, *, sampled: bool, confidence: bool, draft=True,
+                     opts: RuntimeOptions = DEFAULT_OPTIONS):
     """Commit true positions start .. start+n_valid-1 to the MTP ring (target streams
     [B, C, N, D] and the tokens after them [B, C]), then draft as many tokens as `old` holds
     from the last one by reusing the MTP layer on its own output streams (on a scratch copy
@@ -213,10 +156,10 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
     sampled=False (every row greedy): draft by argmax and leave old.q untouched;
     confidence=False (fixed policy): no confidences (old's kept). draft: a traced bool to
     draft only when it holds (prefill: on a prompt's last chunk), else `old` is returned."""
-    out, mtp_state = mtp_extend(mtp, params, mtp_state, streams, next_tokens, start, n_valid, cfg)
-    last = jnp.maximum(n_valid - 1, 0)
-    h = jnp.take_along_axis(out, last[:, None, None, None], axis=1)  # [B, 1, N, D]
-    pos = start + last  # the position the MTP step just ran at; it predicts the token at pos + 2
+    out, mtp_state = mtp_forward(mtp, params, streams, next_tokens, cfg, mtp_state, start=start, n_valid=n_valid,
+                                 opts=opts)
+    h = last_valid(out, n_valid)  # [B, 1, N, D]
+    pos = start + jnp.maximum(n_valid - 1, 0)  # the position the MTP step just ran at; it predicts pos + 2
     row_sampled = s.temperature > 0
 
     def draft_one(h, pos):
@@ -239,7 +182,8 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
 
     def one(carry, _):  # the layer again, on its own output streams and the draft it just made
         h, scratch, pos, d = carry
-        h, scratch = mtp_extend(mtp, params, scratch, h, d[:, None], pos + 1, jnp.ones_like(pos), cfg)
+        h, scratch = mtp_forward(mtp, params, h, d[:, None], cfg, scratch, start=pos + 1, n_valid=jnp.ones_like(pos),
+                                 opts=opts)
         d, out = draft_one(h, pos + 1)
         return (h, scratch, pos + 1, d), (d, out)
 
@@ -290,7 +234,8 @@ def emit_tokens(slots, tokens: jax.Array, n_new: jax.Array, start: jax.Array):
 
 
 def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
-           cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None, sampled: bool = True):
+           cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None, sampled: bool = True,
+           opts: RuntimeOptions = DEFAULT_OPTIONS):
     """One speculative step for every active slot: feed [pending token, first k drafts] in
     one target forward, accept (at most each row's limit), roll the caches back to the
     kept positions, commit them to the MTP ring and draft anew. sampled=False: a batch of
@@ -301,8 +246,9 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     tokens = jnp.concatenate([slots.last_token[:, None], drafts.tokens[:, :k]], axis=1)  # [B, k+1]
     positions = start[:, None] + jnp.arange(k + 1)
     saved = save_rows(cache, positions, cfg)
-    streams, cache = run_layers(params, cache, tokens, jnp.where(active, k + 1, 0), cfg, ctx_bucket)
-    logits = head_logits(params, streams, cfg)
+    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=jnp.where(active, k + 1, 0),
+                                     ctx_bucket=ctx_bucket)
+    logits = logits_of(params, streams, cfg)
     limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
     if sampled:
         p = processed_probs(logits, slots.sampling)
@@ -315,27 +261,29 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     cache = cache.replace(length=jnp.where(active, start + a + 1, start))
     slots, count, finished = emit_tokens(slots, produced, a + 1, start)
     mtp_state, new = commit_and_draft(params, mtp, spec.mtp, streams, produced, start, jnp.where(active, a + 1, 0),
-                                      slots.sampling, drafts, cfg, sampled=sampled, confidence=costs is not None)
+                                      slots.sampling, drafts, cfg, sampled=sampled, confidence=costs is not None,
+                                      opts=opts)
     spec = update_speculation(spec, mtp_state, new, active, costs)
     return cache, spec, slots, produced, count, finished, limit, a
 
 
 def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, tokens: jax.Array,
                   next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, emit, *, cfg: ModelConfig,
-                  ctx_bucket: int, costs: jax.Array | None, sampled: bool = True):
+                  ctx_bucket: int, costs: jax.Array | None, sampled: bool = True,
+                  opts: RuntimeOptions = DEFAULT_OPTIONS):
     """A prompt chunk tokens [B, C] through the target and the MTP ring. next_tokens [B, C]:
     the token after each (from the prompt; after its end, the sampled first token).
     `emit(logits [B, V], length [B], is_last [B]) -> (first token [B], sampling state, aux)`
     samples the first token of rows whose prompt ends here; their drafts follow it.
     -> (cache, spec, aux)."""
     start = cache.length
-    streams, cache = run_layers(params, cache, tokens, n_valid, cfg, ctx_bucket)
+    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
     last = jnp.maximum(n_valid - 1, 0)
-    logits = head_logits(params, jnp.take_along_axis(streams, last[:, None, None, None], axis=1), cfg)[:, 0]
+    logits = logits_of(params, last_valid(streams, n_valid), cfg)[:, 0]
     first, sampling, aux = emit(logits, cache.length, is_last)
     rows = jnp.arange(tokens.shape[0])
     next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
     mtp_state, drafts = commit_and_draft(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
                                          spec.drafts, cfg, sampled=sampled, confidence=costs is not None,
-                                         draft=is_last)
+                                         draft=is_last, opts=opts)
     return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, costs), aux

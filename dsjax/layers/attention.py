@@ -8,8 +8,8 @@
     o_h = inverse_rope_t(sum_s p_s kv_s)
     out = W_ob concat_g(W_oa[g] concat(o_h, h in group g))
 
-`sink_attention` is the reference math; `attend` routes both paths through
-dsjax/pallas_kernels/sink_attention.py (reference or Pallas, per `cfg.kernels`).
+`attend` routes both paths through dsjax/pallas_kernels/sink_attention.py (its reference or
+a kernel, per the `kernels` run option).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def compressed_visible(q_pos: jax.Array, n_entries: int, ratio: int) -> jax.Arra
 
 
 def attend(p: Attention, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer: LayerSpec,
-           cfg: ModelConfig) -> jax.Array:
+           cfg: ModelConfig, kernels: str = "reference") -> jax.Array:
     """The attention core shared by the full-sequence and cached paths.
 
     keys [B, T, hd] with visibility intervals lo / hi (window keys); entries [B, E, hd] the
@@ -153,19 +153,19 @@ def attend(p: Attention, q, cq, x, cos, sin, positions, keys, lo, hi, entries, i
         e_lo, e_hi = entry_intervals(lo, n, layer.compress_ratio)
         if layer.has_indexer and cfg.index_topk < n:
             scores = index_scores(index_queries(p.indexer, cq, cos, sin, cfg), index_keys,
-                                  index_weights(p.indexer, x, cfg), cfg)
+                                  index_weights(p.indexer, x, cfg), cfg, kernels=kernels)
             top, mask_pq = select_topk_indices(scores, compressed_visible(positions, n, layer.compress_ratio),
                                                cfg.index_topk)
             kv_pq = jnp.take_along_axis(entries[:, None], top[..., None], axis=2)  # [B, S, k, hd]
         else:
             keys = jnp.concatenate([keys, entries], axis=1)
             lo, hi = jnp.concatenate([lo, e_lo], axis=1), jnp.concatenate([hi, e_hi], axis=1)
-    return attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=cfg.kernels)
+    return attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
 
 
 # ----------------------------------------------------------------------------- full sequence
 def attention_forward(p: Attention, x: jax.Array, positions: jax.Array, layer: LayerSpec,
-                      cfg: ModelConfig) -> jax.Array:
+                      cfg: ModelConfig, *, kernels: str = "reference") -> jax.Array:
     """Full-sequence attention (no cache): x [B, S, D] normed input, positions [B, S]."""
     cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
     cq, q = project_q(p, x, cos, sin, cfg)
@@ -176,7 +176,7 @@ def attention_forward(p: Attention, x: jax.Array, positions: jax.Array, layer: L
         entries = compress_kv(p.compressor, x, ratio=layer.compress_ratio, overlap=layer.overlap, cfg=cfg)
         if layer.has_indexer:
             index_keys = compress_kv(p.indexer.compressor, x, ratio=layer.compress_ratio, overlap=True, cfg=cfg)
-    o = attend(p, q, cq, x, cos, sin, positions, kv, lo, hi, entries, index_keys, layer, cfg)
+    o = attend(p, q, cq, x, cos, sin, positions, kv, lo, hi, entries, index_keys, layer, cfg, kernels)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     return grouped_output(p, o, cfg)
 
@@ -210,7 +210,8 @@ def ring_positions(start: jax.Array, ring: int) -> jax.Array:
 
 
 def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: jax.Array, n_valid: jax.Array,
-                     layer: LayerSpec, cfg: ModelConfig, n_entries: int) -> tuple[jax.Array, AttentionState]:
+                     layer: LayerSpec, cfg: ModelConfig, n_entries: int, *,
+                     kernels: str = "reference") -> tuple[jax.Array, AttentionState]:
     """Attention for a chunk x [B, C, D] at positions start + i, i < n_valid (per row),
     against the cache; returns the output and the updated cache.
 
@@ -238,7 +239,7 @@ def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: j
             idx_state = compress_extend(p.indexer.compressor, state.indexer, x, start, n_valid, ratio=m,
                                         overlap=True, cfg=cfg)
             index_keys = idx_state.entries[:, :n_entries]
-    o = attend(p, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer, cfg)
+    o = attend(p, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer, cfg, kernels)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     # window ring: the chunk's last W valid tokens go to slot position % W
     keep = valid & (positions >= (start + n_valid)[:, None] - w)

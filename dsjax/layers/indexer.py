@@ -54,10 +54,11 @@ def index_weights(p: Indexer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return linear(x, p.weights_proj).astype(jnp.float32) * cfg.index_n_heads ** -0.5
 
 
-def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, cfg: ModelConfig,
+                 kernels: str = "reference") -> jax.Array:
     """q [B, S, H, d], keys [B, T, d], weights [B, S, H] -> scores [B, S, T] fp32, through
-    dsjax/pallas_kernels/index_scores.py (reference or kernel, per `cfg.kernels`)."""
-    return index_scores_kernel(q, keys, weights, scale=cfg.index_head_dim ** -0.5, impl=cfg.kernels)
+    dsjax/pallas_kernels/index_scores.py (its reference or a kernel, per `kernels`)."""
+    return index_scores_kernel(q, keys, weights, scale=cfg.index_head_dim ** -0.5, impl=kernels)
 
 
 def select_topk_indices(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

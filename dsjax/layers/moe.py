@@ -175,12 +175,12 @@ def moe_path(tokens: int, k: int, n_experts: int, kernels: str = "reference") ->
 
 
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
-                   path: str | None = None) -> jax.Array:
+                   path: str | None = None, kernels: str = "reference") -> jax.Array:
     """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32. Exact paths
     (see `moe_path`): per-assignment weight gather (decode), or assignments sorted by expert
     through a grouped matmul (ragged_dot, or the tile loop on CPU)."""
     t, k = idx.shape
-    path = path or moe_path(t, k, cfg.n_routed_experts, cfg.kernels)
+    path = path or moe_path(t, k, cfg.n_routed_experts, kernels)
     p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     if path == "gather":
         y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit)
@@ -191,8 +191,8 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     if path == "tiled":
         rows = int(min(128, max(8, pl2(t * k / cfg.n_routed_experts))))
         y = expert_ffn_tiled(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, rows)
-    elif path == "pallas" or cfg.kernels != "reference":
-        impl = cfg.kernels if cfg.kernels != "reference" else "pallas"
+    elif path == "pallas" or kernels != "reference":
+        impl = kernels if kernels != "reference" else "pallas"
         y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, impl=impl)
     else:
         y = expert_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit)
@@ -213,7 +213,8 @@ def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return linear(h, p.shared_w2, out_sharding=spec("batch", None))
 
 
-def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *, kernels: str = "reference",
+                capacity_factor: float | None = None) -> jax.Array:
     """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
     run expert-parallel (dsjax/sharding/expert_parallel.py)."""
     from dsjax.sharding.expert_parallel import routed_experts_sharded
@@ -221,9 +222,9 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) ->
 
     flat = reshape(x, (-1, x.shape[-1]))
     if current_mesh() is not None:
-        routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, cfg.moe_capacity_factor)
+        routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, capacity_factor, kernels)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
-        routed = routed_experts(p, flat, weights, idx, cfg)
+        routed = routed_experts(p, flat, weights, idx, cfg, kernels=kernels)
     routed = routed.astype(x.dtype)
     return reshape(routed + shared_expert(p, flat, cfg), x.shape)

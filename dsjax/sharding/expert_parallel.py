@@ -43,7 +43,7 @@ def _moe_in_specs(p: MoE, ep: int) -> MoE:
 
 
 def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig, ep: int,
-                     capacity_factor: float | None) -> jax.Array:
+                     capacity_factor: float | None, kernels: str = "reference") -> jax.Array:
     """Per device (inside shard_map): x [T, D] local tokens, idx/weights [T, K] global
     expert ids; p.w1/w3/w2 hold this device's E / ep experts. -> [T, D] fp32."""
     t, k = idx.shape
@@ -66,7 +66,7 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     by_expert = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_n + 1)[:local_n].astype(jnp.int32)
     w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
-    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, cfg.swiglu_limit, impl=cfg.kernels)
+    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, cfg.swiglu_limit, impl=kernels)
     y = jnp.zeros((ep * cap, d), jnp.float32).at[by_expert].set(y_sorted).astype(x.dtype)
     back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
     per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
@@ -75,7 +75,7 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
 
 
 def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
-                           capacity_factor: float | None = None) -> jax.Array:
+                           capacity_factor: float | None = None, kernels: str = "reference") -> jax.Array:
     """x [T, D] and token_ids [T] batch-sharded under the current mesh -> routed-expert
     output [T, D] fp32, same sharding."""
     mesh = current_mesh()
@@ -88,7 +88,7 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
     def local(p, x, ids):
         weights, idx = route(p, x, ids, cfg)
         if ep == 1:
-            return routed_experts(p, x, weights, idx, cfg)
-        return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor)
+            return routed_experts(p, x, weights, idx, cfg, kernels=kernels)
+        return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels)
 
     return jax.shard_map(local, in_specs=in_specs, out_specs=P(*rows, None))(_routed_only(p), x, token_ids)

@@ -2,7 +2,7 @@
 continuations, so that its drafts agree with the target (random weights give an MTP layer
 that never does). Seeded and deterministic.
 
-    python -m dsjax.mtp_train --model tiny --steps 300 --out /tmp/dsjax_tiny_mtp
+    python -m dsjax.train.mtp_distill --model tiny --steps 300 --out /tmp/dsjax_tiny_mtp
 
 At position t the MTP layer sees the target's streams X_t and token x_{t+1} and learns to
 predict x_{t+2}, the target's own next-next greedy token. Only the MTP layer trains (the
@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dsjax.model import forward_streams
-from dsjax.mtp import mtp_forward
+import dsjax
+from dsjax.checkpoint import orbax_io
+from dsjax.model import decoder_streams, mtp_forward, mtp_head
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -34,8 +35,6 @@ def distillation_data(model, prompts: list[list[int]], new_tokens: int):
     """Greedy continuations of the prompts (all the same length) and the target's streams
     along them. -> (streams [B, S, N, D], next tokens [B, S], targets [B, S], mask [B, S]):
     position t predicts targets[t] = x_{t+2}, learnt where that is a generated token."""
-    import dsjax
-
     prompt_len = len(prompts[0])
     if any(len(p) != prompt_len for p in prompts):
         raise ValueError("distillation prompts must all have the same length")
@@ -46,7 +45,8 @@ def distillation_data(model, prompts: list[list[int]], new_tokens: int):
     for i, (p, o) in enumerate(zip(prompts, outs)):
         seq = (p + o)[:length]
         ids[i, : len(seq)], lengths[i] = seq, len(seq)
-    streams = jax.jit(forward_streams, static_argnames="cfg")(model.params, jnp.asarray(ids), model.config)
+    streams, _ = jax.jit(decoder_streams, static_argnames=("cfg", "opts"))(model.params, jnp.asarray(ids), model.config,
+                                                                           opts=model.options)
     t = np.arange(length)
     mask = (t[None] + 2 >= prompt_len) & (t[None] + 2 < lengths[:, None])
     targets = np.zeros_like(ids)
@@ -62,7 +62,7 @@ def _is_float(a) -> bool:
 
 def mtp_objective(mtp, main, streams, next_tokens, targets, mask, cfg):
     """(mean cross-entropy, top-1 agreement) of the MTP layer's x_{t+2} predictions where mask."""
-    logits, _ = mtp_forward(mtp, main, streams, next_tokens, cfg)
+    logits = mtp_head(mtp, main, mtp_forward(mtp, main, streams, next_tokens, cfg)[0], cfg)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     n = jnp.maximum(jnp.sum(mask), 1)
@@ -106,9 +106,6 @@ def train_mtp(model, prompts: list[list[int]], *, new_tokens: int = 64, steps: i
 
 
 def main():
-    import dsjax
-    from dsjax.checkpoint import orbax_io
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=300)
@@ -122,7 +119,7 @@ def main():
     prompts = random_prompts(model.config.vocab_size, args.prompts, args.prompt_len, args.seed)
     t = time.perf_counter()
     mtp, history = train_mtp(model, prompts, new_tokens=args.new_tokens, steps=args.steps, seed=args.seed)
-    trained = dsjax.Model(model.config, model.params, model.dtype, None, mtp)
+    trained = model.replace(mtp=mtp)
     orbax_io.save(trained, args.out, quantized="dequantize")
     Path(args.out, "training.json").write_text(json.dumps(
         {"model": args.model, "seed": args.seed, "steps": args.steps, "seconds": time.perf_counter() - t,

@@ -2,6 +2,8 @@
 raw projections of the incomplete window; never per-token KV older than the window.
 
 Shapes are static: `capacity` tokens per sequence, `batch` sequences (the engine's slots).
+Also here: which cache rows a chunk of positions writes, and saving / restoring exactly
+those rows (`save_rows` / `restore_rows`), which speculative rollback needs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from flax import struct
 
 from dsjax.config import ModelConfig
 from dsjax.layers.attention import AttentionState, attention_state_shapes
+from dsjax.layers.compressor import CompressorState
 
 
 @struct.dataclass
@@ -68,3 +71,54 @@ def cache_bytes(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> dict:
         "analytic_min_bytes_per_token": minimum * item,
         "full_kv_bytes_per_token": cfg.num_hidden_layers * cfg.head_dim * item,
     }
+
+
+# ----------------------------------------------------------------------------- rollback
+def written_rows(state: AttentionState, ratio: int, positions: jax.Array) -> AttentionState:
+    """Per field of one layer's state, the row index [B, n] that an extend over `positions`
+    may write: ring slots (position % ring size) and the compressed entry each position
+    would complete (position // ratio). Same structure as `state`."""
+    def comp_rows(comp: CompressorState | None):
+        if comp is None:
+            return None
+        ring = positions % comp.ring_kv.shape[1]
+        return CompressorState(entries=positions // ratio, ring_kv=ring, ring_gate=ring)
+
+    return AttentionState(window=positions % state.window.shape[1], compressor=comp_rows(state.compressor),
+                          indexer=comp_rows(state.indexer))
+
+
+def save_rows(cache: Cache, positions: jax.Array, cfg: ModelConfig) -> tuple[AttentionState, ...]:
+    """What an extend over positions [B, n] will overwrite, per layer (each field [B, n, ...])."""
+    rows = jnp.arange(positions.shape[0])[:, None]
+    return tuple(jax.tree.map(lambda a, idx: a.at[rows, idx].get(mode="fill", fill_value=0), st,
+                              written_rows(st, layer.compress_ratio, positions))
+                 for st, layer in zip(cache.layers, cfg.layers))
+
+
+def restore_rows(cache: Cache, saved: tuple[AttentionState, ...], positions: jax.Array, rejected: jax.Array,
+                 cfg: ModelConfig) -> Cache:
+    """Put back the rows that the positions marked rejected [B, n] wrote. A rejected
+    position's entry index holds its pre-step value: every position of that group at or
+    after it was rejected too, so no kept position wrote it."""
+    rows = jnp.arange(positions.shape[0])[:, None]
+
+    def put_back(a, idx, old):
+        idx = jnp.where(rejected, idx, a.shape[1])  # out of bounds: dropped
+        return a.at[rows, idx].set(old, mode="drop")
+
+    layers = tuple(jax.tree.map(put_back, st, written_rows(st, layer.compress_ratio, positions), old)
+                   for st, layer, old in zip(cache.layers, cfg.layers, saved))
+    return cache.replace(layers=layers)
+
+
+def min_ring(cfg: ModelConfig) -> int:
+    """The smallest ring of the cache: one verify step may write at most this many positions
+    (each ring slot at most once, so the saved rows are the pre-step ones)."""
+    sizes = [cfg.sliding_window]
+    for layer in cfg.layers:
+        if layer.compress_ratio:
+            sizes.append(layer.compress_ratio * (2 if layer.overlap else 1))
+        if layer.has_indexer:
+            sizes.append(2 * layer.compress_ratio)
+    return min(sizes)

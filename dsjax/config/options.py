@@ -1,0 +1,45 @@
+"""How to run a model, as opposed to what the model is: `RuntimeOptions`.
+
+The config (`ModelConfig`) describes the checkpoint; these options describe one run of it
+and travel beside the config (as a static argument of the jitted programs), never inside
+it, so a kernel choice does not reach parameter specs or checkpoint naming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KERNELS = ("reference", "pallas", "mosaic_gpu")
+QUANTIZED = ("dequantize", "resident")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    """kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: the Mosaic GPU
+    kernels on Hopper+, the generic Pallas kernels elsewhere, interpreted on CPU) or
+    "mosaic_gpu" (the Mosaic GPU kernels; GPU interpret mode off the GPU).
+    moe_capacity_factor: cap expert-parallel send buffers at ceil(tokens * k / ep * factor)
+    and drop assignments past it; None (default) = dropless.
+    batch_invariant: each engine slot runs as its own batch-1 computation, so a request's
+    tokens are bitwise independent of its neighbours and its slot.
+    quantized: how FP8 / MXFP4 checkpoint weights were loaded ("dequantize" | "resident");
+    recorded by `load_model`, read by reports."""
+
+    kernels: str = "reference"
+    moe_capacity_factor: float | None = None
+    batch_invariant: bool = False
+    quantized: str = "dequantize"
+
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        cf = self.moe_capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ValueError(f"moe_capacity_factor must be a positive number or None, got {cf!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.quantized not in QUANTIZED:
+            raise ValueError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
+
+    def replace(self, **changes) -> "RuntimeOptions":
+        return dataclasses.replace(self, **changes)

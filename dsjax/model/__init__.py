@@ -1,0 +1,14 @@
+"""The model: parameter declarations, the one forward (with or without a cache), the
+cache, and the MTP drafter.
+
+    decoder.py  ModelParams / Block specs; `forward(params, tokens, cfg, cache=None, ...)`
+    cache.py    Cache pytree, shapes / bytes, the rows a chunk writes (speculative rollback)
+    mtp.py      MTPParams, the drafter's forward and head
+"""
+
+from dsjax.model.cache import Cache, cache_bytes, cache_shapes, init_cache
+from dsjax.model.decoder import (Block, ModelParams, decoder_streams, forward, head_logits, logits_of, model_specs)
+from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_specs
+
+__all__ = ["Block", "Cache", "MTPParams", "ModelParams", "cache_bytes", "cache_shapes", "decoder_streams", "forward",
+           "head_logits", "init_cache", "logits_of", "model_specs", "mtp_forward", "mtp_head", "mtp_specs"]

@@ -1,0 +1,190 @@
+"""The DeepSeek-V4 decoder as pure functions over a parameter pytree, with and without a
+cache: ONE `forward` serves `Model.logits`, prefill, decode and speculative verification.
+
+    X      = [E[id]] * N                                   # [B, S, N, D] mHC streams
+    block  : X = expand(attn(Norm(collapse(X))), X);  X = expand(moe(Norm(collapse(X))), X)
+    logits = W_head Norm(head_collapse(X))                 # `head_logits`, shared with the MTP drafter
+
+Without a cache the tokens are a whole sequence from position 0 (checked against HF
+transformers). With a cache (dsjax/model/cache.py) they are a chunk at positions
+cache.length + i, only i < n_valid real, and the cache comes back updated (checked against
+the full-sequence path).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dsjax.config import LayerSpec, ModelConfig, RuntimeOptions
+from dsjax.layers.attention import Attention, attention_extend, attention_forward, attention_specs
+from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
+                                           head_collapse, hyper_connection_specs, hyper_head_specs)
+from dsjax.layers.linear import linear
+from dsjax.layers.moe import MoE, moe_forward, moe_specs
+from dsjax.layers.norms import rms_norm
+from dsjax.model.cache import Cache
+from dsjax.params import ParamSpec
+from dsjax.sharding.rules import spec
+
+DEFAULT_OPTIONS = RuntimeOptions()
+
+
+@struct.dataclass
+class Block:
+    attn_hc: HyperConnection
+    attn_norm: jax.Array  # [D] fp32
+    attn: Attention
+    ffn_hc: HyperConnection
+    ffn_norm: jax.Array  # [D] fp32
+    moe: MoE
+
+
+@struct.dataclass
+class ModelParams:
+    embed: jax.Array  # [V, D]
+    blocks: tuple[Block, ...]
+    hc_head: HyperHead
+    norm: jax.Array  # [D] fp32
+    lm_head: jax.Array | None  # [V, D]; None when tied to embed
+
+
+def norm_spec(cfg: ModelConfig) -> ParamSpec:
+    return ParamSpec((cfg.hidden_size,), jnp.float32, (None,), init="ones")
+
+
+def block_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Block:
+    return Block(
+        attn_hc=hyper_connection_specs(cfg), attn_norm=norm_spec(cfg), attn=attention_specs(cfg, layer, dtype),
+        ffn_hc=hyper_connection_specs(cfg), ffn_norm=norm_spec(cfg), moe=moe_specs(cfg, layer, dtype))
+
+
+def model_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParams:
+    v, d = cfg.vocab_size, cfg.hidden_size
+    return ModelParams(
+        embed=ParamSpec((v, d), dtype, ("vocab", "embed")),
+        blocks=tuple(block_specs(cfg, layer, dtype) for layer in cfg.layers),
+        hc_head=hyper_head_specs(cfg),
+        norm=norm_spec(cfg),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), dtype, ("vocab", "embed")),
+    )
+
+
+# ----------------------------------------------------------------------------- pieces
+def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """token_ids [B, S] -> X [B, S, N, D]: the embedding copied to the N streams."""
+    rows = spec("batch", None, None)
+    e = params.embed[token_ids] if rows is None else params.embed.at[token_ids].get(out_sharding=rows)
+    return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
+
+
+def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg: ModelConfig,
+                opts: RuntimeOptions = DEFAULT_OPTIONS):
+    """One decoder block around an attention call `attend(p.attn, h) -> (out, state)`
+    (full-sequence or cached); returns (streams, state)."""
+    pre, post, comb = hc_mixes(p.attn_hc, streams, cfg)
+    h = rms_norm(collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
+    out, state = attend(p.attn, h)
+    streams = expand(out, streams, post, comb)
+    pre, post, comb = hc_mixes(p.ffn_hc, streams, cfg)
+    h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
+    y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor)
+    return expand(y, streams, post, comb), state
+
+
+def attention_call(layer: LayerSpec, cfg: ModelConfig, opts: RuntimeOptions, *, positions=None, state=None,
+                   start=None, n_valid=None, n_entries: int = 0):
+    """`attend` for `block_apply`: full-sequence at `positions` (state None), or cached
+    against the layer's `state` for a chunk at start + i, i < n_valid."""
+    if state is None:
+        return lambda p, h: (attention_forward(p, h, positions, layer, cfg, kernels=opts.kernels), None)
+    return lambda p, h: attention_extend(p, state, h, start, n_valid, layer, cfg, n_entries, kernels=opts.kernels)
+
+
+def lm_head_weight(params: ModelParams) -> jax.Array:
+    return params.embed if params.lm_head is None else params.lm_head
+
+
+def head_logits(hc_head: HyperHead, norm: jax.Array, weight: jax.Array, streams: jax.Array,
+                cfg: ModelConfig) -> jax.Array:
+    """N streams [..., N, D] -> logits [..., V] fp32: head collapse, norm, vocabulary
+    projection. The main model and the MTP drafter each have their own collapse and norm
+    and share the projection `weight` ([V, D])."""
+    h = rms_norm(head_collapse(hc_head, streams, cfg), norm, cfg.rms_norm_eps)
+    logits = linear(h, weight, out_dtype=jnp.float32)  # vocab-parallel under a mesh
+    out = spec("batch", *([None] * (logits.ndim - 1)))
+    return logits if out is None else jax.sharding.reshard(logits, out)  # gather the vocabulary
+
+
+def logits_of(params: ModelParams, streams: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The main model's head on final streams [..., N, D] -> [..., V]."""
+    return head_logits(params.hc_head, params.norm, lm_head_weight(params), streams, cfg)
+
+
+def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """x [B, C, ...] -> [B, 1, ...] at each row's last valid position (n_valid [B])."""
+    last = jnp.maximum(n_valid - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, last, axis=1)
+
+
+# ----------------------------------------------------------------------------- the decoder
+def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None = None, *,
+                    opts: RuntimeOptions = DEFAULT_OPTIONS, n_valid: jax.Array | None = None,
+                    ctx_bucket: int | None = None) -> tuple[jax.Array, Cache | None]:
+    """The blocks over tokens [B, S] -> (final streams [B, S, N, D], cache). See `forward`."""
+    b, s = tokens.shape
+    streams = embed_streams(params, tokens, cfg)
+    if cache is None:
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        for layer, block in zip(cfg.layers, params.blocks):
+            streams, _ = block_apply(block, streams, tokens, attention_call(layer, cfg, opts, positions=positions),
+                                     cfg, opts)
+        return streams, None
+    start = cache.length
+    n_valid = jnp.full((b,), s, jnp.int32) if n_valid is None else n_valid
+    states = []
+    for layer, block, state in zip(cfg.layers, params.blocks, cache.layers):
+        n_entries = ctx_bucket // layer.compress_ratio if layer.compress_ratio else 0
+        attend = attention_call(layer, cfg, opts, state=state, start=start, n_valid=n_valid, n_entries=n_entries)
+        streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
+        states.append(state)
+    return streams, Cache(start + n_valid, tuple(states))
+
+
+def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
+    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
+    if last_only:
+        streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
+    return logits_of(params, streams, cfg), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "last_only"), donate_argnames=("cache",))
+def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None = None, *,
+            opts: RuntimeOptions = DEFAULT_OPTIONS, n_valid: jax.Array | None = None, ctx_bucket: int | None = None,
+            last_only: bool = False) -> tuple[jax.Array, Cache | None]:
+    """tokens [B, S] int32 -> (logits fp32, cache).
+
+    cache None: a whole causal sequence at positions 0..S-1; returns (logits [B, S, V], None).
+    cache: a chunk at positions cache.length + i, only i < n_valid [B] real (default all;
+    rows with n_valid = 0 are left untouched); returns the updated cache (donated at top
+    level). ctx_bucket (static, required with a cache) bounds the compressed entries read:
+    every entry a query can see must lie below ctx_bucket / ratio.
+    last_only: logits [B, 1, V] at each row's last valid position only.
+    opts.batch_invariant (cached path): each row runs as its own batch-1 computation
+    (`lax.map`), so its results are bitwise independent of the other rows."""
+    if cache is not None and ctx_bucket is None:
+        raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
+    if cache is None or not opts.batch_invariant:
+        return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
+    n_valid = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if n_valid is None else n_valid
+
+    def one(row):
+        c, t, n = row
+        c = jax.tree.map(lambda a: a[None], c)
+        logits, c = _forward_rows(params, t[None], cfg, c, opts, n[None], ctx_bucket, last_only)
+        return logits[0], jax.tree.map(lambda a: a[0], c)
+
+    return jax.lax.map(one, (cache, tokens, n_valid))
