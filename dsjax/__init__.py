@@ -7,10 +7,10 @@
 """
 
 from dsjax.api import Model, load_model
-from dsjax.config import ConfigError, ModelConfig, load_config
+from dsjax.config import ConfigError, ModelConfig, RuntimeOptions, load_config
 from dsjax.engine import Engine, SamplingParams, TokenEvent
 from dsjax.generate import generate
 
-__all__ = ["ConfigError", "Engine", "Model", "ModelConfig", "SamplingParams", "TokenEvent", "generate",
-           "load_config", "load_model"]
+__all__ = ["ConfigError", "Engine", "Model", "ModelConfig", "RuntimeOptions", "SamplingParams", "TokenEvent",
+           "generate", "load_config", "load_model"]
 __version__ = "0.1.0"

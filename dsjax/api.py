@@ -17,7 +17,7 @@ from dsjax.config import KERNELS, ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
-from dsjax.params import abstract_params, init_params
+from dsjax.params import abstract_params, init_params, spec_leaves
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
 
@@ -192,8 +192,6 @@ def device_memory(device) -> int:
 def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:
     """Fail before reading anything if one device's share of the weights does not fit."""
     if mesh is None:
-        from dsjax.params import spec_leaves
-
         need = sum(s.nbytes for _, s in spec_leaves(specs))
         device = jax.devices()[0]
     else:

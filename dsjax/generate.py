@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from dsjax.api import Model
 from dsjax.engine.engine import Engine
@@ -71,3 +73,20 @@ def generation_engine(model: Model, prompts, max_new_tokens, temperature=0.0, to
                     decode_steps=1 if num_draft_tokens else 4, num_draft_tokens=int(num_draft_tokens),
                     spec_policy=spec_policy)
     return engine, params
+
+
+def generate_distributed(model, local_prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
+    """Each process passes its own prompts (any number, maybe none) and gets back the new
+    tokens of exactly those. All processes run one engine over the union of the prompts."""
+    counts = multihost_utils.process_allgather(np.array([len(local_prompts)], np.int32))
+    counts = np.asarray(counts).reshape(-1)
+    longest = int(np.asarray(multihost_utils.process_allgather(
+        np.array([max((len(p) for p in local_prompts), default=0)], np.int32))).max())
+    padded = np.full((max(1, int(counts.max())), max(1, longest) + 1), -1, np.int32)
+    for i, p in enumerate(local_prompts):
+        padded[i, 0], padded[i, 1: len(p) + 1] = len(p), p
+    every = np.asarray(multihost_utils.process_allgather(padded))  # [processes, max count, longest + 1]
+    prompts = [row[1: row[0] + 1].tolist() for proc, n in enumerate(counts) for row in every[proc][:n]]
+    results = generate(model, prompts, max_new_tokens, **kw)
+    start = int(counts[: jax.process_index()].sum())
+    return results[start: start + len(local_prompts)]

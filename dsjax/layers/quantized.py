@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dsjax.params import ParamSpec, is_spec, path_str
+
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 E2M1_SIGNED = np.concatenate([E2M1, -E2M1])  # index = code (bit 3 = sign)
 MXFP4_GROUP = 32
@@ -69,8 +71,6 @@ def resident_specs(specs, block: tuple[int, int], experts_fp4: bool):
     """Replace the spec of every weight the checkpoint stores quantized by its stored form
     (an Fp8Weight / Fp4Weight of ParamSpecs), so it is loaded and kept as stored."""
     import ml_dtypes
-
-    from dsjax.params import ParamSpec, is_spec, path_str
 
     def one(path, s):
         name = "." + path_str(path)

@@ -2,7 +2,8 @@
 
 Every process runs the same program (SPMD). `initialize` connects the processes; the mesh
 then spans all of their devices, weights are read shard by shard where they live, and
-`generate_distributed` lets each process bring its own prompts and get its own results.
+`dsjax.generate.generate_distributed` lets each process bring its own prompts and get its
+own results.
 
 Launching (one process per host; on GPU one process per host with all its GPUs, on TPU
 one per TPU host):
@@ -55,22 +56,3 @@ def to_host(tree):
         return np.asarray(x)
 
     return jax.tree.map(one, tree)
-
-
-def generate_distributed(model, local_prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
-    """Each process passes its own prompts (any number, maybe none) and gets back the new
-    tokens of exactly those. All processes run one engine over the union of the prompts."""
-    import dsjax
-
-    counts = multihost_utils.process_allgather(np.array([len(local_prompts)], np.int32))
-    counts = np.asarray(counts).reshape(-1)
-    longest = int(np.asarray(multihost_utils.process_allgather(
-        np.array([max((len(p) for p in local_prompts), default=0)], np.int32))).max())
-    padded = np.full((max(1, int(counts.max())), max(1, longest) + 1), -1, np.int32)
-    for i, p in enumerate(local_prompts):
-        padded[i, 0], padded[i, 1: len(p) + 1] = len(p), p
-    every = np.asarray(multihost_utils.process_allgather(padded))  # [processes, max count, longest + 1]
-    prompts = [row[1: row[0] + 1].tolist() for proc, n in enumerate(counts) for row in every[proc][:n]]
-    results = dsjax.generate(model, prompts, max_new_tokens, **kw)
-    start = int(counts[: jax.process_index()].sum())
-    return results[start: start + len(local_prompts)]

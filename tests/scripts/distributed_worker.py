@@ -15,7 +15,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np  # noqa: E402
 
 import dsjax  # noqa: E402
-from dsjax.sharding.distributed import generate_distributed, initialize  # noqa: E402
+from dsjax.generate import generate_distributed  # noqa: E402
+from dsjax.sharding.distributed import initialize  # noqa: E402
 
 coordinator, n, pid, mesh = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 assert initialize(coordinator, n, pid)

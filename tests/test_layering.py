@@ -1,0 +1,136 @@
+"""The package's import graph, read with `ast` (nothing is imported): imports run downward
+only, with no circles, so each layer can be read and tested without the ones above it.
+
+    cli / serving / train -> generate -> api -> engine -> checkpoint, model -> layers
+        -> pallas_kernels, sharding.rules -> params -> config
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dsjax"
+
+# Rank of each part of the package: a module may import only parts of equal or lower rank.
+RANKS = {
+    "dsjax.config": 0,
+    "dsjax.params": 1,
+    "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.pallas_kernels": 2,
+    "dsjax.layers": 3,
+    "dsjax.model": 4,
+    "dsjax.checkpoint": 5, "dsjax.param_count": 5,
+    "dsjax.engine": 6,
+    "dsjax.api": 7,
+    "dsjax.generate": 8,
+    "dsjax.cli": 9, "dsjax.serving": 9, "dsjax.train": 9, "dsjax": 9,
+}
+# Below the model, a mechanism file sees only these.
+LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.pallas_kernels", "dsjax.layers")
+# Function-level imports of dsjax hide upward edges; only the CLI defers its imports (start-up time).
+LAZY_ALLOWED = ("dsjax.cli",)
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = f
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module imported, whether the import is inside a function or class) for each dsjax import."""
+    tree = ast.parse(path.read_text())
+    nested = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            nested.update(id(n) for n in ast.walk(node) if n is not node)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                       for a in node.names]
+        else:
+            continue
+        out += [(_resolve(t), id(node) in nested) for t in targets if t == "dsjax" or t.startswith("dsjax.")]
+    return out
+
+
+GRAPH = {m: [(t, lazy) for t, lazy in _imports(p) if t != m] for m, p in MODULES.items()}
+
+
+def _rank(module: str) -> int:
+    best = max((k for k in RANKS if module == k or module.startswith(k + ".")), key=len, default=None)
+    assert best is not None, f"{module} has no place in RANKS: add it to the layering"
+    return RANKS[best]
+
+
+def test_every_module_has_a_rank():
+    for m in MODULES:
+        _rank(m)
+
+
+def test_imports_run_downward():
+    upward = [f"{m} -> {t}" for m, edges in GRAPH.items() for t, _ in edges if _rank(t) > _rank(m)]
+    assert not upward, "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_layers_import_only_what_lies_below():
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m.startswith("dsjax.layers")
+           for t, _ in edges if not t.startswith(LAYERS_MAY_IMPORT)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("below, above", [("dsjax.model", "dsjax.engine"), ("dsjax.engine", "dsjax.api"),
+                                          ("dsjax.pallas_kernels", "dsjax.layers")])
+def test_forbidden_edges(below, above):
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m.startswith(below)
+           for t, _ in edges if t == above or t.startswith(above + ".")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_function_level_imports():
+    lazy = [f"{m} -> {t}" for m, edges in GRAPH.items() if not m.startswith(LAZY_ALLOWED)
+            for t, is_lazy in edges if is_lazy]
+    assert not lazy, "function-level dsjax imports (a definition in the wrong file?):\n" + "\n".join(lazy)
+
+
+def test_no_import_cycles():
+    """Depth-first search for a cycle over every edge, function-level ones included."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t, _ in GRAPH.get(m, []):
+            if state.get(t) == "open":
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+
+
+def test_the_checker_sees_a_planted_upward_import(tmp_path):
+    """The parser finds function-level and module-level imports (a guard against a checker
+    that silently sees nothing)."""
+    f = tmp_path / "x.py"
+    f.write_text("from dsjax.config import ModelConfig\n\ndef g():\n    from dsjax.engine import Engine\n")
+    assert sorted(_imports(f)) == [("dsjax.config", False), ("dsjax.engine", True)]
