@@ -15,6 +15,7 @@ from dsjax.checkpoint import load_checkpoint, orbax_io
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.config import KERNELS, ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
+from dsjax.engine.requests import check_token_ids
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
 from dsjax.params import abstract_params, init_params, spec_leaves
@@ -75,14 +76,6 @@ class Model:
         with self.mesh_context():
             x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))
             return to_host(forward(self.params, x, self.config, opts=self.options)[0])[:b]
-
-
-def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int = 0, mesh=None,

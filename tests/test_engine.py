@@ -169,6 +169,37 @@ def test_cancel_frees_slot_immediately(tiny, rng):
     assert engine.requests[b].tokens == _run_alone(tiny, prompt_b, params_b, max_slots=1).tokens
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.parametrize("reuse_id", [True, False])
+def test_cancelled_request_tokens_are_never_delivered(tiny, rng, decode_steps, reuse_id):
+    """Cancel mid-stream with overlap on (outputs of the cancelled request in flight and,
+    with decode_steps 4, already read back), then at once add a request, under the same id
+    or a new one: it gets exactly its own tokens, and no event of the cancelled request is
+    yielded after the cancel."""
+    prompt_b, params_b = rng.integers(0, 5000, 11).tolist(), SamplingParams(max_tokens=4, ignore_eos=True)
+    alone = _run_alone(tiny, prompt_b, params_b, max_slots=2).tokens
+    engine = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32, decode_steps=decode_steps)
+    engine.add_request(rng.integers(0, 5000, 20).tolist(), SamplingParams(max_tokens=50, ignore_eos=True),
+                       request_id="a")
+    events = engine.run()
+    taken = [next(events) for _ in range(2)]
+    engine.cancel("a")
+    cancelled = engine.requests["a"]
+    b = engine.add_request(prompt_b, params_b, request_id="a" if reuse_id else "b")
+    rest = list(events)
+    assert [e.request_id for e in rest] == [b] * 4
+    assert [e.token for e in rest] == alone == engine.requests[b].tokens
+    assert rest[-1].finish_reason == "length" and engine.requests[b].finish_reason == "length"
+    assert cancelled.tokens == [e.token for e in taken] and cancelled.finish_reason == "cancelled"
+    assert not engine.has_work() and engine.free_slots == [0, 1]
+
+
+def test_cancel_unknown_id_names_it(tiny):
+    engine = Engine(tiny, max_slots=1, capacity=256, prefill_chunk=32)
+    with pytest.raises(KeyError, match="no request with id 'nope'"):
+        engine.cancel("nope")
+
+
 def test_slots_are_reused_and_outputs_unchanged(tiny, rng):
     reqs = _requests(rng, 6)
     engine = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32)

@@ -12,8 +12,9 @@ import pytest
 from scipy import stats
 
 import dsjax
-from dsjax.engine.engine import Engine, _init_slots
+from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.slots import init_slots
 from dsjax.engine.speculative import DRAFT, Drafts, accept, choose_limits, draw, init_speculation, prefill_chunk, verify
 from dsjax.model import decoder_streams, model_specs, mtp_forward, mtp_head, mtp_specs
 from dsjax.model.cache import init_cache, min_ring
@@ -144,7 +145,7 @@ def test_choose_limits_closed_form(rng):
 
 # ----------------------------------------------------------------------------- sampled
 def _sampling_state(n, capacity, temperature, top_k=0, top_p=1.0):
-    s = _init_slots(n, capacity).sampling
+    s = init_slots(n, capacity).sampling
     return s.replace(temperature=jnp.full((n,), temperature, F32), top_k=jnp.full((n,), top_k, jnp.int32),
                      top_p=jnp.full((n,), top_p, F32), seed=jnp.arange(n, dtype=jnp.uint32))
 
@@ -207,7 +208,7 @@ def test_sampled_speculation_matches_target_distribution(small_vocab, rng):
     joint = (p1[:, None] * p2).ravel()
 
     # n copies of the prompt, each with its own seed, the pending token x0, drafts of their own
-    slots = _init_slots(n, 64)
+    slots = init_slots(n, 64)
     slots = slots.replace(sampling=_sampling_state(n, 64, temperature, top_k=top_k), last_token=jnp.full((n,), x0),
                           active=jnp.ones((n,), bool), n_generated=jnp.ones((n,), jnp.int32),
                           max_tokens=jnp.full((n,), 8, jnp.int32))

@@ -1,6 +1,7 @@
 """The inference engine: compressed caches, jitted prefill / decode, sampling, scheduling."""
 
-from dsjax.engine.engine import Engine, TokenEvent
+from dsjax.engine.engine import Engine
+from dsjax.engine.requests import TokenEvent
 from dsjax.engine.sampler import SamplingParams
 
 __all__ = ["Engine", "SamplingParams", "TokenEvent"]

@@ -33,6 +33,7 @@ from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import SamplingState, argmax_first, categorical, processed_logits, request_key
+from dsjax.engine.slots import emit_tokens
 from dsjax.layers.attention import AttentionState
 from dsjax.model.cache import Cache, restore_rows, save_rows
 from dsjax.model.decoder import DEFAULT_OPTIONS, ModelParams, decoder_streams, last_valid, logits_of
@@ -212,27 +213,6 @@ def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Dra
 
 
 # ----------------------------------------------------------------------------- steps
-def emit_tokens(slots, tokens: jax.Array, n_new: jax.Array, start: jax.Array):
-    """Book tokens [B, n] (the first n_new valid, at positions start + 1 + j) for the
-    slots: stop ids and max_tokens cut the run short. -> (slots, count [B], finished [B])."""
-    n = tokens.shape[1]
-    i = jnp.arange(n)
-    stop = jnp.any(tokens[..., None] == slots.stop_ids[:, None, :], axis=-1) & (i < n_new[:, None])
-    first_stop = jnp.min(jnp.where(stop, i, n), axis=1)
-    count = jnp.minimum(jnp.minimum(n_new, first_stop + 1), slots.max_tokens - slots.n_generated)
-    count = jnp.where(slots.active, count, 0)
-    finished = slots.active & ((first_stop < count) | (slots.n_generated + count >= slots.max_tokens))
-    history = slots.sampling.history
-    at = jnp.where(i < count[:, None], start[:, None] + 1 + i, history.shape[1])  # beyond: dropped
-    sampling = slots.sampling.replace(history=history.at[jnp.arange(n_new.shape[0])[:, None], at].set(
-        tokens, mode="drop"))
-    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-    slots = slots.replace(sampling=sampling, n_generated=slots.n_generated + count,
-                          last_token=jnp.where(count > 0, last, slots.last_token),
-                          active=slots.active & ~finished)
-    return slots, count, finished
-
-
 def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
            cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None, sampled: bool = True,
            opts: RuntimeOptions = DEFAULT_OPTIONS):

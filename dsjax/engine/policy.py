@@ -1,0 +1,137 @@
+"""The speculation policy: how many MTP drafts each verify step checks, and what it costs.
+
+"fixed" verifies all K drafts every step. "confidence" lets each row ask for the k that
+maximises its expected tokens (from the drafter's confidences) per unit of verify cost
+(`dsjax.engine.speculative.choose_limits`, on the device); the step then verifies the
+largest k any decoding row asked for, known one step late since outputs are read while the
+next step runs. The cost curve (K + 1 relative costs of verifying k = 0..K drafts) is
+pinned by the user or measured once on the device. The output distribution never depends
+on the policy; sampled tokens follow the k chosen.
+
+A policy with K = 0 is plain decoding: every question gets the no-speculation answer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SPEC_POLICIES = ("confidence", "fixed")
+COUNTERS = ("target_steps", "row_steps", "drafts_proposed", "drafts_accepted", "decode_tokens")
+
+
+def check_speculation(num_draft_tokens: int, *, has_mtp: bool, max_drafts: int, unsupported: dict[str, bool]):
+    """Refuse speculation the engine cannot run: no MTP layer, more drafts than the
+    smallest cache ring allows (`max_drafts`), or an engine option (name -> set) it does
+    not combine with."""
+    k = num_draft_tokens
+    if not k:
+        return
+    if not has_mtp:
+        raise ValueError("num_draft_tokens > 0 needs the model's MTP layer: load a checkpoint with mtp.0.* "
+                         "tensors, or load_model(..., mtp=True)")
+    if k > max_drafts:
+        raise ValueError(f"num_draft_tokens={k} is too many for this model: a verify step writes k + 1 "
+                         f"positions, at most its smallest cache ring ({max_drafts + 1})")
+    for name, bad in unsupported.items():
+        if bad:
+            raise ValueError(f"speculative decoding (num_draft_tokens > 0) does not support {name}")
+
+
+class SpeculationPolicy:
+    """The scheduler's side of speculation: per slot, the drafts its latest output asked
+    the next step to verify (`next_k`); the verify-cost curve; the counters behind
+    `Engine.spec_metrics()`."""
+
+    def __init__(self, num_draft_tokens: int, name: str = "confidence", verify_costs: list[float] | None = None,
+                 max_slots: int = 1):
+        k = num_draft_tokens
+        if k < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {k}")
+        if name not in SPEC_POLICIES:
+            raise ValueError(f"spec_policy must be one of {SPEC_POLICIES}, got {name!r}")
+        self.num_draft_tokens, self.name = k, name
+        self.costs = None  # [K + 1] relative verify costs, on the device
+        if verify_costs is not None:
+            if len(verify_costs) != k + 1 or min(verify_costs) <= 0:
+                raise ValueError(f"verify_costs must be {k + 1} positive numbers (k = 0..{k}), got {verify_costs}")
+            self.costs = jnp.asarray(verify_costs, jnp.float32)
+        self.next_k = [k] * max_slots
+        self.totals = dict.fromkeys(COUNTERS, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_draft_tokens > 0
+
+    @property
+    def verify_costs(self) -> list[float] | None:
+        """The cost curve in use (pinned or measured), k = 0..K, relative to k = 0."""
+        return None if self.costs is None else [float(c) for c in np.asarray(self.costs)]
+
+    @property
+    def needs_costs(self) -> bool:
+        return self.enabled and self.name == "confidence" and self.costs is None
+
+    def verify_lengths(self) -> list[int]:
+        """The verify lengths a decode step may dispatch ([0]: plain decoding)."""
+        k = self.num_draft_tokens
+        return list(range(k + 1)) if self.name == "confidence" else [k]
+
+    def variants(self) -> tuple[bool, ...]:
+        """Speculative steps come in a greedy-only (False) and a sampling (True) variant."""
+        return (False, True) if self.enabled else (False,)
+
+    def admit(self, slot: int) -> None:
+        self.next_k[slot] = self.num_draft_tokens
+
+    def step_k(self, slots: list[int]) -> int:
+        """Drafts the next verify step checks for these decoding slots."""
+        if self.name == "fixed" or not self.enabled:
+            return self.num_draft_tokens
+        return max(self.next_k[s] for s in slots)
+
+    def measure_costs(self, verify: Callable[[int], object], reps: int = 10) -> None:
+        """Time `verify(k)` (a verify step over k + 1 positions, returning what to wait for)
+        for k = 0..K -> self.costs, relative to k = 0. The first call of each compiles."""
+        seconds = []
+        for k in range(self.num_draft_tokens + 1):
+            times = []
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                jax.block_until_ready(verify(k))
+                times.append(time.perf_counter() - t)
+            seconds.append(float(np.median(times[1:])))
+        self.costs = jnp.asarray([t / seconds[0] for t in seconds], jnp.float32)
+
+    def count(self, host, owners: dict) -> None:
+        """Book one verify step's host outputs: per request (`owners`: row -> Request) and
+        engine-wide; each row's ask for the next step."""
+        self.totals["target_steps"] += 1
+        for row, req in owners.items():
+            if req.done:
+                continue
+            checked, accepted = int(host.drafts_checked[row]), int(host.drafts_accepted[row])
+            produced = int(host.emitted[:, row].sum())
+            req.target_steps += 1
+            req.drafts_proposed += checked
+            req.drafts_accepted += accepted
+            req.decode_tokens += produced
+            for key, n in (("row_steps", 1), ("drafts_proposed", checked), ("drafts_accepted", accepted),
+                           ("decode_tokens", produced)):
+                self.totals[key] += n
+            self.next_k[row] = int(host.next_limit[row])
+
+    def metrics(self) -> dict:
+        """Counters since construction: target (verify) steps, the drafts proposed and
+        accepted, and tokens per target step, per request (`tokens_per_row_step`) and for
+        the whole batch (`tokens_per_target_step`)."""
+        t = dict(self.totals)
+        t["acceptance_rate"] = t["drafts_accepted"] / max(t["drafts_proposed"], 1)
+        t["tokens_per_row_step"] = t["decode_tokens"] / max(t["row_steps"], 1)
+        t["tokens_per_target_step"] = t["decode_tokens"] / max(t["target_steps"], 1)
+        t["verify_costs"] = self.verify_costs
+        return t

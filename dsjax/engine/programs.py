@@ -1,0 +1,173 @@
+"""The engine's jitted device programs: each takes the cache [slots, ...] and the `Slots`
+state (donated), runs one prefill chunk / decode step / verify step, and describes what
+it produced in a `StepOutput` stacked [steps, B]. Host-side scheduling lives in
+`dsjax.engine.engine`; these are pure functions of their arguments.
+
+Plain engines: `prefill_step` (one slot's row, gathered from and scattered back into the
+cache), `prefill_rows` (every row at once: the path under a mesh, where one row of a
+batch-sharded cache cannot be sliced out) and `decode_step`. Speculative engines:
+`spec_prefill_step` and `spec_decode_step` (a verify step over k drafts,
+`dsjax.engine.speculative`). Every one of them books its tokens with `emit_tokens`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.engine.sampler import sample_tokens, top_logprobs
+from dsjax.engine.slots import Slots, emit_tokens
+from dsjax.engine.speculative import Speculation, prefill_chunk, verify
+from dsjax.model.cache import Cache
+from dsjax.model.decoder import forward
+from dsjax.sharding.rules import per_row, rows
+
+
+@struct.dataclass
+class StepOutput:
+    tokens: jax.Array  # [B]
+    emitted: jax.Array  # [B] bool: a token was produced for this slot
+    finished: jax.Array  # [B] bool
+    logprob: jax.Array | None  # [B]   (engines with max_logprobs > 0)
+    top_values: jax.Array | None  # [B, n]
+    top_ids: jax.Array | None
+    drafts_checked: jax.Array | None = None  # [B] speculative engines: drafts verified this step
+    drafts_accepted: jax.Array | None = None  # [B]
+    next_limit: jax.Array | None = None  # [B] drafts each row asks the next step to verify
+
+
+def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array, n_logprobs: int):
+    """Sample one token [B] from logits [B, V] at `positions` [B] for the rows in
+    `emitting`, book it, describe the output."""
+    tokens = sample_tokens(logits, slots.sampling, positions)
+    slots, _, finished = emit_tokens(slots, tokens[:, None], jnp.ones_like(positions), positions - 1, emitting)
+    tokens = slots.last_token  # the sampled token where emitting, the old one elsewhere
+    logprob = top_values = top_ids = None
+    if n_logprobs:  # a pass over the vocabulary per row: only for engines that report logprobs
+        logprob, top_values, top_ids = top_logprobs(logits, tokens, n_logprobs)
+    return slots, StepOutput(tokens, emitting, finished, logprob, top_values, top_ids)
+
+
+def _one_step(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "n_steps"),
+                   donate_argnames=("cache", "slots"))
+def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int,
+                n_logprobs: int, n_steps: int = 1):
+    """n_steps decode steps for every slot in one dispatch (a device-side loop; finished
+    slots stop on the device). Outputs are stacked [n_steps, B]."""
+
+    def one(carry, _):
+        cache, slots = carry
+        active = slots.active
+        logits, cache = forward(params, slots.last_token[:, None], cfg, cache, opts=opts,
+                                n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True)
+        emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
+        slots, out = emit(slots, logits[:, 0], cache.length, active)
+        return (cache, slots), out
+
+    if n_steps == 1:
+        (cache, slots), out = one((cache, slots), None)
+        return cache, slots, _one_step(out)
+    (cache, slots), out = jax.lax.scan(one, (cache, slots), None, length=n_steps)
+    return cache, slots, out
+
+
+def _row(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0), tree)
+
+
+def _set_row(tree, row, i):
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, i, axis=0), tree, row)
+
+
+def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, cfg: ModelConfig, opts: RuntimeOptions,
+             ctx_bucket: int, n_logprobs: int):
+    logits, cache = forward(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
+                            last_only=True)
+    slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, logits[:, 0],
+                                                                                    cache.length, is_last)
+    return cache, slots, _one_step(out)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
+                   donate_argnames=("cache", "slots"))
+def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, *,
+                 cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+    """A prompt chunk for every slot at once (tokens [B, C]; rows with n_valid 0 untouched);
+    rows whose prompt ends here (is_last [B]) sample their first token."""
+    return _prefill(params, cache, slots, tokens, n_valid, is_last, cfg, opts, ctx_bucket, n_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
+                   donate_argnames=("cache", "slots"))
+def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
+                 is_last: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+    """prefill_rows for one slot's row (tokens [1, C], n_valid [1], is_last [1]): the cost
+    of one row, not of the whole batch."""
+    row_cache, row_slots, out = _prefill(params, _row(cache, slot), _row(slots, slot), tokens, n_valid, is_last,
+                                         cfg, opts, ctx_bucket, n_logprobs)
+    return _set_row(cache, row_cache, slot), _set_row(slots, row_slots, slot), out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled"),
+                   donate_argnames=("cache", "spec", "slots"))
+def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
+                      next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, costs, *, cfg: ModelConfig,
+                      opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
+    """prefill_step for speculative engines: the chunk also goes through the MTP ring, and
+    a prompt's last chunk drafts the first speculation after the sampled first token.
+    sampled=False: the request is greedy (drafts by argmax, no draft distributions)."""
+    row_slots = _row(slots, slot)
+
+    def emit(logits, length, last):
+        state, out = sample_and_emit(row_slots, logits, length, last, 0)
+        return out.tokens, state.sampling, (state, out)
+
+    row_cache, row_spec, (row_slots, out) = prefill_chunk(
+        params, mtp, _row(cache, slot), _row(spec, slot), tokens, next_tokens, n_valid, is_last, emit,
+        cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled, opts=opts)
+    return (_set_row(cache, row_cache, slot), _set_row(spec, row_spec, slot), _set_row(slots, row_slots, slot),
+            _one_step(out))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled"),
+                   donate_argnames=("cache", "spec", "slots"))
+def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, costs, *, k: int, cfg: ModelConfig,
+                     opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
+    """One verify step over k drafts for every slot; outputs stacked [k+1, B] like
+    decode_step's, with the drafts checked / accepted per row. sampled=False: every
+    decoding row is greedy (argmax on the logits; no distributions formed)."""
+    cache, spec, slots, tokens, count, finished, checked, accepted = verify(
+        params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled, opts=opts)
+    j = jnp.arange(k + 1)[:, None]
+    out = StepOutput(tokens.T, j < count[None], finished[None] & (j == count[None] - 1), None, None, None,
+                     checked, accepted, spec.limit)
+    return cache, spec, slots, out
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "slots"))
+def admit_slot(cache: Cache, slots: Slots, slot, settings: dict, prompt: jax.Array, stop_ids: jax.Array):
+    """Reset one slot for a new request: empty cache row, its sampling settings, its prompt
+    as the start of the token history."""
+    s = slots.sampling
+    max_tokens = settings.pop("max_tokens")
+
+    def put(a, v):
+        return a.at[slot].set(v, out_sharding=rows(a))
+
+    sampling = s.replace(**{k: put(getattr(s, k), v) for k, v in settings.items()}, history=put(s.history, prompt))
+    slots = slots.replace(sampling=sampling, active=put(slots.active, False), n_generated=put(slots.n_generated, 0),
+                          max_tokens=put(slots.max_tokens, max_tokens), stop_ids=put(slots.stop_ids, stop_ids))
+    return cache.replace(length=put(cache.length, 0)), slots
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def deactivate_slot(slots: Slots, slot) -> Slots:
+    return slots.replace(active=slots.active.at[slot].set(False, out_sharding=rows(slots.active)))

@@ -1,0 +1,150 @@
+"""Requests on the host: what a request asks for, checked once at admission; its life
+(waiting -> prefilling -> decoding -> finished | cancelled); how its prompt is cut into
+chunks; and how a device output becomes its `TokenEvent`s.
+
+The engine attributes device outputs to `Request` objects, never to the user's request id:
+an id may be reused once its request has finished or been cancelled, while the outputs of
+the old request are still in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.slots import MAX_STOP_IDS
+
+MIN_CHUNK = 16
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    request_id: str
+    token: int
+    logprob: float | None  # raw-distribution logprob (engines with max_logprobs > 0)
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None  # None while running; "stop" | "length" when this is the last token
+
+
+@dataclasses.dataclass(eq=False)  # compared by identity: two requests may share an id, never an object
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: tuple[int, ...]  # sorted: the params' stop ids, and the model's EOS ids unless ignore_eos
+    on_token: Callable[[TokenEvent], None] | None = None
+    state: str = "waiting"  # waiting | prefilling | decoding | finished | cancelled
+    slot: int | None = None
+    prefilled: int = 0
+    dispatched: int = 0  # tokens the device will have cached (upper bound while decoding)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    target_steps: int = 0  # speculative engines: verify steps this request took part in
+    drafts_proposed: int = 0  # drafts sent to verification
+    drafts_accepted: int = 0
+    decode_tokens: int = 0  # tokens those steps produced (all but the prefill's first)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("finished", "cancelled")
+
+    def next_chunk(self, prefill_chunk: int) -> list[int]:
+        """The next prompt chunk (at most the padded width `chunk_length` gives it)."""
+        remaining = len(self.prompt) - self.prefilled
+        return self.prompt[self.prefilled: self.prefilled + chunk_length(remaining, prefill_chunk)]
+
+    def slot_settings(self, capacity: int) -> tuple[dict, np.ndarray, np.ndarray]:
+        """What `admit_slot` writes into the slot: (settings, token history [capacity]
+        holding the prompt, stop ids [MAX_STOP_IDS] -1 padded)."""
+        p = self.params
+        settings = {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k),
+                    "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
+                    "repetition_penalty": np.float32(p.repetition_penalty),
+                    "presence_penalty": np.float32(p.presence_penalty),
+                    "frequency_penalty": np.float32(p.frequency_penalty), "seed": np.uint32(p.seed),
+                    "prompt_len": np.int32(len(self.prompt)), "max_tokens": np.int32(p.max_tokens)}
+        history = np.zeros(capacity, np.int32)
+        history[: len(self.prompt)] = self.prompt
+        stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
+        stop_ids[: len(self.stop_ids)] = self.stop_ids
+        return settings, history, stop_ids
+
+    def book(self, host, step: int, row: int) -> TokenEvent:
+        """Take the token at (step, row) of a host copy of a `StepOutput`; the last one
+        (finished on the device) ends the request."""
+        token = int(host.tokens[step, row])
+        top = None
+        if self.params.logprobs:
+            n = self.params.logprobs
+            top = [(int(i), float(v)) for i, v in zip(host.top_ids[step, row][:n], host.top_values[step, row][:n])]
+        finish = None
+        if host.finished[step, row]:
+            finish = "stop" if token in self.stop_ids else "length"
+            self.state, self.finish_reason = "finished", finish
+        logprob = float(host.logprob[step, row]) if host.logprob is not None else None
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        return TokenEvent(self.request_id, token, logprob, top, finish)
+
+
+def stop_ids(params: SamplingParams, eos_token_ids) -> tuple[int, ...]:
+    """The tokens that end a request: its stop ids, and the model's EOS ids unless ignore_eos."""
+    return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))))
+
+
+MIN_BUCKET = 256
+
+
+def context_bucket(tokens_needed: int, capacity: int) -> int:
+    """How many cached tokens a step may read (static per compiled program): the smallest
+    power-of-two multiple of MIN_BUCKET holding `tokens_needed`, capped at the capacity. A
+    step's cost follows the longest sequence in the batch, not the cache capacity, and
+    steady-state decode reuses one program per bucket."""
+    bucket = MIN_BUCKET
+    while bucket < tokens_needed:
+        bucket *= 2
+    return min(bucket, capacity)
+
+
+def chunk_length(remaining: int, prefill_chunk: int) -> int:
+    """The padded width of a prompt chunk: a power of two >= MIN_CHUNK covering the
+    `remaining` prompt tokens, at most prefill_chunk (a short prompt does not pay for a full
+    chunk; few shapes to compile)."""
+    return min(prefill_chunk, max(MIN_CHUNK, 1 << (remaining - 1).bit_length()))
+
+
+def chunk_lengths(prefill_chunk: int) -> list[int]:
+    """Every chunk width prefill may dispatch (warm-up compiles each)."""
+    return sorted({chunk_length(n, prefill_chunk) for n in range(1, prefill_chunk + 1)})
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_request(prompt: list[int], params: SamplingParams, stops: tuple[int, ...], *, vocab_size: int,
+                  capacity: int, num_draft_tokens: int, max_logprobs: int) -> None:
+    """Refuse, with the reason, a request the engine cannot serve."""
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    check_token_ids(np.asarray(prompt), vocab_size)
+    k = num_draft_tokens  # a verify step may write k positions past the last kept token
+    if len(prompt) + params.max_tokens + k > capacity:
+        drafts = f" + num_draft_tokens ({k})" if k else ""
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}){drafts} exceeds the "
+                         f"engine's cache capacity ({capacity} tokens)")
+    if k and (params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty):
+        raise ValueError("penalties are not supported with speculative decoding (their token statistics "
+                         "would change inside the draft chain); use an engine with num_draft_tokens=0")
+    if params.logprobs > max_logprobs:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={max_logprobs}")
+    if len(stops) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stops)}")
