@@ -227,8 +227,8 @@ class Engine:
                 n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, self.costs, k=k, cfg=self.cfg, opts=self.opts,
-                ctx_bucket=bucket, sampled=sampled)
+                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, self.costs, k=k, cfg=self.cfg,
+                opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         return out
 
     # ------------------------------------------------------------------ stepping
