@@ -15,7 +15,7 @@ from dsjax.checkpoint import load_checkpoint
 from dsjax.checkpoint.loader import checkpoint_format
 from dsjax.layers.quantized import resident_specs
 from dsjax.config import KERNELS, ModelConfig, load_config
-from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
+from dsjax.pallas_kernels.dispatch import resolve_kernels
 from dsjax.checkpoint.loader import has_mtp
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.checkpoint import orbax_io
@@ -108,10 +108,7 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     dtype = resolve_dtype(dtype)
     path = Path(path_or_config_name)
     cfg = load_config(path_or_config_name)
-    if kernels not in (*KERNELS, "auto"):
-        raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
-    if kernels == "auto":
-        kernels = "pallas" if mosaic_gpu_available() else "reference"
+    kernels = resolve_kernels(kernels)
     cfg = cfg.replace(kernels=kernels)
     specs = model_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):

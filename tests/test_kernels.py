@@ -9,6 +9,7 @@ import pytest
 import dsjax
 from dsjax.layers.attention import entry_intervals, ring_positions, window_intervals
 from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
+from dsjax.pallas_kernels.dispatch import kernel_choice, mosaic_gpu_available, resolve_kernels
 
 
 def _attention_case(rng, b, s, h, d, window, n_entries, ratio, start, per_query_k, dtype):
@@ -148,9 +149,21 @@ def test_generic_kernels_block_shapes_lower_for_tpu():
 
 
 def test_auto_picks_the_kernels_only_on_hopper():
-    from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
-
     assert dsjax.load_model("tiny", kernels="auto").config.kernels == (
         "pallas" if mosaic_gpu_available() else "reference")
     with pytest.raises(ValueError, match="kernels must be"):
         dsjax.load_model("tiny", kernels="triton")
+
+
+def test_one_kernel_choice_rule():
+    """dispatch.py's table, as every kernel file's dispatch reads it on this machine."""
+    hopper = mosaic_gpu_available()
+    assert kernel_choice("reference") == ("reference", False)
+    assert kernel_choice("mosaic_gpu") == ("mosaic_gpu", not hopper)
+    assert kernel_choice("pallas") == (("mosaic_gpu", False) if hopper else ("pallas", jax.default_backend() == "cpu"))
+    assert resolve_kernels("auto") == ("pallas" if hopper else "reference")
+    assert [resolve_kernels(k) for k in ("reference", "pallas", "mosaic_gpu")] == ["reference", "pallas", "mosaic_gpu"]
+    with pytest.raises(ValueError, match="'reference', 'pallas', 'mosaic_gpu', 'auto'"):
+        resolve_kernels("triton")
+    with pytest.raises(ValueError, match="kernel impl must be"):
+        kernel_choice("auto")

@@ -151,7 +151,7 @@ def grouped_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: 
     rows = int(min(128, max(8, pl2(m / n_experts))))
     if impl != "reference":
         from dsjax.pallas_kernels.grouped_matmul import mgpu_grouped_ffn, pallas_grouped_ffn
-        from dsjax.pallas_kernels.mgpu import kernel_choice
+        from dsjax.pallas_kernels.dispatch import kernel_choice
 
         kind, interpret = kernel_choice(impl)
         if kind == "mosaic_gpu":
