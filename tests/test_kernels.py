@@ -84,6 +84,26 @@ def test_grouped_matmul_kernel(groups, rows):
     assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
 
 
+@pytest.mark.parametrize("groups", list(GROUPS))
+@pytest.mark.parametrize("rows", [4, 8])
+def test_grouped_matmul_tile_loop(groups, rows):
+    """The CPU formulation of the reference (what grouped_ffn runs for impl="reference" on
+    CPU) over the same tile table as the kernels."""
+    rng = np.random.default_rng(rows)
+    sizes = jnp.asarray(GROUPS[groups], jnp.int32)
+    m, e, i, d = int(sizes.sum()) + 3, 8, 24, 16
+    x = jnp.asarray(rng.normal(size=(m, d)) * 2, jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32)
+    want = grouped_matmul.reference(x, sizes, w1, w3, w2, limit=7.0)
+    got = grouped_matmul.tile_loop(x, sizes, w1, w3, w2, limit=7.0, rows=rows)
+    assert got.shape == (m, d)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
+    dispatched = grouped_matmul.grouped_ffn(x, sizes, w1, w3, w2, limit=7.0)
+    np.testing.assert_allclose(np.asarray(dispatched), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
 INDEX_CASES = [
     # b, s, h, d, t
     (2, 3, 2, 32, 37),  # tiny's indexer; T off the key block

@@ -7,7 +7,7 @@ Inside `jax.shard_map` each device has its own tokens (the batch is split over `
     route locally                         -> (weight, expert) per assignment
     bucket assignments by owner device    -> send buffer [ep, C, D] (+ local expert ids)
     all_to_all over `expert`              -> the rows this device's experts must process
-    grouped matmul over local experts     (dsjax.layers.moe.grouped_ffn)
+    grouped matmul over local experts     (dsjax.pallas_kernels.grouped_matmul.grouped_ffn)
     all_to_all back, weight, scatter-add  -> [T_local, D]
 
 Dropless by default: C = T_local * K, enough for every assignment to go to one device
@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dsjax.config import ModelConfig
-from dsjax.layers.moe import MoE, grouped_ffn, route, routed_experts
+from dsjax.layers.moe import MoE, route, routed_experts
 from dsjax.layers.quantized import dense
+from dsjax.pallas_kernels.grouped_matmul import grouped_ffn
 from dsjax.sharding.rules import RULES, _present, current_mesh
 
 
@@ -66,7 +67,7 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     by_expert = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_n + 1)[:local_n].astype(jnp.int32)
     w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
-    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, cfg.swiglu_limit, impl=cfg.kernels)
+    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=cfg.kernels)
     y = jnp.zeros((ep * cap, d), jnp.float32).at[by_expert].set(y_sorted).astype(x.dtype)
     back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
     per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
@@ -88,7 +89,7 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
     def local(p, x, ids):
         weights, idx = route(p, x, ids, cfg)
         if ep == 1:
-            return routed_experts(p, x, weights, idx, cfg)
+            return routed_experts(p, x, weights, idx, cfg, kernels=cfg.kernels)
         return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor)
 
     return jax.shard_map(local, in_specs=in_specs, out_specs=P(*rows, None))(_routed_only(p), x, token_ids)
