@@ -112,7 +112,8 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     streams = expand(out, streams, post, comb)
     pre, post, comb = hc_mixes(p.ffn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
-    return expand(moe_forward(p.moe, h, token_ids, cfg), streams, post, comb), aux
+    return expand(moe_forward(p.moe, h, token_ids, cfg, kernels=cfg.kernels,
+                              capacity_factor=cfg.moe_capacity_factor), streams, post, comb), aux
 
 
 def block_forward(p: Block, streams: jax.Array, token_ids: jax.Array, positions: jax.Array,

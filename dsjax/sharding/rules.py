@@ -4,7 +4,7 @@ Mesh axes: `data` (batch), `expert` (routed experts; also splits the batch outsi
 MoE), `tensor` (attention heads, grouped output projection, vocabulary, shared expert).
 Every weight declares logical axes (dsjax/params.py); activations and caches use the
 logical `batch` axis. `RULES` maps each logical name to mesh axes; nothing else in dsjax
-names a mesh axis, except the expert dispatch (dsjax/sharding/expert_parallel.py).
+names a mesh axis, except the expert dispatch (dsjax/layers/moe.py, expert parallel).
 
 Meshes use `AxisType.Explicit`: shardings are part of the array types, and the model code
 says how an ambiguous result is sharded with `spec(...)`, which is None without a mesh (so
@@ -105,10 +105,10 @@ def spec(*logical: str | None) -> P | None:
     mesh = current_mesh()
     if mesh is None or AxisType.Explicit not in mesh.axis_types:
         return None
-    return P(*(_present(RULES.mesh_axes(name), mesh) for name in logical))
+    return P(*(present_axes(RULES.mesh_axes(name), mesh) for name in logical))
 
 
-def _present(axes, mesh):
+def present_axes(axes, mesh):
     """Drop mesh axes of size 1 (they shard nothing and only complicate types) and axes
     that are manual here (inside shard_map each device already holds its own rows)."""
     if axes is None:
@@ -132,7 +132,7 @@ def per_row(f):
         mesh = current_mesh()
         if mesh is None:
             return f(*args)
-        axes = P(_present(RULES.mesh_axes("batch"), mesh))
+        axes = P(present_axes(RULES.mesh_axes("batch"), mesh))
         return jax.shard_map(f, in_specs=axes, out_specs=axes)(*args)
 
     return wrapped
@@ -178,7 +178,7 @@ def param_sharding(param_spec, mesh) -> NamedSharding:
     (e.g. 4 query heads on tensor=8)."""
     parts = []
     for dim, name in zip(param_spec.shape, param_spec.axes):
-        axes = _present(RULES.mesh_axes(name), mesh)
+        axes = present_axes(RULES.mesh_axes(name), mesh)
         size = 1 if axes is None else math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
         parts.append(axes if size > 1 and dim % size == 0 else None)
     return NamedSharding(mesh, P(*parts))
@@ -186,7 +186,7 @@ def param_sharding(param_spec, mesh) -> NamedSharding:
 
 def batch_sharding(mesh, ndim: int) -> NamedSharding:
     """Leading axis over the batch axes, the rest replicated (caches, slot state)."""
-    axes = _present(RULES.mesh_axes("batch"), mesh)
+    axes = present_axes(RULES.mesh_axes("batch"), mesh)
     return NamedSharding(mesh, P(axes, *([None] * (ndim - 1))))
 
 
