@@ -5,7 +5,7 @@ leaves are `ParamSpec`s. From that single declaration come:
   * abstract shapes (`abstract_params`), for full-size configs without allocating;
   * seeded random init (`init_params`), any config;
   * shardings (`dsjax.sharding.rules`, from the logical axes);
-  * the parameter / byte counts of `dsjax params`.
+  * the parameter / byte counts of `dsjax params`, per weight group (`weight_group`).
 """
 
 from __future__ import annotations
@@ -108,6 +108,22 @@ def abstract_params(specs, shardings=None):
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs, is_leaf=is_spec)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         specs, shardings, is_leaf=is_spec)
+
+
+def weight_group(path: str) -> str:
+    """The group a weight (by its path, e.g. "blocks.3.moe.w1") is counted in: routed_experts,
+    shared_expert, router, attention, embed, lm_head or mhc_and_norms."""
+    if ".moe.w" in path:
+        return "routed_experts"
+    if ".moe.shared_" in path:
+        return "shared_expert"
+    if ".moe." in path:
+        return "router"
+    if ".attn." in path:
+        return "attention"
+    if path.startswith(("embed", "lm_head")):
+        return path.split(".")[0]
+    return "mhc_and_norms"
 
 
 def spec_leaves(specs) -> list[tuple[str, ParamSpec]]:

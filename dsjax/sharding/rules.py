@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from dsjax.params import is_spec, spec_leaves, weight_group
+
 MESH_AXES = ("data", "expert", "tensor")
 
 
@@ -192,17 +194,12 @@ def batch_sharding(mesh, ndim: int) -> NamedSharding:
 
 def shardings_for(specs, mesh):
     """A tree of NamedShardings matching a spec tree."""
-    from dsjax.params import is_spec
-
     return jax.tree.map(lambda s: param_sharding(s, mesh), specs, is_leaf=is_spec)
 
 
 def bytes_per_device(specs, mesh) -> dict[str, int]:
     """Bytes each device holds per weight group (abstract; `mesh` may be a dict of axis
     sizes, no devices needed): the memory report and the too-big-for-the-mesh check."""
-    from dsjax.param_count import _group
-    from dsjax.params import spec_leaves
-
     if isinstance(mesh, dict):
         sizes = {**{a: 1 for a in MESH_AXES}, **mesh}
         mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
@@ -212,5 +209,5 @@ def bytes_per_device(specs, mesh) -> dict[str, int]:
         sh = param_sharding(s, mesh)
         local = sh.shard_shape(s.shape)
         nbytes = int(np.prod(local, dtype=np.int64)) * np.dtype(s.dtype).itemsize
-        out[_group(path)] = out.get(_group(path), 0) + nbytes
+        out[weight_group(path)] = out.get(weight_group(path), 0) + nbytes
     return out
