@@ -1,6 +1,7 @@
 """Pallas kernels (interpret mode on CPU) against their pure-jnp references, over a seeded
 sweep of shapes, and end to end with kernels="pallas"."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +48,8 @@ def test_sink_attention_kernel_fp32(case):
     args = _attention_case(np.random.default_rng(case), *CASES[case], jnp.float32)
     want = sink_attention.reference(*args)
     got = sink_attention.pallas_sink_attention(*args, block_q=4, block_k=8, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    chex.assert_shape(got, want.shape)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", [1, 3])
@@ -80,7 +82,8 @@ def test_grouped_matmul_kernel(groups, rows):
     w2 = jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32)
     want = grouped_matmul.reference(x, sizes, w1, w3, w2, limit=7.0)
     got = grouped_matmul.pallas_grouped_ffn(x, sizes, w1, w3, w2, limit=7.0, rows=rows, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    chex.assert_shape(got, (m, d))
+    chex.assert_trees_all_close(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
 
 
@@ -97,11 +100,11 @@ def test_grouped_matmul_tile_loop(groups, rows):
     w2 = jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32)
     want = grouped_matmul.reference(x, sizes, w1, w3, w2, limit=7.0)
     got = grouped_matmul.tile_loop(x, sizes, w1, w3, w2, limit=7.0, rows=rows)
-    assert got.shape == (m, d)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    chex.assert_shape(got, (m, d))
+    chex.assert_trees_all_close(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
     dispatched = grouped_matmul.grouped_ffn(x, sizes, w1, w3, w2, limit=7.0)
-    np.testing.assert_allclose(np.asarray(dispatched), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    chex.assert_trees_all_close(dispatched, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 INDEX_CASES = [
@@ -127,7 +130,8 @@ def test_index_scores_kernel(case):
     scale = case[3] ** -0.5
     want = index_scores.reference(q, keys, w, scale=scale)
     got = index_scores.pallas_index_scores(q, keys, w, scale=scale, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    chex.assert_shape(got, case[:2] + case[-1:])
+    chex.assert_trees_all_close(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 @pytest.fixture(scope="module")
