@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 
-KERNELS = ("reference", "pallas", "mosaic_gpu")
+from dsjax.config import KERNELS  # the allowed values, declared once with the run options
 
 
 def mosaic_gpu_available() -> bool:
