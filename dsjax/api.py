@@ -13,11 +13,11 @@ import numpy as np
 
 from dsjax.checkpoint import load_checkpoint, orbax_io
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
-from dsjax.config import KERNELS, ModelConfig, RuntimeOptions, load_config
+from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
 from dsjax.engine.requests import check_token_ids
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
-from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
+from dsjax.pallas_kernels.dispatch import resolve_kernels
 from dsjax.params import abstract_params, init_params, spec_leaves
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
@@ -105,10 +105,7 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     dtype = resolve_dtype(dtype)
     path = Path(path_or_config_name)
     cfg = load_config(path_or_config_name)
-    if kernels not in (*KERNELS, "auto"):
-        raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
-    if kernels == "auto":
-        kernels = "pallas" if mosaic_gpu_available() else "reference"
+    kernels = resolve_kernels(kernels)
     specs = model_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):
         raise ValueError(f"quantized must be 'dequantize' or 'resident', got {quantized!r}")

@@ -9,21 +9,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig
 from dsjax.model import model_specs, mtp_specs
-from dsjax.params import spec_leaves
-
-
-def _group(path: str) -> str:
-    if ".moe.w" in path:
-        return "routed_experts"
-    if ".moe.shared_" in path:
-        return "shared_expert"
-    if ".moe." in path:
-        return "router"
-    if ".attn." in path:
-        return "attention"
-    if path.startswith(("embed", "lm_head")):
-        return path.split(".")[0]
-    return "mhc_and_norms"
+from dsjax.params import spec_leaves, weight_group
 
 
 def _tally(tree, cfg: ModelConfig, copies: int = 1) -> dict:
@@ -34,7 +20,7 @@ def _tally(tree, cfg: ModelConfig, copies: int = 1) -> dict:
         if np.issubdtype(np.dtype(spec.dtype), np.integer):
             buffers += spec.nbytes * copies
             continue
-        by_group[_group(path)] += spec.size * copies
+        by_group[weight_group(path)] += spec.size * copies
         by_dtype[str(jnp.dtype(spec.dtype))] += spec.nbytes * copies
     total = sum(by_group.values())
     routed = by_group["routed_experts"]

@@ -5,7 +5,9 @@ leaves are `ParamSpec`s. From that single declaration come:
   * abstract shapes (`abstract_params`), for full-size configs without allocating;
   * seeded random init (`init_params`), any config;
   * shardings (`dsjax.sharding.rules`, from the logical axes);
-  * the parameter / byte counts of `dsjax params`.
+  * device arrays from per-shard host readers (`materialize`: random init here, checkpoint
+    reads in dsjax/checkpoint/loader.py);
+  * the parameter / byte counts of `dsjax params`, per weight group (`weight_group`).
 """
 
 from __future__ import annotations
@@ -92,11 +94,27 @@ def path_str(path) -> str:
     return ".".join(str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path)
 
 
+def materialize(specs, readers, shardings=None, progress: Callable[[int], Any] | None = None):
+    """Device arrays from per-weight readers `read(index) -> np.ndarray` (index: a tuple of
+    slices), each device's shard from its own slice. Host memory holds one shard at a time.
+    progress: called with each weight's byte count once it is on device."""
+    flat_specs, tree = jax.tree.flatten(specs, is_leaf=is_spec)
+    flat_readers = tree.flatten_up_to(readers)
+    flat_shardings = tree.flatten_up_to(shardings) if shardings is not None else [None] * len(flat_specs)
+    arrays = []
+    for s, sh, read in zip(flat_specs, flat_shardings, flat_readers):
+        if sh is None:
+            arrays.append(jnp.asarray(read(())))
+        else:
+            arrays.append(jax.make_array_from_callback(s.shape, sh, read))
+        if progress is not None:
+            progress(s.nbytes)
+    return tree.unflatten(arrays)
+
+
 def init_params(specs, seed: int, shardings=None):
     """Seeded random weights for a spec tree (see `init_values`); with `shardings`, each
     device's shard is generated where it lives, never a full replica first."""
-    from dsjax.checkpoint.loader import materialize
-
     readers = jax.tree_util.tree_map_with_path(
         lambda path, spec: (lambda ix, s=spec, n=path_str(path): init_values(s, seed, n, ix)), specs, is_leaf=is_spec)
     return materialize(specs, readers, shardings)
@@ -108,6 +126,22 @@ def abstract_params(specs, shardings=None):
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs, is_leaf=is_spec)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         specs, shardings, is_leaf=is_spec)
+
+
+def weight_group(path: str) -> str:
+    """The group a weight (by its path, e.g. "blocks.3.moe.w1") is counted in: routed_experts,
+    shared_expert, router, attention, embed, lm_head or mhc_and_norms."""
+    if ".moe.w" in path:
+        return "routed_experts"
+    if ".moe.shared_" in path:
+        return "shared_expert"
+    if ".moe." in path:
+        return "router"
+    if ".attn." in path:
+        return "attention"
+    if path.startswith(("embed", "lm_head")):
+        return path.split(".")[0]
+    return "mhc_and_norms"
 
 
 def spec_leaves(specs) -> list[tuple[str, ParamSpec]]:

@@ -1,6 +1,7 @@
 """Pallas kernels (interpret mode on CPU) against their pure-jnp references, over a seeded
 sweep of shapes, and end to end with kernels="pallas"."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import dsjax
 from dsjax.layers.attention import entry_intervals, ring_positions, window_intervals
 from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
+from dsjax.pallas_kernels.dispatch import kernel_choice, mosaic_gpu_available, resolve_kernels
 
 
 def _attention_case(rng, b, s, h, d, window, n_entries, ratio, start, per_query_k, dtype):
@@ -46,7 +48,8 @@ def test_sink_attention_kernel_fp32(case):
     args = _attention_case(np.random.default_rng(case), *CASES[case], jnp.float32)
     want = sink_attention.reference(*args)
     got = sink_attention.pallas_sink_attention(*args, block_q=4, block_k=8, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    chex.assert_shape(got, want.shape)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", [1, 3])
@@ -79,8 +82,29 @@ def test_grouped_matmul_kernel(groups, rows):
     w2 = jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32)
     want = grouped_matmul.reference(x, sizes, w1, w3, w2, limit=7.0)
     got = grouped_matmul.pallas_grouped_ffn(x, sizes, w1, w3, w2, limit=7.0, rows=rows, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    chex.assert_shape(got, (m, d))
+    chex.assert_trees_all_close(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
+
+
+@pytest.mark.parametrize("groups", list(GROUPS))
+@pytest.mark.parametrize("rows", [4, 8])
+def test_grouped_matmul_tile_loop(groups, rows):
+    """The CPU formulation of the reference (what grouped_ffn runs for impl="reference" on
+    CPU) over the same tile table as the kernels."""
+    rng = np.random.default_rng(rows)
+    sizes = jnp.asarray(GROUPS[groups], jnp.int32)
+    m, e, i, d = int(sizes.sum()) + 3, 8, 24, 16
+    x = jnp.asarray(rng.normal(size=(m, d)) * 2, jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32)
+    want = grouped_matmul.reference(x, sizes, w1, w3, w2, limit=7.0)
+    got = grouped_matmul.tile_loop(x, sizes, w1, w3, w2, limit=7.0, rows=rows)
+    chex.assert_shape(got, (m, d))
+    chex.assert_trees_all_close(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert not np.asarray(got[-3:]).any()  # rows past the groups are not computed
+    dispatched = grouped_matmul.grouped_ffn(x, sizes, w1, w3, w2, limit=7.0)
+    chex.assert_trees_all_close(dispatched, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 INDEX_CASES = [
@@ -106,7 +130,8 @@ def test_index_scores_kernel(case):
     scale = case[3] ** -0.5
     want = index_scores.reference(q, keys, w, scale=scale)
     got = index_scores.pallas_index_scores(q, keys, w, scale=scale, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * np.abs(want).max(), rtol=0)
+    chex.assert_shape(got, case[:2] + case[-1:])
+    chex.assert_trees_all_close(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +173,21 @@ def test_generic_kernels_block_shapes_lower_for_tpu():
 
 
 def test_auto_picks_the_kernels_only_on_hopper():
-    from dsjax.pallas_kernels.mgpu import mosaic_gpu_available
-
     assert dsjax.load_model("tiny", kernels="auto").options.kernels == (
         "pallas" if mosaic_gpu_available() else "reference")
     with pytest.raises(ValueError, match="kernels must be"):
         dsjax.load_model("tiny", kernels="triton")
+
+
+def test_one_kernel_choice_rule():
+    """dispatch.py's table, as every kernel file's dispatch reads it on this machine."""
+    hopper = mosaic_gpu_available()
+    assert kernel_choice("reference") == ("reference", False)
+    assert kernel_choice("mosaic_gpu") == ("mosaic_gpu", not hopper)
+    assert kernel_choice("pallas") == (("mosaic_gpu", False) if hopper else ("pallas", jax.default_backend() == "cpu"))
+    assert resolve_kernels("auto") == ("pallas" if hopper else "reference")
+    assert [resolve_kernels(k) for k in ("reference", "pallas", "mosaic_gpu")] == ["reference", "pallas", "mosaic_gpu"]
+    with pytest.raises(ValueError, match="'reference', 'pallas', 'mosaic_gpu', 'auto'"):
+        resolve_kernels("triton")
+    with pytest.raises(ValueError, match="kernel impl must be"):
+        kernel_choice("auto")

@@ -1,5 +1,8 @@
 """The routed-expert implementations (weight gather, sorted grouped matmul via ragged_dot,
-the CPU tile loop) are the same function: compared on random, skewed and empty routings."""
+the CPU tile loop, the Pallas kernel) are the same function: compared on random, skewed and
+empty routings."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import pytest
 
 import dsjax
 from dsjax.layers.moe import routed_experts
+from dsjax.pallas_kernels import grouped_matmul
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,32 @@ ROUTINGS = {
 }
 
 
+def _sorted_through(ffn, cfg):
+    """routed_experts' grouped path (sort by expert, grouped FFN, weight, scatter-add) around
+    one named grouped-FFN implementation, whichever the dispatch would pick here."""
+
+    def run(p, x, weights, idx):
+        k = idx.shape[1]
+        order = jnp.argsort(idx.reshape(-1), stable=True)
+        sizes = jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts).astype(jnp.int32)
+        y = ffn(x[order // k], sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit)
+        y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        return jnp.zeros(x.shape, jnp.float32).at[order // k].add(y)
+
+    return run
+
+
+def _implementations(cfg, tokens):
+    rows = grouped_matmul.row_tile(tokens * cfg.num_experts_per_tok, cfg.n_routed_experts)
+    return {
+        "gather": lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="gather"),
+        "grouped": lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="grouped"),  # the dispatch's reference
+        "pallas": lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="grouped", kernels="pallas"),
+        "ragged_dot": _sorted_through(grouped_matmul.reference, cfg),
+        "tiled": _sorted_through(functools.partial(grouped_matmul.tile_loop, rows=rows), cfg),
+    }
+
+
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_paths_agree(tiny, routing, tokens):
@@ -46,6 +76,6 @@ def test_paths_agree(tiny, routing, tokens):
     weights = jnp.asarray(rng.uniform(0.1, 1.5, size=(tokens, k)), jnp.float32)
     want = _dense_reference(p, x, weights, idx, cfg.swiglu_limit)
     scale = np.abs(want).max()
-    for path in ("gather", "grouped", "tiled", "pallas"):
-        got = jax.jit(lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path=path))(p, x, weights, idx)
+    for path, run in _implementations(cfg, tokens).items():
+        got = jax.jit(run)(p, x, weights, idx)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0, err_msg=path)

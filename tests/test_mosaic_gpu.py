@@ -14,6 +14,7 @@ of the output's scale.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +41,7 @@ def test_attention_kernel_interpreted(case):
     args = _attention_case(rng, *CASES[case], jnp.float32)
     got = np.asarray(sink_attention.mgpu_sink_attention(*args, interpret=True))
     want = np.asarray(sink_attention.reference(*_rounded(args)))
-    assert got.shape == want.shape
+    chex.assert_shape(got, want.shape)
     assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
 
 
@@ -83,6 +84,7 @@ def test_grouped_ffn_kernel_interpreted(groups):
     w2 = jnp.asarray(rng.normal(size=(e, d, i)) * 0.3, jnp.float32)
     got = np.asarray(grouped_matmul.mgpu_grouped_ffn(x, sizes, w1, w3, w2, limit=3.0, block_n=64, interpret=True))
     want = np.asarray(grouped_matmul.reference(_bf16(x), sizes, *map(_bf16, (w1, w3, w2)), limit=3.0))
+    chex.assert_shape(got, (m, d))
     assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
     assert not got[-3:].any()  # rows past the groups are not computed
 
@@ -95,7 +97,7 @@ def test_index_scores_kernel_interpreted(case):
     scale = case[3] ** -0.5
     want = np.asarray(index_scores.reference(q, keys, w, scale=scale))
     got = np.asarray(index_scores.mgpu_index_scores(q, keys, w, scale=scale, interpret=True))
-    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    chex.assert_trees_all_close(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 S = jax.ShapeDtypeStruct

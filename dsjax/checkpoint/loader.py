@@ -17,19 +17,18 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from dsjax.checkpoint.names import IGNORED_PREFIXES, Source, canonical_name, mtp_weight_names, weight_names
 from dsjax.checkpoint.quant import QuantFormat, dequant_fp4, dequant_fp8, e8m0_exponents
 from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
 from dsjax.config import ModelConfig
-from dsjax.layers.quantized import MXFP4_GROUP
-from dsjax.params import ParamSpec, is_spec, path_str
+from dsjax.layers.quantized import MXFP4_GROUP, Fp4Weight, Fp8Weight
+from dsjax.params import ParamSpec, is_spec, materialize, path_str
 
 QUANT_PARTS = ("q", "scale_exp", "packed")  # leaf names inside Fp8Weight / Fp4Weight
 
@@ -242,7 +241,10 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs, shardings=No
             raise CheckpointError(f"{directory}: {len(unexpected)} tensor(s) this config does not use "
                                   f"(does config.json match the weights?): {where}"
                                   + (" ..." if len(unexpected) > 8 else ""))
-        loaded = [materialize(s, r, sh, progress=progress) for (s, _, sh), r in zip(parts, planned)]
+        total = sum(s.nbytes for part_specs, _, _ in parts for s in jax.tree.leaves(part_specs, is_leaf=is_spec))
+        with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                  file=sys.stderr, disable=not progress) as bar:
+            loaded = [materialize(s, r, sh, progress=bar.update) for (s, _, sh), r in zip(parts, planned)]
         return loaded[0] if mtp_specs is None else tuple(loaded)
     finally:
         files.close()
@@ -259,8 +261,6 @@ def _read_checked(reader, spec: ParamSpec, names: list[str], index: _Index, chec
 
 def _dense_shapes(specs) -> dict[str, tuple[int, ...]]:
     """Path of each quantized container -> the dense shape of its weight."""
-    from dsjax.layers.quantized import Fp4Weight, Fp8Weight
-
     out = {}
 
     def visit(path, node):
@@ -272,24 +272,3 @@ def _dense_shapes(specs) -> dict[str, tuple[int, ...]]:
 
     jax.tree_util.tree_map_with_path(visit, specs, is_leaf=lambda n: isinstance(n, (Fp8Weight, Fp4Weight)) or is_spec(n))
     return out
-
-
-def materialize(specs, readers, shardings=None, progress: bool = False):
-    """Device arrays from per-weight readers `read(index) -> np.ndarray` (index: a tuple of
-    slices), each device's shard from its own slice. Host memory holds one shard at a time."""
-    flat_specs, tree = jax.tree.flatten(specs, is_leaf=is_spec)
-    flat_readers = tree.flatten_up_to(readers)
-    flat_shardings = tree.flatten_up_to(shardings) if shardings is not None else [None] * len(flat_specs)
-    total = sum(s.nbytes for s in flat_specs)
-    done, start, arrays = 0, time.perf_counter(), []
-    for s, sh, read in zip(flat_specs, flat_shardings, flat_readers):
-        if sh is None:
-            arrays.append(jnp.asarray(read(())))
-        else:
-            arrays.append(jax.make_array_from_callback(s.shape, sh, read))
-        done += s.nbytes
-        if progress:
-            rate = done / max(time.perf_counter() - start, 1e-9) / 2**20
-            print(f"\rloading weights {done / 2**30:7.2f} / {total / 2**30:.2f} GiB  ({rate:6.0f} MiB/s)",
-                  end="" if done < total else "\n", file=sys.stderr, flush=True)
-    return tree.unflatten(arrays)

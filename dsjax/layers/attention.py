@@ -8,8 +8,8 @@
     o_h = inverse_rope_t(sum_s p_s kv_s)
     out = W_ob concat_g(W_oa[g] concat(o_h, h in group g))
 
-`attend` routes both paths through dsjax/pallas_kernels/sink_attention.py (its reference or
-a kernel, per the `kernels` run option).
+`attend` routes both paths through the dispatch of dsjax/pallas_kernels/sink_attention.py,
+which also holds the reference math (its reference or a kernel, per the `kernels` option).
 """
 
 from __future__ import annotations
@@ -81,31 +81,6 @@ def project_q(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> tuple[j
 def project_kv(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> jax.Array:
     """-> kv [B, S, hd] (normed, roped): the window key and value of each token."""
     return apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, cfg.rms_norm_eps), cos, sin)
-
-
-def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sinks: jax.Array,
-                   kv_per_query: jax.Array | None = None, mask_per_query: jax.Array | None = None) -> jax.Array:
-    """Reference attention with sinks over one shared KV head (K = V).
-
-    q [B, S, H, hd]; kv [B, T, hd] keys shared by all queries, mask [B, S, T] bool;
-    optionally kv_per_query [B, S, k, hd] (CSA: each query's top-k compressed entries,
-    gathered) with mask_per_query [B, S, k]. sinks [H] fp32 adds exp(sink_h) to the
-    denominator only. -> o [B, S, H, hd] in q's dtype."""
-    scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bshd,btd->bsht", q, kv, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
-    if kv_per_query is not None:
-        extra = jnp.einsum("bshd,bskd->bshk", q, kv_per_query, preferred_element_type=jnp.float32) * scale
-        logits = jnp.concatenate([logits, jnp.where(mask_per_query[:, :, None, :], extra, -jnp.inf)], axis=-1)
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
-    p = jnp.exp(logits - m)
-    p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(kv.dtype)
-    t = kv.shape[1]
-    o = jnp.einsum("bsht,btd->bshd", p[..., :t], kv, preferred_element_type=jnp.float32)
-    if kv_per_query is not None:
-        o = o + jnp.einsum("bshk,bskd->bshd", p[..., t:], kv_per_query, preferred_element_type=jnp.float32)
-    return o.astype(q.dtype)
 
 
 def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -1,5 +1,5 @@
 """DeepSeek MoE: sqrtsoftplus routing (top-k with a selection-only bias, or a fixed hash
-table), clamped SwiGLU experts, one shared expert.
+table), clamped SwiGLU experts, one shared expert; on a mesh, expert parallelism.
 
     s   = sqrt(softplus(W_r x))                   fp32 [E]
     idx = topk(s + bias, K)  |  tid2eid[token]    bias selects only
@@ -7,23 +7,46 @@ table), clamped SwiGLU experts, one shared expert.
     expert(x) = W2(silu(min(W1 x, L)) * clip(W3 x, -L, L))
     out = sum_j w_j expert_{idx_j}(x) + shared(x)
 
-`routed_experts` is the dropless reference: assignments sorted by expert and a grouped
-matmul (`jax.lax.ragged_dot_general`, or on CPU a loop over row tiles), or for a handful of
-tokens (decode) a gather of the chosen experts' weights. All are exact; the expert-parallel
-and Pallas paths are checked against them.
+`routed_experts` is the dropless reference: assignments sorted by expert through the grouped
+matmul (dsjax/pallas_kernels/grouped_matmul.py `grouped_ffn`: ragged_dot, the CPU tile loop
+or a kernel), or for a handful of tokens (decode) a gather of the chosen experts' weights.
+All are exact; the expert-parallel path is checked against them.
+
+Expert parallelism (`routed_experts_sharded`): the routed experts are sharded over the
+`expert` mesh axis, and tokens go to the devices that hold their experts and back with
+`all_to_all`. Inside `jax.shard_map` each device has its own tokens (the batch is split
+over `data` and `expert`) and E / ep experts. Per device (`dispatch_combine`):
+
+    route locally                         -> (weight, expert) per assignment
+    bucket assignments by owner device    -> send buffer [ep, C, D] (+ local expert ids)
+    all_to_all over `expert`              -> the rows this device's experts must process
+    grouped matmul over local experts     (grouped_ffn)
+    all_to_all back, weight, scatter-add  -> [T_local, D]
+
+Dropless by default: C = T_local * K, enough for every assignment to go to one device
+(skewed routing stays correct). `capacity_factor` caps C at ceil(T_local * K / ep * cf)
+and drops assignments past it: an explicit option, never the default. XLA:CPU has no
+ragged all-to-all, so buffers are padded to C; padding rows carry expert id -1 and are not
+computed.
+
+Runtime options (`kernels`, `capacity_factor`) are keyword arguments, not config fields.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.quantized import dense
+from dsjax.pallas_kernels.grouped_matmul import grouped_ffn, swiglu
 from dsjax.params import ParamSpec
-from dsjax.sharding.rules import reshape, spec
+from dsjax.sharding.rules import RULES, current_mesh, present_axes, reshape, spec
 
 
 @struct.dataclass
@@ -78,25 +101,6 @@ def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) -> tuple
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    """silu(min(gate, L)) * clip(up, -L, L)."""
-    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
-
-
-def _grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Rows of x (sorted by group) times their group's w [G, out, in] -> [M, out], fp32 acc."""
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
-    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, dims,
-                                      preferred_element_type=jnp.float32)
-
-
-def expert_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
-    """The experts on rows already sorted by expert: [M, D] -> [M, D] fp32 (grouped matmul)."""
-    h = swiglu(_grouped(x_sorted, w1, group_sizes), _grouped(x_sorted, w3, group_sizes), limit)
-    return _grouped(h.astype(x_sorted.dtype), w2, group_sizes)
-
-
 def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
     """The experts for few tokens: gather each assignment's weights. x [T, D], idx [T, K]
     -> [T, K, D] fp32. Reads exactly the chosen experts, like a decode kernel would."""
@@ -106,81 +110,20 @@ def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float) 
     return jnp.einsum("tki,tkdi->tkd", h, w2[idx].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def expert_ffn_tiled(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float,
-                     rows: int) -> jax.Array:
-    """The grouped matmul as a loop over row tiles: each tile holds `rows` rows of one
-    expert (a group's last tile is partial; its extra rows are overwritten by the next
-    group's tiles). At most ceil(M / rows) + E tiles. -> [M, D] fp32.
-
-    The tile table (expert, first row) is the metadata a Pallas grouped-matmul kernel
-    takes; this pure-JAX loop is what runs fast on CPU, where ragged_dot does not."""
-    m, d = x_sorted.shape
-    n_experts = group_sizes.shape[0]
-    n_tiles = -(-m // rows) + n_experts
-    tiles = -(-group_sizes // rows)  # per expert
-    tile_end = jnp.cumsum(tiles)
-    j = jnp.arange(n_tiles)
-    expert = jnp.minimum(jnp.searchsorted(tile_end, j, side="right"), n_experts - 1)
-    first_row = (jnp.cumsum(group_sizes) - group_sizes)[expert] + (j - tile_end[expert] + tiles[expert]) * rows
-    used = j < tile_end[-1]
-    x_padded = jnp.concatenate([x_sorted, jnp.zeros((rows, d), x_sorted.dtype)])
-
-    def tile(i, out):
-        def compute(out):
-            xt = jax.lax.dynamic_slice_in_dim(x_padded, first_row[i], rows)
-            e = expert[i]
-            gate = jnp.einsum("rd,id->ri", xt, w1[e].astype(xt.dtype), preferred_element_type=jnp.float32)
-            up = jnp.einsum("rd,id->ri", xt, w3[e].astype(xt.dtype), preferred_element_type=jnp.float32)
-            h = swiglu(gate, up, limit).astype(xt.dtype)
-            y = jnp.einsum("ri,di->rd", h, w2[e].astype(xt.dtype), preferred_element_type=jnp.float32)
-            return jax.lax.dynamic_update_slice_in_dim(out, y, first_row[i], 0)
-
-        return jax.lax.cond(used[i], compute, lambda o: o, out)
-
-    # zeros_like(x_padded): inside shard_map the carry must vary over the same mesh axes as x
-    return jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros_like(x_padded, dtype=jnp.float32))[:m]
-
-
-def grouped_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1, w3, w2, limit: float,
-                impl: str = "reference") -> jax.Array:
-    """The experts on rows sorted by expert (rows past sum(group_sizes) are not computed and
-    come out 0) -> [M, D] fp32: a Pallas kernel (impl="pallas": Mosaic GPU's on a GPU, the
-    generic one elsewhere; impl="mosaic_gpu": Mosaic GPU's, interpreted off the GPU), else
-    ragged_dot, or the tile loop on CPU."""
-    m, n_experts = x_sorted.shape[0], group_sizes.shape[0]
-    rows = int(min(128, max(8, pl2(m / n_experts))))
-    if impl != "reference":
-        from dsjax.pallas_kernels.grouped_matmul import mgpu_grouped_ffn, pallas_grouped_ffn
-        from dsjax.pallas_kernels.mgpu import kernel_choice
-
-        kind, interpret = kernel_choice(impl)
-        if kind == "mosaic_gpu":
-            return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret)
-        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret)
-    if jax.default_backend() != "cpu":
-        return expert_ffn(x_sorted, group_sizes, w1, w3, w2, limit)
-    return expert_ffn_tiled(x_sorted, group_sizes, w1, w3, w2, limit, rows)
-
-
-def moe_path(tokens: int, k: int, n_experts: int, kernels: str = "reference") -> str:
-    """Which exact implementation of the routed experts suits this many tokens here.
-
-    XLA's CPU backend lowers ragged_dot to roughly a masked dense product (measured 4-30x
-    slower than the tile loop), so CPU runs the tile loop; accelerators run ragged_dot."""
-    if tokens * k <= max(k, n_experts // 8):
-        return "gather"
-    if kernels != "reference":
-        return "pallas"
-    return "tiled" if jax.default_backend() == "cpu" else "grouped"
+def moe_path(tokens: int, k: int, n_experts: int) -> str:
+    """Which exact path suits this many tokens: "gather" (each assignment's expert weights
+    gathered: a handful of tokens, decode) or "grouped" (assignments sorted by expert
+    through `grouped_ffn`)."""
+    return "gather" if tokens * k <= max(k, n_experts // 8) else "grouped"
 
 
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
-                   path: str | None = None, kernels: str = "reference") -> jax.Array:
+                   path: str | None = None, *, kernels: str = "reference") -> jax.Array:
     """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32. Exact paths
-    (see `moe_path`): per-assignment weight gather (decode), or assignments sorted by expert
-    through a grouped matmul (ragged_dot, or the tile loop on CPU)."""
+    (see `moe_path`): per-assignment weight gather, or assignments sorted by expert through
+    the grouped matmul (`kernels` picks its implementation)."""
     t, k = idx.shape
-    path = path or moe_path(t, k, cfg.n_routed_experts, kernels)
+    path = path or moe_path(t, k, cfg.n_routed_experts)
     p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     if path == "gather":
         y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit)
@@ -188,26 +131,76 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
-    if path == "tiled":
-        rows = int(min(128, max(8, pl2(t * k / cfg.n_routed_experts))))
-        y = expert_ffn_tiled(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, rows)
-    elif path == "pallas" or kernels != "reference":
-        impl = kernels if kernels != "reference" else "pallas"
-        y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit, impl=impl)
-    else:
-        y = expert_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, cfg.swiglu_limit)
+    y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[order // k].add(y)
 
 
-def pl2(x: float) -> int:
-    """The next power of two >= x."""
-    n = 1
-    while n < x:
-        n *= 2
-    return n
+# ----------------------------------------------------------------------------- expert parallel
+def _routed_only(p: MoE) -> MoE:
+    """The routed part of the MoE params (the shared expert runs outside, tensor-parallel)."""
+    return p.replace(shared_w1=None, shared_w3=None, shared_w2=None)
 
 
+def _moe_in_specs(p: MoE, ep: int) -> MoE:
+    experts = P("expert", None, None) if ep > 1 else P()
+    return MoE(router=P(), w1=experts, w3=experts, w2=experts, shared_w1=None, shared_w3=None, shared_w2=None,
+               router_bias=None if p.router_bias is None else P(), tid2eid=None if p.tid2eid is None else P())
+
+
+def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig, ep: int,
+                     capacity_factor: float | None, *, kernels: str = "reference") -> jax.Array:
+    """Per device (inside shard_map): x [T, D] local tokens, idx/weights [T, K] global
+    expert ids; p.w1/w3/w2 hold this device's E / ep experts. -> [T, D] fp32."""
+    t, k = idx.shape
+    d = x.shape[-1]
+    local_n = cfg.n_routed_experts // ep
+    a = t * k
+    cap = a if capacity_factor is None else max(1, math.ceil(a / ep * capacity_factor))
+    flat_e = idx.reshape(-1)
+    dest = flat_e // local_n
+    order = jnp.argsort(dest, stable=True)
+    counts = jnp.bincount(dest, length=ep)
+    rank = jnp.arange(a) - (jnp.cumsum(counts) - counts)[dest[order]]  # position in its send block
+    slot = jnp.where(rank < cap, dest[order] * cap + rank, ep * cap)  # ep * cap: dropped
+    send_x = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(x[order // k], mode="drop")
+    send_e = jnp.full((ep * cap,), -1, jnp.int32).at[slot].set((flat_e % local_n)[order], mode="drop")
+    recv_x = jax.lax.all_to_all(send_x.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
+    recv_e = jax.lax.all_to_all(send_e.reshape(ep, cap), "expert", 0, 0).reshape(ep * cap)
+    # local grouped matmul: valid rows sorted by local expert, padding rows last (not computed)
+    key = jnp.where(recv_e >= 0, recv_e, local_n)
+    by_expert = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=local_n + 1)[:local_n].astype(jnp.int32)
+    w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
+    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels)
+    y = jnp.zeros((ep * cap, d), jnp.float32).at[by_expert].set(y_sorted).astype(x.dtype)
+    back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
+    per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
+    contrib = per_assignment.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((t, d), jnp.float32).at[order // k].add(contrib)
+
+
+def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
+                           kernels: str = "reference", capacity_factor: float | None = None) -> jax.Array:
+    """x [T, D] and token_ids [T] batch-sharded under the current mesh -> routed-expert
+    output [T, D] fp32, same sharding."""
+    mesh = current_mesh()
+    ep = mesh.shape["expert"]
+    if cfg.n_routed_experts % ep:
+        raise ValueError(f"{cfg.n_routed_experts} routed experts cannot be split over expert={ep} devices")
+    rows = P(present_axes(RULES.mesh_axes("batch"), mesh))
+    in_specs = (_moe_in_specs(p, ep), P(*rows, None), rows)
+
+    def local(p, x, ids):
+        weights, idx = route(p, x, ids, cfg)
+        if ep == 1:
+            return routed_experts(p, x, weights, idx, cfg, kernels=kernels)
+        return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels=kernels)
+
+    return jax.shard_map(local, in_specs=in_specs, out_specs=P(*rows, None))(_routed_only(p), x, token_ids)
+
+
+# ----------------------------------------------------------------------------- the layer
 def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     h = swiglu(linear(x, p.shared_w1), linear(x, p.shared_w3), cfg.swiglu_limit)
     return linear(h, p.shared_w2, out_sharding=spec("batch", None))
@@ -216,13 +209,12 @@ def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *, kernels: str = "reference",
                 capacity_factor: float | None = None) -> jax.Array:
     """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
-    run expert-parallel (dsjax/sharding/expert_parallel.py)."""
-    from dsjax.sharding.expert_parallel import routed_experts_sharded
-    from dsjax.sharding.rules import current_mesh
-
+    run expert-parallel (`routed_experts_sharded`; `capacity_factor` caps its send buffers).
+    `kernels` picks the grouped matmul's implementation (dsjax/pallas_kernels/dispatch.py)."""
     flat = reshape(x, (-1, x.shape[-1]))
     if current_mesh() is not None:
-        routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, capacity_factor, kernels)
+        routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, kernels=kernels,
+                                        capacity_factor=capacity_factor)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
         routed = routed_experts(p, flat, weights, idx, cfg, kernels=kernels)

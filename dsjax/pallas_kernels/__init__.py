@@ -1,2 +1,3 @@
-"""Pallas kernels, one file per kernel: the kernel, its pure-jnp reference (from
-dsjax/layers) and the dispatch that picks one per backend."""
+"""Pallas kernels, one file per kernel: the kernels, their pure-jnp reference and the one
+dispatch the model calls (`sink_attention`, `index_scores`, `grouped_ffn`), which picks an
+implementation by dispatch.py's rule."""

@@ -15,6 +15,8 @@ Selection (top-k of the visible scores) stays `select_topk_indices` on the kerne
   ReLU and the per-head weights apply along the columns and the head sum is a row
   reduction, so the [64] scores never leave registers before the store. Q (64 heads x d_I)
   and the key tile are copied in by TMA; bf16 operands, fp32 accumulation.
+
+`index_scores(..., impl=...)` is the one entry point the model calls (dispatch.py's rule).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from dsjax.pallas_kernels.dispatch import kernel_choice
+from dsjax.pallas_kernels.mgpu import (interpret_params, layout, matmul_nt, operand_transforms, pad_axis, round_up,
+                                       store_tile)
 
 KEYS = 64  # keys per Mosaic GPU program: the wgmma M
 
@@ -45,8 +51,6 @@ def _kernel(q_ref, k_ref, w_ref, o_ref, *, scale: float):
 def pallas_index_scores(q, keys, weights, *, scale: float, block_q: int = 8, block_t: int = 128,
                         interpret: bool = False):
     """Same contract as `reference`; S and T are padded to the blocks here."""
-    from dsjax.pallas_kernels.mgpu import pad_axis, round_up
-
     b, s, h, d = q.shape
     t = keys.shape[1]
     bq, bt = min(block_q, s), min(block_t, round_up(t, 8))
@@ -65,8 +69,6 @@ def pallas_index_scores(q, keys, weights, *, scale: float, block_q: int = 8, blo
 def _mgpu_kernel(q_gmem, k_gmem, w_gmem, o_gmem, q_smem, k_smem, w_smem, bars, *, n_query: int, scale: float,
                  interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from dsjax.pallas_kernels.mgpu import layout, matmul_nt, store_tile
 
     bs, j = jax.lax.axis_index("bs"), jax.lax.axis_index("keys")
     heads = q_smem.shape[0]
@@ -90,8 +92,6 @@ def mgpu_index_scores(q, keys, weights, *, scale: float, interpret: bool = False
     d_I to 64, T to 64 keys (scores of padding keys are cut off)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dsjax.pallas_kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up
-
     b, s, h, d = q.shape
     t = keys.shape[1]
     dt = jnp.bfloat16
@@ -111,12 +111,10 @@ def mgpu_index_scores(q, keys, weights, *, scale: float, interpret: bool = False
 
 
 def index_scores(q, keys, weights, *, scale: float, impl: str = "reference"):
-    """Dispatch like the other kernels: "reference"; "pallas" (Mosaic GPU on a GPU, else
+    """THE dispatch (dispatch.py's rule): "reference"; "pallas" (Mosaic GPU on Hopper+, else
     generic Pallas, interpreted on CPU); "mosaic_gpu" (interpreted off the GPU)."""
-    if impl == "reference":
-        return reference(q, keys, weights, scale=scale)
-    from dsjax.pallas_kernels.mgpu import kernel_choice
-
     kind, interpret = kernel_choice(impl)
+    if kind == "reference":
+        return reference(q, keys, weights, scale=scale)
     fn = mgpu_index_scores if kind == "mosaic_gpu" else pallas_index_scores
     return fn(q, keys, weights, scale=scale, interpret=interpret)

@@ -1,6 +1,6 @@
-"""Shared bits of the Mosaic GPU (Hopper, sm90) kernels: operand layouts, padding, the
-switch between compiling for the GPU and running in Pallas' GPU interpret mode, and the
-kernel choice every kernel file's dispatch makes (`kernel_choice`).
+"""Shared bits of the Mosaic GPU (Hopper, sm90) kernels: operand layouts, padding, and the
+switch between compiling for the GPU and running in Pallas' GPU interpret mode. (Which
+kernel runs where is dispatch.py's rule.)
 
 The Mosaic GPU kernels (`mgpu_*` in each kernel file) are written against
 `jax.experimental.pallas.mosaic_gpu`: one warpgroup per program, TMA copies
@@ -15,25 +15,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-def mosaic_gpu_available() -> bool:
-    """Mosaic GPU targets NVIDIA Hopper and newer (compute capability >= 9.0)."""
-    device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)  # CUDA devices only
-    return device.platform == "gpu" and capability is not None and float(capability) >= 9.0
-
-
-def kernel_choice(impl: str) -> tuple[str, bool]:
-    """The dispatch every kernel file shares, for impl "pallas" / "mosaic_gpu" ->
-    (which kernel: "mosaic_gpu" | "generic", interpret?). "pallas" is the Mosaic GPU kernel
-    on Hopper+, else the generic Pallas kernel (interpreted on CPU); "mosaic_gpu" forces the
-    Mosaic GPU kernel (GPU interpret mode where it cannot compile)."""
-    hopper = mosaic_gpu_available()
-    if impl == "mosaic_gpu" or (impl == "pallas" and hopper):
-        return "mosaic_gpu", not hopper
-    if impl != "pallas":
-        raise ValueError(f"kernel impl must be 'reference', 'pallas' or 'mosaic_gpu', got {impl!r}")
-    return "generic", jax.default_backend() == "cpu"
 
 
 def operand_transforms(dtype, minor: int) -> tuple:

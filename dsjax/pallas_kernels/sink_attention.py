@@ -12,7 +12,8 @@ Keys come in two sets:
 
 The kernel (grid: batch x query blocks) runs an online softmax over key blocks, then over
 the query's own top-k keys, and adds exp(sink - m) to the denominator at the end.
-`reference` is dsjax.layers.attention.sink_attention on the equivalent dense mask.
+`reference` is the same math in plain jnp on the equivalent dense mask [B, S, T]; the
+model calls only the dispatch `sink_attention(..., impl=...)`.
 
 `mgpu_sink_attention` is the Hopper (sm90) kernel for Mosaic GPU. All query heads share
 the one KV head, so a program takes 64 heads of ONE query as the 64 rows of a wgmma tile
@@ -36,18 +37,36 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dsjax.pallas_kernels.dispatch import kernel_choice
+from dsjax.pallas_kernels.mgpu import (accumulate, interpret_params, layout, matmul_nt, operand_transforms, pad_axis,
+                                       round_up, store_tile)
+
 NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free for fully masked rows
 
 
-def dense_mask(q_pos: jax.Array, k_lo: jax.Array, k_hi: jax.Array) -> jax.Array:
-    """[B, S, T]: key visible to the query iff k_lo <= q_pos <= k_hi."""
-    return (q_pos[:, :, None] >= k_lo[:, None, :]) & (q_pos[:, :, None] <= k_hi[:, None, :])
-
-
 def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None):
-    from dsjax.layers.attention import sink_attention
+    """The reference math, on the dense mask the intervals stand for.
 
-    return sink_attention(q, kv, dense_mask(q_pos, k_lo, k_hi), sinks, kv_pq, mask_pq)
+    q [B, S, H, D]; kv [B, T, D] keys shared by all queries, key t visible to query s iff
+    k_lo[b, t] <= q_pos[b, s] <= k_hi[b, t]; optionally kv_pq [B, S, k, D] (CSA: each
+    query's top-k compressed entries, gathered) with mask_pq [B, S, k]. sinks [H] fp32
+    adds exp(sink_h) to the denominator only. -> o [B, S, H, D] in q's dtype."""
+    mask = (q_pos[:, :, None] >= k_lo[:, None, :]) & (q_pos[:, :, None] <= k_hi[:, None, :])  # [B, S, T]
+    scale = q.shape[-1] ** -0.5
+    logits = jnp.einsum("bshd,btd->bsht", q, kv, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    if kv_pq is not None:
+        extra = jnp.einsum("bshd,bskd->bshk", q, kv_pq, preferred_element_type=jnp.float32) * scale
+        logits = jnp.concatenate([logits, jnp.where(mask_pq[:, :, None, :], extra, -jnp.inf)], axis=-1)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    p = jnp.exp(logits - m)
+    p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(kv.dtype)
+    t = kv.shape[1]
+    o = jnp.einsum("bsht,btd->bshd", p[..., :t], kv, preferred_element_type=jnp.float32)
+    if kv_pq is not None:
+        o = o + jnp.einsum("bshk,bskd->bshd", p[..., t:], kv_pq, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype)
 
 
 def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: int, n_kblocks: int, scale: float,
@@ -139,8 +158,6 @@ def _mgpu_kernel(q_gmem, kv_gmem, lo_gmem, hi_gmem, pos_gmem, sink_gmem, *rest, 
                  n_kblocks: int, n_pq_blocks: int, n_splits: int, dv: int, scale: float, steps: int,
                  interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from dsjax.pallas_kernels.mgpu import accumulate, layout, matmul_nt, operand_transforms, store_tile
 
     rest = list(rest)
     kvq_gmem, mq_gmem = (rest.pop(0), rest.pop(0)) if n_pq_blocks else (None, None)
@@ -246,8 +263,6 @@ def mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=Non
     partial outputs are merged here by their log-sum-exp, with the sink."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dsjax.pallas_kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up
-
     b, s, h, d = q.shape
     if s == 1 and kv_pq is not None:  # decode: per-query keys are this row's keys
         kv = jnp.concatenate([kv, kv_pq[:, 0].astype(kv.dtype)], axis=1)
@@ -307,13 +322,11 @@ def merge_splits(outs: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array
 
 
 def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference"):
-    """Dispatch: "reference" (jnp); "pallas": the Mosaic GPU kernel on a GPU, else the
-    generic Pallas kernel (interpreted on CPU); "mosaic_gpu": the Mosaic GPU kernel
-    (GPU interpret mode off the GPU)."""
-    if impl == "reference":
-        return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq)
-    from dsjax.pallas_kernels.mgpu import kernel_choice
-
+    """THE dispatch (dispatch.py's rule): "reference" (jnp); "pallas": the Mosaic GPU kernel
+    on Hopper+, else the generic Pallas kernel (interpreted on CPU); "mosaic_gpu": the
+    Mosaic GPU kernel (GPU interpret mode off the GPU)."""
     kind, interpret = kernel_choice(impl)
+    if kind == "reference":
+        return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq)
     fn = mgpu_sink_attention if kind == "mosaic_gpu" else pallas_sink_attention
     return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret)

@@ -4,7 +4,7 @@ Mesh axes: `data` (batch), `expert` (routed experts; also splits the batch outsi
 MoE), `tensor` (attention heads, grouped output projection, vocabulary, shared expert).
 Every weight declares logical axes (dsjax/params.py); activations and caches use the
 logical `batch` axis. `RULES` maps each logical name to mesh axes; nothing else in dsjax
-names a mesh axis, except the expert dispatch (dsjax/sharding/expert_parallel.py).
+names a mesh axis, except the expert dispatch (dsjax/layers/moe.py, expert parallel).
 
 Meshes use `AxisType.Explicit`: shardings are part of the array types, and the model code
 says how an ambiguous result is sharded with `spec(...)`, which is None without a mesh (so
@@ -20,6 +20,8 @@ import re
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from dsjax.params import is_spec, spec_leaves, weight_group
 
 MESH_AXES = ("data", "expert", "tensor")
 
@@ -105,10 +107,10 @@ def spec(*logical: str | None) -> P | None:
     mesh = current_mesh()
     if mesh is None or AxisType.Explicit not in mesh.axis_types:
         return None
-    return P(*(_present(RULES.mesh_axes(name), mesh) for name in logical))
+    return P(*(present_axes(RULES.mesh_axes(name), mesh) for name in logical))
 
 
-def _present(axes, mesh):
+def present_axes(axes, mesh):
     """Drop mesh axes of size 1 (they shard nothing and only complicate types) and axes
     that are manual here (inside shard_map each device already holds its own rows)."""
     if axes is None:
@@ -132,7 +134,7 @@ def per_row(f):
         mesh = current_mesh()
         if mesh is None:
             return f(*args)
-        axes = P(_present(RULES.mesh_axes("batch"), mesh))
+        axes = P(present_axes(RULES.mesh_axes("batch"), mesh))
         return jax.shard_map(f, in_specs=axes, out_specs=axes)(*args)
 
     return wrapped
@@ -178,7 +180,7 @@ def param_sharding(param_spec, mesh) -> NamedSharding:
     (e.g. 4 query heads on tensor=8)."""
     parts = []
     for dim, name in zip(param_spec.shape, param_spec.axes):
-        axes = _present(RULES.mesh_axes(name), mesh)
+        axes = present_axes(RULES.mesh_axes(name), mesh)
         size = 1 if axes is None else math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
         parts.append(axes if size > 1 and dim % size == 0 else None)
     return NamedSharding(mesh, P(*parts))
@@ -186,23 +188,18 @@ def param_sharding(param_spec, mesh) -> NamedSharding:
 
 def batch_sharding(mesh, ndim: int) -> NamedSharding:
     """Leading axis over the batch axes, the rest replicated (caches, slot state)."""
-    axes = _present(RULES.mesh_axes("batch"), mesh)
+    axes = present_axes(RULES.mesh_axes("batch"), mesh)
     return NamedSharding(mesh, P(axes, *([None] * (ndim - 1))))
 
 
 def shardings_for(specs, mesh):
     """A tree of NamedShardings matching a spec tree."""
-    from dsjax.params import is_spec
-
     return jax.tree.map(lambda s: param_sharding(s, mesh), specs, is_leaf=is_spec)
 
 
 def bytes_per_device(specs, mesh) -> dict[str, int]:
     """Bytes each device holds per weight group (abstract; `mesh` may be a dict of axis
     sizes, no devices needed): the memory report and the too-big-for-the-mesh check."""
-    from dsjax.param_count import _group
-    from dsjax.params import spec_leaves
-
     if isinstance(mesh, dict):
         sizes = {**{a: 1 for a in MESH_AXES}, **mesh}
         mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
@@ -212,5 +209,5 @@ def bytes_per_device(specs, mesh) -> dict[str, int]:
         sh = param_sharding(s, mesh)
         local = sh.shard_shape(s.shape)
         nbytes = int(np.prod(local, dtype=np.int64)) * np.dtype(s.dtype).itemsize
-        out[_group(path)] = out.get(_group(path), 0) + nbytes
+        out[weight_group(path)] = out.get(weight_group(path), 0) + nbytes
     return out

@@ -1,0 +1,49 @@
+"""The one kernel-choice rule every kernel file's dispatch follows.
+
+    impl          here                              runs
+    "reference"   anywhere                          the kernel file's pure-jnp reference
+    "pallas"      Hopper+ NVIDIA GPU                the Mosaic GPU kernel (compiled)
+                  elsewhere                         the generic Pallas kernel (interpreted on CPU)
+    "mosaic_gpu"  Hopper+ NVIDIA GPU                the Mosaic GPU kernel (compiled)
+                  elsewhere                         the Mosaic GPU kernel in GPU interpret mode
+
+`resolve_kernels` turns the user's choice, which may also be "auto", into one of these.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dsjax.config import KERNELS  # the allowed values, declared once with the run options
+
+
+def mosaic_gpu_available() -> bool:
+    """Mosaic GPU targets NVIDIA Hopper and newer (compute capability >= 9.0)."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)  # CUDA devices only
+    return device.platform == "gpu" and capability is not None and float(capability) >= 9.0
+
+
+def kernel_choice(impl: str) -> tuple[str, bool]:
+    """impl -> (which implementation: "reference" | "pallas" (the generic kernel) |
+    "mosaic_gpu", run it in interpret mode?), per the table above."""
+    if impl == "reference":
+        return "reference", False
+    if impl not in KERNELS:
+        raise ValueError(f"kernel impl must be one of {KERNELS}, got {impl!r}")
+    hopper = mosaic_gpu_available()
+    if impl == "mosaic_gpu" or hopper:
+        return "mosaic_gpu", not hopper
+    return "pallas", jax.default_backend() == "cpu"
+
+
+def resolve_kernels(kernels: str) -> str:
+    """The user's kernel choice -> one of KERNELS. "auto": the Mosaic GPU kernels (through
+    "pallas") on a Hopper-or-newer NVIDIA GPU, the reference elsewhere: the generic Pallas
+    kernels take whole key / expert-weight arrays as blocks, which V4-sized layers cannot
+    fit in a TPU's VMEM."""
+    if kernels == "auto":
+        return "pallas" if mosaic_gpu_available() else "reference"
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
+    return kernels
