@@ -279,9 +279,10 @@ def test_caches_after_accept_reject_equal_plain_decoding(small_vocab, rng):
     # the MTP ring equals one built from the plain sequence in a single pass
     seq = jnp.asarray([prompt + truth[: emitted]])
     length = len(prompt) + emitted - 1
-    streams = forward_streams(model.params, seq[:, :length], cfg)
-    _, want = mtp_extend(model.mtp, model.params, init_speculation(cfg, 1, k, F32).mtp, streams, seq[:, 1:length + 1],
-                         jnp.zeros((1,), jnp.int32), jnp.full((1,), length, jnp.int32), cfg)
+    streams, _ = decoder_streams(model.params, seq[:, :length], cfg)
+    _, want = mtp_forward(model.mtp, model.params, streams, seq[:, 1:length + 1], cfg,
+                          init_speculation(cfg, 1, k, F32).mtp, start=jnp.zeros((1,), jnp.int32),
+                          n_valid=jnp.full((1,), length, jnp.int32))
     np.testing.assert_allclose(spec_engine.spec.mtp.window[:1], want.window, atol=2e-5, rtol=2e-5)
 
 
