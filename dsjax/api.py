@@ -16,6 +16,7 @@ from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
 from dsjax.engine.requests import check_token_ids
+from dsjax.memory import device_memory
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.pallas_kernels.dispatch import resolve_kernels
 from dsjax.params import abstract_params, init_params, spec_leaves
@@ -166,17 +167,6 @@ def check_mesh_fits(cfg: ModelConfig, mesh) -> None:
     if tp > 1 and (cfg.o_groups % tp or cfg.num_attention_heads % tp):
         raise ValueError(f"mesh tensor={tp} must divide o_groups={cfg.o_groups} and "
                          f"num_attention_heads={cfg.num_attention_heads}")
-
-
-def device_memory(device) -> int:
-    """Bytes a device can hold: what it reports, or on CPU the host's RAM shared by the
-    process's CPU devices."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    import psutil
-
-    return psutil.virtual_memory().total // max(1, len(jax.local_devices()))
 
 
 def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:
