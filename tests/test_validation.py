@@ -2,10 +2,13 @@
 names the argument or field, the value and what was expected; never later inside `run()`,
 never silently changed."""
 
+import shutil
+
 import numpy as np
 import pytest
 
 import dsjax
+from dsjax.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
 from dsjax.engine import engine as engine_module
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
@@ -180,3 +183,68 @@ def test_valid_edge_requests_are_admitted_unchanged(tiny):
     req = eng.requests[rid]
     assert req.prompt == [0, VOCAB - 1] and all(type(t) is int for t in req.prompt)
     assert req.params.top_k == VOCAB
+
+
+# ----------------------------------------------------------------------------- load_model
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seed=-1), r"^seed must be an int >= 0, got -1$"),
+    (dict(seed=1.5), r"^seed must be an int >= 0, got 1.5$"),
+    (dict(check_finite="no"), r"^check_finite must be a bool, got 'no'$"),
+    (dict(mtp="yes"), r"^mtp must be a bool or None, got 'yes'$"),
+    (dict(device_memory_bytes=0), r"^device_memory_bytes must be a positive int or None, got 0$"),
+])
+def test_load_model_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dsjax.load_model("tiny", **kwargs)
+
+
+@pytest.fixture
+def ckpt(hf_checkpoints, tmp_path):
+    _, path = hf_checkpoints("mixed")
+    shutil.copytree(path, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+IDS = [[0, 5, 17, 300, 42, 7, 9, 11, 64, 128, 3]]
+
+
+def test_config_json_beside_weights_loads_the_weights(ckpt):
+    """A path to a checkpoint's config.json stands for the checkpoint: its weights, not seeded
+    random ones."""
+    from_dir = dsjax.load_model(ckpt, dtype="float32").logits(IDS)
+    from_file = dsjax.load_model(ckpt / "config.json", dtype="float32").logits(IDS)
+    np.testing.assert_array_equal(from_file, from_dir)
+
+
+def test_bare_config_json_gives_seeded_random_weights(ckpt, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(ckpt / "config.json", bare / "config.json")
+    a = dsjax.load_model(bare / "config.json", dtype="float32", seed=3).logits(IDS)
+    b = dsjax.load_model(bare / "config.json", dtype="float32", seed=3).logits(IDS)
+    c = dsjax.load_model(bare / "config.json", dtype="float32", seed=4).logits(IDS)
+    real = dsjax.load_model(ckpt, dtype="float32").logits(IDS)
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c) and not np.allclose(a, real)
+
+
+def _poison(directory, name, value):
+    f = SafetensorsFile(directory / "model.safetensors")
+    tensors = {n: np.array(f.read(n)) for n in f.tensors}
+    f.close()
+    tensors[name] = tensors[name].copy()
+    tensors[name].reshape(-1)[7] = value
+    write_safetensors(directory / "model.safetensors", tensors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_weight_is_refused_by_default(ckpt, dtype, value):
+    """The scan is on by default, for every load dtype (bf16 included); it names the tensor
+    and its file, and check_finite=False skips it."""
+    name = "model.layers.1.attn.wq_b.weight"
+    _poison(ckpt, name, value)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in model\.safetensors: non-finite values.*"
+                                              rf"check_finite=False"):
+        dsjax.load_model(ckpt, dtype=dtype)
+    dsjax.load_model(ckpt, dtype=dtype, check_finite=False)
