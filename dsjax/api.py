@@ -16,6 +16,7 @@ from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
 from dsjax.engine.requests import check_token_ids
+from dsjax.memory import device_memory
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.pallas_kernels.dispatch import resolve_kernels
 from dsjax.params import abstract_params, init_params, spec_leaves
@@ -80,10 +81,15 @@ class Model:
 
 def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int = 0, mesh=None,
                device_memory_bytes: int | None = None, quantized: str = "dequantize",
-               progress: bool = False, check_finite: bool = False, mtp: bool | None = None,
+               progress: bool = False, check_finite: bool = True, mtp: bool | None = None,
                kernels: str = "reference") -> Model:
     """A checkpoint directory (config.json + safetensors), or a named config (`tiny`,
-    `v4-flash`, `v4-pro`) / config JSON file with seeded random weights.
+    `v4-flash`, `v4-pro`) / config JSON file with seeded random weights. A path to a
+    checkpoint's `config.json` loads that checkpoint (the weights beside it); a config JSON
+    with no weights beside it gets seeded random weights.
+
+    check_finite: scan every weight as it is read; a NaN / inf is a `CheckpointError` naming
+    the tensor and file (on by default; False skips the scan).
 
     mesh: a mesh spec ("data=2,expert=4"), a `jax.sharding.Mesh` from
     `dsjax.sharding.rules.make_mesh`, or None (one device). Weights are created / read
@@ -103,8 +109,12 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     kernels on a Hopper-or-newer NVIDIA GPU, the reference elsewhere: the generic Pallas kernels take whole key /
     expert-weight arrays as blocks, which V4-sized layers cannot fit in a TPU's VMEM)."""
     dtype = resolve_dtype(dtype)
+    check_load_args(seed=seed, device_memory_bytes=device_memory_bytes, progress=progress, check_finite=check_finite,
+                    mtp=mtp)
     path = Path(path_or_config_name)
-    cfg = load_config(path_or_config_name)
+    if path.name == "config.json" and path.is_file() and has_weights(path.parent):
+        path = path.parent  # a checkpoint's config.json stands for the checkpoint: its weights, not random ones
+    cfg = load_config(path)
     kernels = resolve_kernels(kernels)
     specs = model_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):
@@ -158,6 +168,24 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized))
 
 
+def has_weights(directory: Path) -> bool:
+    """Whether a directory holds a checkpoint's weights (safetensors, an index, or orbax)."""
+    return (orbax_io.is_orbax(directory) or (directory / "model.safetensors.index.json").is_file()
+            or any(directory.glob("*.safetensors")))
+
+
+def check_load_args(*, seed, device_memory_bytes, progress, check_finite, mtp) -> None:
+    """load_model's plain arguments, each refused by name before anything is read."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if device_memory_bytes is not None and (not isinstance(device_memory_bytes, (int, np.integer))
+                                            or isinstance(device_memory_bytes, bool) or device_memory_bytes <= 0):
+        raise ValueError(f"device_memory_bytes must be a positive int or None, got {device_memory_bytes!r}")
+    for name, value in (("progress", progress), ("check_finite", check_finite), ("mtp", mtp)):
+        if not (isinstance(value, (bool, np.bool_)) or (name == "mtp" and value is None)):
+            raise ValueError(f"{name} must be a bool{' or None' if name == 'mtp' else ''}, got {value!r}")
+
+
 def check_mesh_fits(cfg: ModelConfig, mesh) -> None:
     """The mesh must split what it shards evenly (experts, head groups)."""
     ep, tp = mesh.shape["expert"], mesh.shape["tensor"]
@@ -166,17 +194,6 @@ def check_mesh_fits(cfg: ModelConfig, mesh) -> None:
     if tp > 1 and (cfg.o_groups % tp or cfg.num_attention_heads % tp):
         raise ValueError(f"mesh tensor={tp} must divide o_groups={cfg.o_groups} and "
                          f"num_attention_heads={cfg.num_attention_heads}")
-
-
-def device_memory(device) -> int:
-    """Bytes a device can hold: what it reports, or on CPU the host's RAM shared by the
-    process's CPU devices."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    import psutil
-
-    return psutil.virtual_memory().total // max(1, len(jax.local_devices()))
 
 
 def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:

@@ -2,7 +2,7 @@
 only, with no circles, so each layer can be read and tested without the ones above it.
 
     cli / serving / train -> generate -> api -> engine -> checkpoint, model -> layers
-        -> pallas_kernels, sharding.rules -> params -> config
+        -> pallas_kernels, sharding.rules, memory -> params -> config
 """
 
 import ast
@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dsjax"
 RANKS = {
     "dsjax.config": 0,
     "dsjax.params": 1,
-    "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.pallas_kernels": 2,
+    "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.pallas_kernels": 2, "dsjax.memory": 2,
     "dsjax.layers": 3,
     "dsjax.model": 4,
     "dsjax.checkpoint": 5, "dsjax.param_count": 5,

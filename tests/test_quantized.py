@@ -147,9 +147,11 @@ def test_non_finite_values(copy):
         t[name][1] = np.nan
 
     fname = _edit(copy, name, edit)
-    dsjax.load_model(copy, dtype="float32")  # the scan is optional
+    dsjax.load_model(copy, dtype="float32", check_finite=False)  # the scan can be skipped
     with pytest.raises(CheckpointError, match=rf"{name}' in {fname}: non-finite"):
         dsjax.load_model(copy, dtype="float32", check_finite=True)
+    with pytest.raises(CheckpointError, match=rf"{name}' in {fname}: non-finite"):
+        dsjax.load_model(copy, dtype="float32")  # and runs by default
 
 
 def test_mtp_layer_is_loaded(quantized):

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
@@ -252,11 +253,39 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs, shardings=No
 
 def _read_checked(reader, spec: ParamSpec, names: list[str], index: _Index, check_finite: bool, ix) -> np.ndarray:
     arr = reader(_expand(ix, spec.shape)).astype(np.dtype(spec.dtype))
-    if check_finite and arr.dtype.kind == "f" and not np.isfinite(arr.astype(np.float32)).all():
+    if check_finite and _has_non_finite(arr):
         bad = next((n for n in names if index.info(n).dtype in ("F32", "F16", "BF16", "F64")
-                    and not np.isfinite(np.asarray(index.read(n), np.float32)).all()), names[0])
-        raise CheckpointError(f"{index.where(bad)}: non-finite values (NaN or inf)")
+                    and _has_non_finite(np.asarray(index.read(n)))), names[0])
+        raise CheckpointError(f"{index.where(bad)}: non-finite values (NaN or inf); load with check_finite=False "
+                              f"to skip this scan")
     return arr
+
+
+def _has_non_finite(arr: np.ndarray) -> bool:
+    """Whether a floating-point array holds a NaN or inf (integer arrays: never). Scanned in
+    cache-sized chunks, so the temporaries never travel to memory; bf16 is read from its
+    bit pattern (exponent all ones). On by default, so it must stay cheap next to the read."""
+    floating = arr.dtype.kind == "f" or arr.dtype in _ML_FLOATS
+    if not floating or not arr.size:
+        return False
+    bf16 = arr.dtype == ml_dtypes.bfloat16
+    flat = arr.reshape(-1).view(np.uint16) if bf16 else arr.reshape(-1)
+    buf = np.empty(min(flat.size, _SCAN_CHUNK), np.uint16 if bf16 else bool)
+    for start in range(0, flat.size, _SCAN_CHUNK):
+        chunk = flat[start: start + _SCAN_CHUNK]
+        out = buf[: chunk.size]
+        if bf16:
+            if np.bitwise_and(chunk, _BF16_EXPONENT, out=out).max() == _BF16_EXPONENT:
+                return True
+        elif not np.isfinite(chunk, out=out).all():
+            return True
+    return False
+
+
+_SCAN_CHUNK = 1 << 16  # elements
+_BF16_EXPONENT = np.uint16(0x7F80)
+_ML_FLOATS = {np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+                                    ml_dtypes.float8_e8m0fnu)}
 
 
 def _dense_shapes(specs) -> dict[str, tuple[int, ...]]:

@@ -9,11 +9,14 @@ the old request are still in flight.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import numbers
 from typing import Callable
 
 import numpy as np
 
+from dsjax.config import ModelConfig
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import MAX_STOP_IDS
 
@@ -130,12 +133,49 @@ def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_request(prompt: list[int], params: SamplingParams, stops: tuple[int, ...], *, vocab_size: int,
-                  capacity: int, num_draft_tokens: int, max_logprobs: int) -> None:
-    """Refuse, with the reason, a request the engine cannot serve."""
-    if not prompt:
+def check_prompt(prompt, vocab_size: int) -> None:
+    """A prompt is a non-empty sequence of int token ids inside the vocabulary; the error
+    names the first id that is not (by its index)."""
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"prompt must be a list of token ids, got a {type(prompt).__name__} (tokenize the text first)")
+    if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+        raise ValueError(f"prompt must be a 1-D list of token ids, got an array of shape {prompt.shape}")
+    if not isinstance(prompt, (collections.abc.Sequence, np.ndarray)):
+        raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+    if not len(prompt):
         raise ValueError("prompt must contain at least one token")
-    check_token_ids(np.asarray(prompt), vocab_size)
+    if isinstance(prompt, np.ndarray):
+        ints = prompt.dtype.kind in "iu"
+        lo, hi = (prompt.min(), prompt.max()) if ints else (0, 0)
+    else:  # Python lists: look at each element's type (np.asarray would turn True into 1, 1.7 into a float array)
+        ints = all(issubclass(t, numbers.Integral) and not issubclass(t, bool) for t in set(map(type, prompt)))
+        lo, hi = (min(prompt), max(prompt)) if ints else (0, 0)
+    if not ints:
+        i, bad = next((i, t) for i, t in enumerate(prompt)
+                      if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)))
+        raise ValueError(f"prompt[{i}] is {bad!r} ({type(bad).__name__}): token ids must be ints")
+    if lo < 0 or hi >= vocab_size:
+        i, bad = next((i, int(t)) for i, t in enumerate(prompt) if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt[{i}]: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_request(prompt, params: SamplingParams, stops: tuple[int, ...], *, vocab_size: int, max_positions: int,
+                  capacity: int, num_draft_tokens: int, max_logprobs: int) -> None:
+    """Refuse, with the reason, a request the engine cannot serve. Types and ranges of the
+    settings were checked when `params` was made; here, what depends on the model and the
+    engine: ids within the vocabulary, lengths within the model's positions
+    (`max_positions`) and the engine's cache."""
+    check_prompt(prompt, vocab_size)
+    bad_stops = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad_stops:
+        raise ValueError(f"stop_token_ids: token id {bad_stops[0]} is outside the vocabulary [0, {vocab_size})")
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size ({vocab_size}); use at most "
+                         f"{vocab_size}, or 0 for no top-k limit")
+    total = len(prompt) + params.max_tokens
+    if total > max_positions:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                         f"model's max_position_embeddings ({max_positions}); lower max_tokens or shorten the prompt")
     k = num_draft_tokens  # a verify step may write k positions past the last kept token
     if len(prompt) + params.max_tokens + k > capacity:
         drafts = f" + num_draft_tokens ({k})" if k else ""
@@ -148,3 +188,14 @@ def check_request(prompt: list[int], params: SamplingParams, stops: tuple[int, .
         raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={max_logprobs}")
     if len(stops) > MAX_STOP_IDS:
         raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stops)}")
+
+
+def max_capacity(cfg: ModelConfig) -> int:
+    """The largest cache capacity a slot can use: the context bucket that holds the model's
+    longest sequence (`max_position_embeddings`), rounded up to the compression ratio.
+    Capacities round up to buckets (`dsjax.generate` sizes them so), hence the bucket."""
+    bucket = MIN_BUCKET
+    while bucket < cfg.max_position_embeddings:
+        bucket *= 2
+    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+    return -(-bucket // ratio) * ratio

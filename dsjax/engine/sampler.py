@@ -10,9 +10,12 @@ before penalties and temperature).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dsjax.sharding.rules import reshape, spec
@@ -23,34 +26,68 @@ class SamplingParams:
     """What one request asks for. temperature 0 = greedy."""
 
     temperature: float = 0.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0: off; at most the vocabulary size
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # on prompt + generated tokens (HF / CTRL form)
     presence_penalty: float = 0.0  # on generated tokens (OpenAI form)
     frequency_penalty: float = 0.0
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    max_tokens: int = 16  # >= 1; prompt + max_tokens within the engine's capacity and the model's positions
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids; within the vocabulary
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token
     seed: int = 0
 
     def __post_init__(self):
-        checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (self.logprobs >= 0, "logprobs must be >= 0"),
-            (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
+        """Types and ranges, each checked here, at construction; what depends on the model
+        (ids within the vocabulary, top_k at most the vocabulary, lengths) is checked when
+        an engine admits the request (`dsjax.engine.requests.check_request`)."""
+        reals = [
+            ("temperature", lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0 (0: greedy)"),
+            ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+            ("min_p", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            ("repetition_penalty", lambda v: v > 0 and math.isfinite(v), "a finite number > 0 (1: off)"),
+            ("presence_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+            ("frequency_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams: {msg}")
+        for name, ok, expected in reals:  # NaN fails every comparison, so every check refuses it
+            value = getattr(self, name)
+            if not (is_real(value) and ok(value)):
+                _fail(name, expected, value)
+        _check_int("top_k", self.top_k, 0, INT32_MAX, " (0: off)")
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX, " (a request makes at least one token)")
+        _check_int("logprobs", self.logprobs, 0, INT32_MAX, " (top logprobs per token)")
+        if not (is_int(self.seed) and 0 <= self.seed <= UINT32_MAX):
+            _fail("seed", "an int in [0, 2**32 - 1]", self.seed)
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            _fail("ignore_eos", "a bool", self.ignore_eos)
+        if not isinstance(self.stop_token_ids, (tuple, list, np.ndarray)) or np.ndim(self.stop_token_ids) != 1:
+            _fail("stop_token_ids", "a tuple of int token ids", self.stop_token_ids)
+        for i, token in enumerate(self.stop_token_ids):
+            _check_int(f"stop_token_ids[{i}]", token, 0, INT32_MAX, " (a token id)")
+
+
+INT32_MAX = 2**31 - 1  # top_k, max_tokens, stop ids and logprobs live in int32 slot state on the device
+UINT32_MAX = 2**32 - 1  # seeds are uint32
+
+
+def is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # True is an int to Python
+
+
+def is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _fail(name: str, expected: str, value):
+    raise ValueError(f"SamplingParams: {name} must be {expected}, got {value!r}")
+
+
+def _check_int(name: str, value, lo: int, hi: int, note: str = "") -> None:
+    if not (is_int(value) and value >= lo):
+        _fail(name, f"an int >= {lo}{note}", value)
+    if value > hi:
+        _fail(name, f"at most {hi} (int32)", value)
 
 
 @struct.dataclass
