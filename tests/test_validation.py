@@ -10,6 +10,7 @@ import pytest
 import dsjax
 from dsjax.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
 from dsjax.engine import engine as engine_module
+from dsjax.engine import limits as limits_module
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
 from dsjax.model.cache import cache_bytes
@@ -125,7 +126,7 @@ def test_generate_too_long_fails_at_construction(tiny, monkeypatch):
     MemoryError (here the device is made small) — both before any compile or run."""
     with pytest.raises(ValueError, match=r"max_position_embeddings 65536.*max_new_tokens"):
         dsjax.generate(tiny, [[1, 2, 3]], max_new_tokens=10**9)
-    monkeypatch.setattr(engine_module, "free_memory", lambda *a: 10**6)
+    monkeypatch.setattr(limits_module, "free_memory", lambda *a: 10**6)
     with pytest.raises(MemoryError, match=r"1000000 bytes\) free; lower max_slots or capacity.*max_new_tokens"):
         dsjax.generate(tiny, [[1, 2, 3]], max_new_tokens=60000)
 

@@ -30,14 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.memory import free_memory
-from dsjax.model.cache import cache_bytes, init_cache, min_ring
+from dsjax.engine.limits import check_cache_fits, check_engine_args
+from dsjax.model.cache import init_cache, min_ring
 from dsjax.engine.policy import SpeculationPolicy, check_speculation
 from dsjax.engine.programs import (StepOutput, admit_slot, deactivate_slot, decode_step, prefill_rows, prefill_step,
                                    spec_decode_step, spec_prefill_step)
-from dsjax.engine.requests import (Request, TokenEvent, check_request, chunk_length, chunk_lengths, context_bucket,
-                                   max_capacity, stop_ids)
-from dsjax.engine.sampler import SamplingParams, is_int
+from dsjax.engine.requests import Request, TokenEvent, check_request, chunk_length, chunk_lengths, context_bucket, stop_ids
+from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import init_slots
 from dsjax.engine.speculative import init_speculation
 from dsjax.sharding.distributed import to_host
@@ -56,32 +55,6 @@ class Model(Protocol):
 
     def mesh_context(self) -> ContextManager: ...
     def batch_shards(self) -> int: ...
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def check_cache_fits(model: Model, max_slots: int, capacity: int, device_memory_bytes: int | None = None) -> None:
-    """Refuse, before it is allocated, a cache of `max_slots` x `capacity` tokens (and the
-    slots' token histories) that one device's share of does not fit in what the device has
-    free (`device_memory_bytes`, default: what it reports)."""
-    per_slot = cache_bytes(model.config, capacity, model.dtype)["bytes_per_sequence"] + capacity * 4  # + history
-    if model.mesh is None:
-        shards, device, sharing = 1, jax.devices()[0], 1
-    else:
-        shards = model.batch_shards()
-        local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
-        device, sharing = local[0], len(local)
-    need = per_slot * -(-max_slots // shards)
-    have = device_memory_bytes if device_memory_bytes is not None else free_memory(device, sharing)
-    if need > have:
-        where = "one device" if model.mesh is None else f"each device (slots split over {shards} batch shards)"
-        raise MemoryError(
-            f"the engine's cache needs {_size(need)} ({need} bytes) on {where} for max_slots={max_slots} x "
-            f"capacity={capacity} tokens ({per_slot} bytes a slot), but the device has {_size(have)} ({have} bytes) "
-            f"free; lower max_slots or capacity (with dsjax.generate: fewer prompts at once, or a "
-            f"smaller max_new_tokens / shorter prompts)")
 
 
 class Engine:
@@ -106,23 +79,9 @@ class Engine:
                  num_draft_tokens: int = 0, spec_policy: str = "confidence", verify_costs: list[float] | None = None,
                  device_memory_bytes: int | None = None):
         cfg = model.config
-        for name, value, lo in (("max_slots", max_slots, 1), ("capacity", capacity, 1),
-                                ("prefill_chunk", prefill_chunk, 1), ("decode_steps", decode_steps, 1),
-                                ("max_logprobs", max_logprobs, 0), ("num_draft_tokens", num_draft_tokens, 0)):
-            if not is_int(value) or value < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-        if max_logprobs > cfg.vocab_size:
-            raise ValueError(f"max_logprobs must be at most the vocabulary size ({cfg.vocab_size}), got {max_logprobs}")
-        for name, value in (("overlap", overlap), ("batch_invariant", batch_invariant)):
-            if not (isinstance(value, (bool, np.bool_)) or (name == "batch_invariant" and value is None)):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
-        ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
-        if capacity % ratio:
-            raise ValueError(f"capacity {capacity} must be a multiple of {ratio} (the largest compression ratio)")
-        if capacity > max_capacity(cfg):
-            raise ValueError(f"capacity {capacity} exceeds {max_capacity(cfg)}, the most a sequence of this model can "
-                             f"use (max_position_embeddings {cfg.max_position_embeddings}, rounded up to a context "
-                             f"bucket); lower capacity (with dsjax.generate: max_new_tokens or the prompt length)")
+        check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
+                          decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
+                          overlap=overlap, batch_invariant=batch_invariant)
         if batch_invariant is None:
             batch_invariant = model.options.batch_invariant
         self.model, self.cfg, self.mesh = model, cfg, model.mesh
