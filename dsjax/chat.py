@@ -97,7 +97,8 @@ class Chat:
                 take(processor.push(recipe.InferenceChunk.tokens([event.token])))
 
         (done,) = p.run(p.engine(self.model), on_token)
-        reason = recipe.InferenceFinishReason.Stop if done.finish_reason == "stop" else recipe.InferenceFinishReason.Length
+        reasons = recipe.InferenceFinishReason
+        reason = reasons.Stop if done.finish_reason == "stop" else reasons.Length
         take(processor.push(recipe.InferenceChunk.finish(reason)))
         take(processor.finish())
         content = "".join(parts["content"])

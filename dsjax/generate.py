@@ -249,29 +249,39 @@ def engine_capacity(longest: int, model: Model) -> int:
     return -(-capacity // ratio) * ratio
 
 
+def sampling_params(n: int, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0, *, min_p=0.0,
+                    repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=None,
+                    ignore_eos: bool = False, logprobs: int = 0) -> list[SamplingParams]:
+    """The SamplingParams of n prompts (each setting: one value or one per prompt), checked
+    before anything is loaded or compiled."""
+    _check_count(max_new_tokens, "max_new_tokens")
+    _check_count(logprobs, "logprobs")
+    per = {name: _per_prompt(value, n, name) for name, value in (
+        ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+        ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty), ("seed", seed))}
+    # max_tokens >= 1 is SamplingParams' rule; max_new_tokens 0 means "nothing to generate"
+    return [SamplingParams(**{k: v[i] for k, v in per.items()}, max_tokens=max(max_new_tokens, 1),
+                           stop_token_ids=_stop_ids(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+            for i in range(n)]
+
+
 def plan(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0,
          num_draft_tokens: int = 0, spec_policy: str = "confidence", *, min_p=0.0, repetition_penalty=1.0,
          presence_penalty=0.0, frequency_penalty=0.0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
          logprobs: int = 0, tokenizer: Tokenizer | None = None) -> GenerationPlan:
     """Check and encode `generate`'s arguments (see there) into a GenerationPlan."""
     items = prompt_list(prompts)
-    _check_count(max_new_tokens, "max_new_tokens")
     _check_count(num_draft_tokens, "num_draft_tokens")
-    _check_count(logprobs, "logprobs")
+    params = sampling_params(len(items), max_new_tokens, temperature, top_p, top_k, seed, min_p=min_p,
+                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, stop_token_ids=stop_token_ids,
+                             ignore_eos=ignore_eos, logprobs=logprobs)
     stops = _stop_strings(stop)
     is_text = [isinstance(p, str) for p in items]
     if tokenizer is None and (any(is_text) or stops):
         tokenizer = load_tokenizer(model)
     ids = [[model.config.bos_token_id] + tokenizer.encode(p) if t else p for p, t in zip(items, is_text)]
-    n = len(ids)
-    per = {name: _per_prompt(value, n, name) for name, value in (
-        ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
-        ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
-        ("frequency_penalty", frequency_penalty), ("seed", seed))}
-    # max_tokens >= 1 is SamplingParams' rule; max_new_tokens 0 means "nothing to generate"
-    params = [SamplingParams(**{k: v[i] for k, v in per.items()}, max_tokens=max(max_new_tokens, 1),
-                             stop_token_ids=_stop_ids(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
-              for i in range(n)]
     return GenerationPlan(ids, is_text, params, stops, tokenizer, max_new_tokens, int(num_draft_tokens), spec_policy)
 
 

@@ -96,7 +96,8 @@ class Tokenizer:
         return deepseek_recipe.Tokenizer.from_file(str(self.path))
 
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+        return (f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_id={self.eos_id})")
 
 
 def tokenizer_path(model_or_path=None) -> Path:
