@@ -187,7 +187,7 @@ class GenerationPlan:
             for event in engine.run():
                 run = by_id[event.request_id]
                 text = run.take(event)
-                if run.stop_hit is not None:
+                if run.finish_reason is not None and event.finish_reason is None:  # a stop string: end it now
                     engine.cancel(event.request_id)
                 if on_token is not None:
                     on_token(run.index, event, text)
