@@ -3,14 +3,19 @@
     import dsjax
     model = dsjax.load_model("tiny", dtype="float32")       # or a checkpoint directory
     logits = model.logits([[0, 100, 200]])                  # [B, S, vocab]
-    new = dsjax.generate(model, [[0, 100, 200]], max_new_tokens=8)
+    new = dsjax.generate(model, [[0, 100, 200]], max_new_tokens=8)      # ids in, ids out
+    text = dsjax.generate(model, ["The capital of France is"], 8)      # text in, text out
+    tok = dsjax.load_tokenizer()                            # encode / decode, bos_id / eos_id
 """
 
 from dsjax.api import Model, load_model
+from dsjax.chat import Chat
+from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ConfigError, ModelConfig, RuntimeOptions, load_config
 from dsjax.engine import Engine, SamplingParams, TokenEvent
-from dsjax.generate import generate
+from dsjax.generate import Completion, generate
+from dsjax.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["ConfigError", "Engine", "Model", "ModelConfig", "RuntimeOptions", "SamplingParams", "TokenEvent",
-           "generate", "load_config", "load_model"]
+__all__ = ["Chat", "Completion", "ConfigError", "Engine", "Model", "ModelConfig", "RuntimeOptions", "SamplingParams",
+           "TokenEvent", "Tokenizer", "generate", "load_config", "load_model", "load_tokenizer", "setup_compile_cache"]
 __version__ = "0.1.0"

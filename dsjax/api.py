@@ -13,12 +13,14 @@ import numpy as np
 
 from dsjax.checkpoint import load_checkpoint, orbax_io
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
+from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
 from dsjax.engine.requests import check_token_ids
 from dsjax.memory import device_memory
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.pallas_kernels.dispatch import resolve_kernels
+from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_params, spec_leaves
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
@@ -37,6 +39,13 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return dtype
 
 
+def _amount(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
 @dataclasses.dataclass
 class Model:
     """A config and its weights (and the mesh they are sharded over, if any), with the
@@ -49,6 +58,16 @@ class Model:
     mesh: jax.sharding.Mesh | None = None
     mtp: MTPParams | None = None  # the next-token-prediction drafter, when loaded
     options: RuntimeOptions = RuntimeOptions()
+
+    def __repr__(self) -> str:  # the dataclass default would print every weight array
+        counts = count_params(self.config, self.dtype)
+        mtp = f" (+ MTP drafter: {_amount(counts['total_with_mtp'] - counts['total'])})" if self.mtp is not None else ""
+        mesh = "one device" if self.mesh is None else ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        return (f"dsjax.Model {self.config.name!r}\n"
+                f"  dtype       {jnp.dtype(self.dtype).name}\n"
+                f"  parameters  {_amount(counts['total'])}, {_amount(counts['active'])} active per token{mtp}\n"
+                f"  mesh        {mesh}\n"
+                f"  kernels     {self.options.kernels} (quantized weights: {self.options.quantized})")
 
     def replace(self, **changes) -> "Model":
         """A copy with fields replaced, e.g. `model.replace(options=model.options.replace(kernels="pallas"))`."""
@@ -108,6 +127,7 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     Mosaic GPU kernels even off the GPU, in GPU interpret mode), or "auto" (the Mosaic GPU
     kernels on a Hopper-or-newer NVIDIA GPU, the reference elsewhere: the generic Pallas kernels take whole key /
     expert-weight arrays as blocks, which V4-sized layers cannot fit in a TPU's VMEM)."""
+    setup_compile_cache()  # once per process; keeps a cache dir the user configured in JAX
     dtype = resolve_dtype(dtype)
     check_load_args(seed=seed, device_memory_bytes=device_memory_bytes, progress=progress, check_finite=check_finite,
                     mtp=mtp)

