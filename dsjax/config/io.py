@@ -193,7 +193,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     if named.is_file():
         return from_json(named)
     raise FileNotFoundError(
-        f"{name_or_path!r} is neither a checkpoint directory, a config JSON file, nor a named config "
+        f"{str(name_or_path)!r} is neither a checkpoint directory, a config JSON file, nor a named config "
         f"(named configs: {', '.join(named_configs())})")
 
 
