@@ -39,8 +39,10 @@ except ImportError:  # the single-file engine before it
     from dsjax.model import model_specs
 
     def _programs(cfg, opts):
-        return (lambda **kw: programs.decode_step.trace(**kw, batch_invariant=False)), \
-            (lambda **kw: programs.prefill_step.trace(**kw))
+        def prefill(is_last, **kw):  # is_last was a scalar there
+            return programs.prefill_step.trace(**kw, is_last=jax.ShapeDtypeStruct((), bool))
+
+        return (lambda **kw: programs.decode_step.trace(**kw, batch_invariant=False)), prefill
 
 
 def _abstract(tree):
