@@ -93,7 +93,7 @@ def _load(args, say, **kw):
 
 def _compiling(say, cache) -> None:
     if cache.enabled:
-        say(f"compiling (first run; cached for next time in {cache.directory}) ...")
+        say(f"compiling (programs compiled before are read from the cache in {cache.directory}) ...")
     else:
         say("compiling (compile cache off) ...")
 

@@ -73,7 +73,7 @@ def test_second_process_reads_the_compile_cache(cold_then_warm):
     assert after == written, "the warm run compiled (and wrote) programs the cold run had cached"
     line = next(s for s in warm.stderr.splitlines() if "read from the compile cache" in s)
     assert " 0 compiled" in line and not line.split("programs: ")[1].startswith("0 "), line
-    assert "compiling (first run; cached for next time in" in cold.stderr and "loading tiny" in cold.stderr
+    assert "compiling (programs compiled before are read from the cache in" in cold.stderr and "loading tiny" in cold.stderr
 
 
 def test_params_json(capsys):
