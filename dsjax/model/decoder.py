@@ -5,6 +5,10 @@ cache: ONE `forward` serves `Model.logits`, prefill, decode and speculative veri
     block  : X = expand(attn(Norm(collapse(X))), X);  X = expand(moe(Norm(collapse(X))), X)
     logits = W_head Norm(head_collapse(X))                 # `head_logits`, shared with the MTP drafter
 
+The layers run as the config's layer plan (`cfg.layer_runs`): each run's period of blocks
+is stored with a leading [repeats] axis and applied under `lax.scan`, so a compiled program
+holds one period per run instead of every layer (V4-Flash: 43 layers -> 5 blocks).
+
 Without a cache the tokens are a whole sequence from position 0 (checked against HF
 transformers). With a cache (dsjax/model/cache.py) they are a chunk at positions
 cache.length + i, only i < n_valid real, and the cache comes back updated (checked against
@@ -19,15 +23,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dsjax.config import LayerSpec, ModelConfig, RuntimeOptions
+from dsjax.config import LayerRun, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.attention import Attention, attention_extend, attention_forward, attention_specs
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
 from dsjax.layers.linear import linear
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
-from dsjax.model.cache import Cache
-from dsjax.params import ParamSpec
+from dsjax.model.cache import Cache, put_rows, take_rows
+from dsjax.params import ParamSpec, stack_specs
 from dsjax.sharding.rules import spec
 
 DEFAULT_OPTIONS = RuntimeOptions()
@@ -46,7 +50,7 @@ class Block:
 @struct.dataclass
 class ModelParams:
     embed: jax.Array  # [V, D]
-    blocks: tuple[Block, ...]
+    blocks: tuple[tuple[Block, ...], ...]  # per layer run, per period position: leaves [repeats, ...]
     hc_head: HyperHead
     norm: jax.Array  # [D] fp32
     lm_head: jax.Array | None  # [V, D]; None when tied to embed
@@ -66,11 +70,27 @@ def model_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParams:
     v, d = cfg.vocab_size, cfg.hidden_size
     return ModelParams(
         embed=ParamSpec((v, d), dtype, ("vocab", "embed")),
-        blocks=tuple(block_specs(cfg, layer, dtype) for layer in cfg.layers),
+        blocks=tuple(tuple(stack_specs(block_specs(cfg, layer, dtype), run.repeats) for layer in run.layers)
+                     for run in cfg.layer_runs),
         hc_head=hyper_head_specs(cfg),
         norm=norm_spec(cfg),
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), dtype, ("vocab", "embed")),
     )
+
+
+def layer_slot(cfg: ModelConfig, i: int) -> tuple[int, int, int]:
+    """Where layer i lives in the stacked layout: (run, period position, repeat)."""
+    for k, run in enumerate(cfg.layer_runs):
+        offset = i - run.first
+        if 0 <= offset < len(run.layers) * run.repeats:
+            return k, offset % len(run.layers), offset // len(run.layers)
+    raise IndexError(f"layer {i} outside the {cfg.num_hidden_layers} layers of {cfg.name}")
+
+
+def layer_block(params: ModelParams, cfg: ModelConfig, i: int) -> Block:
+    """Layer i's block (its slice of the stacked weights), for inspection and tests."""
+    k, j, r = layer_slot(cfg, i)
+    return jax.tree.map(lambda a: a[r], params.blocks[k][j])
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -139,19 +159,52 @@ def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, ca
     streams = embed_streams(params, tokens, cfg)
     if cache is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        for layer, block in zip(cfg.layers, params.blocks):
-            streams, _ = block_apply(block, streams, tokens, attention_call(layer, cfg, opts, positions=positions),
-                                     cfg, opts)
+        for run, blocks in zip(cfg.layer_runs, params.blocks):
+            attends = tuple(attention_call(layer, cfg, opts, positions=positions) for layer in run.layers)
+            streams, _ = _run_apply(run, blocks, None, streams, tokens, attends, cfg, opts)
         return streams, None
     start = cache.length
     n_valid = jnp.full((b,), s, jnp.int32) if n_valid is None else n_valid
     states = []
-    for layer, block, state in zip(cfg.layers, params.blocks, cache.layers):
-        n_entries = ctx_bucket // layer.compress_ratio if layer.compress_ratio else 0
-        attend = attention_call(layer, cfg, opts, state=state, start=start, n_valid=n_valid, n_entries=n_entries)
-        streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
-        states.append(state)
+    for run, blocks, period_states in zip(cfg.layer_runs, params.blocks, cache.layers):
+        attends = tuple(
+            lambda state, layer=layer: attention_call(
+                layer, cfg, opts, state=state, start=start, n_valid=n_valid,
+                n_entries=ctx_bucket // layer.compress_ratio if layer.compress_ratio else 0)
+            for layer in run.layers)
+        streams, period_states = _run_apply(run, blocks, period_states, streams, tokens, attends, cfg, opts)
+        states.append(period_states)
     return streams, Cache(start + n_valid, tuple(states))
+
+
+def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens, attends, cfg, opts):
+    """One layer run: its period of blocks (leaves [R, ...]) applied R times, under
+    `lax.scan` when R > 1. states None: full-sequence (`attends[j]` is the attend call);
+    else the period's stacked states, and `attends[j](state)` gives the attend call."""
+    def period(streams, blocks, states):
+        new = []
+        for j, block in enumerate(blocks):
+            attend = attends[j] if states is None else attends[j](states[j])
+            streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
+            new.append(state)
+        return streams, None if states is None else tuple(new)
+
+    if run.repeats == 1:
+        first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+        streams, new = period(streams, first(blocks), None if states is None else first(states))
+        return streams, None if new is None else jax.tree.map(lambda a: a[None], new)
+    if states is None:
+        streams, _ = jax.lax.scan(lambda x, blk: (period(x, blk, None)[0], None), streams, blocks)
+        return streams, None
+
+    def step(carry, blk):  # the stacked states ride in the carry, updated in place per repeat
+        x, sts, r = carry
+        x, new = period(x, blk, jax.tree.map(lambda a: a[r], sts))
+        sts = jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, r, 0), sts, new)
+        return (x, sts, r + 1), None
+
+    (streams, states, _), _ = jax.lax.scan(step, (streams, states, jnp.int32(0)), blocks)
+    return streams, states
 
 
 def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
@@ -181,10 +234,10 @@ def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cac
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
     n_valid = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if n_valid is None else n_valid
 
-    def one(row):
-        c, t, n = row
-        c = jax.tree.map(lambda a: a[None], c)
-        logits, c = _forward_rows(params, t[None], cfg, c, opts, n[None], ctx_bucket, last_only)
-        return logits[0], jax.tree.map(lambda a: a[0], c)
+    def one(cache, i):  # row i as its own batch-1 forward, along each cache leaf's batch axis
+        logits, row = _forward_rows(params, jax.lax.dynamic_slice_in_dim(tokens, i, 1), cfg, take_rows(cache, i),
+                                    opts, jax.lax.dynamic_slice_in_dim(n_valid, i, 1), ctx_bucket, last_only)
+        return put_rows(cache, row, i), logits[0]
 
-    return jax.lax.map(one, (cache, tokens, n_valid))
+    cache, logits = jax.lax.scan(one, cache, jnp.arange(tokens.shape[0]))
+    return logits, cache
