@@ -90,7 +90,8 @@ def layer_slot(cfg: ModelConfig, i: int) -> tuple[int, int, int]:
 def layer_block(params: ModelParams, cfg: ModelConfig, i: int) -> Block:
     """Layer i's block (its slice of the stacked weights), for inspection and tests."""
     k, j, r = layer_slot(cfg, i)
-    return jax.tree.map(lambda a: a[r], params.blocks[k][j])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
+                        else a[r], params.blocks[k][j])
 
 
 # ----------------------------------------------------------------------------- pieces
