@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax.model.cache import init_cache
+from dsjax.model.cache import batch_axes, init_cache
 from dsjax.model import forward
 from dsjax.sharding.rules import batch_sharding, make_mesh, parse_mesh_spec
 
@@ -57,8 +57,9 @@ def test_cached_decode_on_mesh_matches_full_forward(single, mesh, rng):
     want = np.asarray(forward(single.params, jnp.asarray(ids), cfg)[0])
     got = []
     with model.mesh_context():
-        cache = jax.tree.map(lambda a: jax.device_put(a, batch_sharding(model.mesh, a.ndim)),
-                             init_cache(cfg, 8, 256, jnp.float32))
+        cache = init_cache(cfg, 8, 256, jnp.float32)
+        cache = jax.tree.map(lambda a, ax: jax.device_put(a, batch_sharding(model.mesh, a.ndim, ax)), cache,
+                             batch_axes(cache))
         for start, c in ((0, 24), (24, 8), *((p, 1) for p in range(32, 40))):
             tok = jax.device_put(ids[:, start:start + c], batch_sharding(model.mesh, 2))
             n = jax.device_put(np.full(8, c, np.int32), batch_sharding(model.mesh, 1))
