@@ -103,26 +103,30 @@ def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -
 
 
 def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg: ModelConfig,
-                opts: RuntimeOptions = DEFAULT_OPTIONS):
+                opts: RuntimeOptions = DEFAULT_OPTIONS, expert_layer: jax.Array | None = None):
     """One decoder block around an attention call `attend(p.attn, h) -> (out, state)`
-    (full-sequence or cached); returns (streams, state)."""
+    (full-sequence or cached); returns (streams, state). expert_layer: p.moe's routed-expert
+    weights are still stacked over the layer run and this is layer `expert_layer`."""
     pre, post, comb = hc_mixes(p.attn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
     out, state = attend(p.attn, h)
     streams = expand(out, streams, post, comb)
     pre, post, comb = hc_mixes(p.ffn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
-    y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor)
+    y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
+                    layer=expert_layer)
     return expand(y, streams, post, comb), state
 
 
 def attention_call(layer: LayerSpec, cfg: ModelConfig, opts: RuntimeOptions, *, positions=None, state=None,
-                   start=None, n_valid=None, n_entries: int = 0):
+                   start=None, n_valid=None, n_entries: int = 0, at=None):
     """`attend` for `block_apply`: full-sequence at `positions` (state None), or cached
-    against the layer's `state` for a chunk at start + i, i < n_valid."""
+    against the layer's `state` for a chunk at start + i, i < n_valid (`at`: the state is
+    a layer run's stacked states, this layer is `at` of them)."""
     if state is None:
         return lambda p, h: (attention_forward(p, h, positions, layer, cfg, kernels=opts.kernels), None)
-    return lambda p, h: attention_extend(p, state, h, start, n_valid, layer, cfg, n_entries, kernels=opts.kernels)
+    return lambda p, h: attention_extend(p, state, h, start, n_valid, layer, cfg, n_entries, kernels=opts.kernels,
+                                         at=at)
 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:
@@ -169,8 +173,8 @@ def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, ca
     states = []
     for run, blocks, period_states in zip(cfg.layer_runs, params.blocks, cache.layers):
         attends = tuple(
-            lambda state, layer=layer: attention_call(
-                layer, cfg, opts, state=state, start=start, n_valid=n_valid,
+            lambda state, at, layer=layer: attention_call(
+                layer, cfg, opts, state=state, start=start, n_valid=n_valid, at=at,
                 n_entries=ctx_bucket // layer.compress_ratio if layer.compress_ratio else 0)
             for layer in run.layers)
         streams, period_states = _run_apply(run, blocks, period_states, streams, tokens, attends, cfg, opts)
@@ -181,12 +185,19 @@ def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, ca
 def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens, attends, cfg, opts):
     """One layer run: its period of blocks (leaves [R, ...]) applied R times, under
     `lax.scan` when R > 1. states None: full-sequence (`attends[j]` is the attend call);
-    else the period's stacked states, and `attends[j](state)` gives the attend call."""
-    def period(streams, blocks, states):
+    else the period's stacked states ([R, B, ...] leaves), and `attends[j](states, at)`
+    gives the attend call of repeat `at` (None: states of one layer)."""
+    def period(streams, blocks, states, at=None):
         new = []
         for j, block in enumerate(blocks):
-            attend = attends[j] if states is None else attends[j](states[j])
-            streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
+            attend = attends[j] if states is None else attends[j](states[j], at)
+            if at is None:
+                streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
+            else:  # this repeat's slice of the weights; the routed experts are read from the stack
+                moe = block.moe
+                own = jax.tree.map(lambda a: a[at], block.replace(moe=moe.replace(w1=None, w3=None, w2=None)))
+                own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
+                streams, state = block_apply(own, streams, tokens, attend, cfg, opts, expert_layer=at)
             new.append(state)
         return streams, None if states is None else tuple(new)
 
@@ -194,17 +205,13 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
         first = lambda tree: jax.tree.map(lambda a: a[0], tree)
         streams, new = period(streams, first(blocks), None if states is None else first(states))
         return streams, None if new is None else jax.tree.map(lambda a: a[None], new)
-    if states is None:
-        streams, _ = jax.lax.scan(lambda x, blk: (period(x, blk, None)[0], None), streams, blocks)
-        return streams, None
 
-    def step(carry, blk):  # the stacked states ride in the carry, updated in place per repeat
+    def step(carry, _):  # stacked states ride in the carry; each layer writes its rows in place
         x, sts, r = carry
-        x, new = period(x, blk, jax.tree.map(lambda a: a[r], sts))
-        sts = jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, r, 0), sts, new)
+        x, sts = period(x, blocks, sts, at=r)
         return (x, sts, r + 1), None
 
-    (streams, states, _), _ = jax.lax.scan(step, (streams, states, jnp.int32(0)), blocks)
+    (streams, states, _), _ = jax.lax.scan(step, (streams, states, jnp.int32(0)), None, length=run.repeats)
     return streams, states
 
 
