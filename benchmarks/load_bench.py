@@ -24,9 +24,9 @@ from results_io import write_result
 
 import dsjax
 from dsjax.checkpoint import write_safetensors
-from dsjax.checkpoint.names import weight_names
+from dsjax.checkpoint.names import per_layer_paths, weight_names
 from dsjax.model import model_specs
-from dsjax.params import spec_leaves
+from dsjax.params import spec_leaves, unstacked
 
 CHILD = r"""
 import json, sys, time
@@ -61,7 +61,11 @@ def write_checkpoint(cfg, directory, shard_bytes=512 << 20) -> int:
             shards.append(current)
             current, size = {}, 0
 
+    leaves = []
     for path, spec in spec_leaves(model_specs(cfg, ml_dtypes.bfloat16)):
+        layers = per_layer_paths(cfg, path)  # a weight stacked over a layer run: one tensor per layer
+        leaves += [(path, spec)] if layers is None else [(p, unstacked(spec)) for p in layers]
+    for path, spec in leaves:
         src = table[path]
         if np.issubdtype(np.dtype(spec.dtype), np.integer):
             arrays = {src.name: rng.integers(0, cfg.n_routed_experts, spec.shape).astype(np.int64)}

@@ -49,6 +49,24 @@ def is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
+LAYERS = "layers"  # the logical axis of weights stacked over repeated layers (never sharded)
+
+
+def stacked(spec: ParamSpec, n: int) -> ParamSpec:
+    """`spec` for n layers at once: a leading [n] axis named `layers`."""
+    return dataclasses.replace(spec, shape=(n, *spec.shape), axes=(LAYERS, *spec.axes))
+
+
+def unstacked(spec: ParamSpec) -> ParamSpec:
+    """One layer's spec of a stacked weight."""
+    return dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
+
+
+def stack_specs(tree, n: int):
+    """Every ParamSpec of a spec tree stacked over n layers."""
+    return jax.tree.map(lambda s: stacked(s, n), tree, is_leaf=is_spec)
+
+
 _BLOCK_ELEMENTS = 1 << 20
 
 
@@ -62,6 +80,13 @@ def init_values(spec: ParamSpec, seed: int, name: str, index: tuple[slice, ...] 
     compile time for ~100 threefry draws runs to tens of seconds)."""
     shape = spec.shape
     index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+    if spec.axes and spec.axes[0] == LAYERS:  # stacked layers: each layer seeded on its own
+        layers = range(*index[0].indices(shape[0]))
+        sub = tuple(len(range(*ix.indices(n))) for ix, n in zip(index[1:], shape[1:]))
+        out = np.empty((len(layers), *sub), np.dtype(spec.dtype))
+        for k, r in enumerate(layers):
+            out[k] = init_values(unstacked(spec), seed, f"{name}.{r}", index[1:])
+        return out
     if spec.init in ("zeros", "ones"):
         sub = tuple(len(range(*ix.indices(n))) for ix, n in zip(index, shape))
         return np.full(sub, 0 if spec.init == "zeros" else 1, dtype=np.dtype(spec.dtype))

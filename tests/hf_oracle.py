@@ -28,6 +28,9 @@ BASE = dict(
 CONFIGS = {
     # all three attention types, one hash layer, hc_mult 3
     "mixed": dict(BASE, num_hidden_layers=4, layer_types=[SLIDING, CSA, HCA, CSA], num_hash_layers=1, hc_mult=3),
+    # a repeating schedule (2 x sliding/hash, 2 x (CSA, HCA)): the decoder's scanned layer runs
+    "repeat": dict(BASE, num_hidden_layers=6, layer_types=[SLIDING, SLIDING, CSA, HCA, CSA, HCA], num_hash_layers=2,
+                   hc_mult=3),
     # legacy keys (compress_ratios incl. the MTP entry, num_hash_layers), hc_mult 4, 2 hash layers;
     # HF's legacy path only knows ratios 0 / 4 / 128, so this one needs S > 128 for HCA entries
     "legacy": dict({k: v for k, v in BASE.items() if k not in ("compress_rates",)}, num_hidden_layers=3,

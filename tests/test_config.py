@@ -89,3 +89,18 @@ def test_bad_file_is_named(tmp_path):
         load_config(p)
     with pytest.raises(FileNotFoundError, match="named configs: small, tiny, v4-flash, v4-pro"):
         load_config("v5-ultra")
+
+
+def test_layer_runs_follow_the_periodic_schedule():
+    """The decoder's layer plan: greedy runs of a repeating period (issue 13, compile time)."""
+    def plan(name):
+        return [([(l.attention, l.mlp) for l in r.layers], r.repeats) for r in load_config(name).layer_runs]
+
+    from dsjax.config import HASH_MOE, TOPK_MOE
+    assert plan("small") == [([(SLIDING, HASH_MOE)], 2), ([(CSA, TOPK_MOE), (HCA, TOPK_MOE)], 3)]
+    assert plan("v4-flash") == [([(SLIDING, HASH_MOE)], 2), ([(CSA, HASH_MOE)], 1),
+                                ([(HCA, TOPK_MOE), (CSA, TOPK_MOE)], 20)]
+    for name in ("tiny", "small", "v4-flash"):
+        cfg = load_config(name)
+        flat = [run.layer(r, j) for run in cfg.layer_runs for r in range(run.repeats) for j in range(len(run.layers))]
+        assert flat == list(cfg.layers)

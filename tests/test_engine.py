@@ -61,7 +61,7 @@ def test_incremental_matches_full_forward_tiny(tiny, schedule, rng):
         np.testing.assert_allclose(got[r, :n], full, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["mixed", "hca"])
+@pytest.mark.parametrize("name", ["mixed", "hca", "repeat"])
 def test_incremental_matches_full_forward_hf_configs(hf_checkpoints, name, rng):
     """The HF oracle configs: hc_mult 2/3, window 5/8, CSA dense (topk >= visible) path.
     Their randomized weights drive logits to ~5 and amplify fp32 rounding (the full forward

@@ -11,8 +11,8 @@ import dsjax
 import hf_oracle
 
 # (config, sequence length): lengths are off every compression grid and longer than the
-# window; "legacy" runs past one 128-token HCA window.
-CASES = [("mixed", 37), ("legacy", 150), ("hca", 23)]
+# window; "legacy" runs past one 128-token HCA window; "repeat" runs layers under lax.scan.
+CASES = [("mixed", 37), ("legacy", 150), ("hca", 23), ("repeat", 37)]
 
 
 @pytest.mark.parametrize("name,seq", CASES)

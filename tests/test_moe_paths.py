@@ -11,13 +11,14 @@ import pytest
 
 import dsjax
 from dsjax.layers.moe import routed_experts
+from dsjax.model import layer_block
 from dsjax.pallas_kernels import grouped_matmul
 
 
 @pytest.fixture(scope="module")
 def tiny():
     m = dsjax.load_model("tiny", dtype="float32", seed=3)
-    return m.config, m.params.blocks[1].moe
+    return m.config, layer_block(m.params, m.config, 1).moe
 
 
 def _dense_reference(p, x, weights, idx, limit):

@@ -6,7 +6,7 @@ import numpy as np
 
 import dsjax
 from dsjax.config import load_config
-from dsjax.model import model_specs
+from dsjax.model import layer_block, model_specs
 from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_values, spec_leaves
 
@@ -16,6 +16,7 @@ def test_abstract_full_size_allocates_nothing():
     shapes = abstract_params(model_specs(cfg, jnp.bfloat16))
     leaves = jax.tree.leaves(shapes)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    shapes = shapes.replace(blocks=[layer_block(shapes, cfg, i) for i in range(cfg.num_hidden_layers)])
     assert shapes.blocks[2].moe.w1.shape == (256, 2048, 4096)
     assert shapes.blocks[2].attn.indexer.q_b_proj.shape == (64 * 128, 1024)
     assert shapes.blocks[3].attn.indexer is None and shapes.blocks[3].attn.compressor.position_bias.shape == (128, 512)
@@ -35,17 +36,22 @@ def test_v4_flash_counts_match_published():
 
 
 def test_init_is_seeded_and_shard_independent():
-    specs = model_specs(load_config("tiny"), jnp.float32)
+    cfg = load_config("tiny")
+    specs = model_specs(cfg, jnp.float32)
     a = dsjax.load_model("tiny", dtype="float32", seed=1).params
     b = dsjax.load_model("tiny", dtype="float32", seed=1).params
     c = dsjax.load_model("tiny", dtype="float32", seed=2).params
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    assert not np.array_equal(a.blocks[1].attn.q_b_proj, c.blocks[1].attn.q_b_proj)
+    assert not np.array_equal(layer_block(a, cfg, 1).attn.q_b_proj, layer_block(c, cfg, 1).attn.q_b_proj)
     for name, spec in spec_leaves(specs):
         if spec.shape and spec.shape[0] > 3:
             full = init_values(spec, 1, name)
             part = init_values(spec, 1, name, (slice(2, spec.shape[0] - 1),))
             np.testing.assert_array_equal(full[2:-1], part)
-    table = np.asarray(a.blocks[0].moe.tid2eid)
+        if spec.axes[:1] == ("layers",) and len(spec.shape) > 1 and spec.shape[1] > 3:  # stacked: a shard of each layer
+            full = init_values(spec, 1, name)
+            part = init_values(spec, 1, name, (slice(None), slice(2, spec.shape[1] - 1)))
+            np.testing.assert_array_equal(full[:, 2:-1], part)
+    table = np.asarray(layer_block(a, cfg, 0).moe.tid2eid)
     assert all(len(set(row)) == len(row) for row in table[:1000])  # distinct experts per token
     assert abs(np.std(np.asarray(a.embed)) - 0.02) < 1e-3

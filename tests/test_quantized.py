@@ -14,6 +14,11 @@ import hf_oracle
 import quantized_checkpoint
 from dsjax.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
+from dsjax.model import layer_block
+
+
+def layer_blocks(model):
+    return [layer_block(model.params, model.config, i) for i in range(model.config.num_hidden_layers)]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,7 @@ def test_resident_mode_same_logits_fewer_bytes(quantized, rng):
 
     def bf16_bytes(names):
         total = 0
-        for block in bf16.params.blocks:
+        for block in layer_blocks(bf16):
             for part, attrs in names:
                 obj = getattr(block, part)
                 total += sum(getattr(obj, a).nbytes for a in attrs if getattr(obj, a) is not None)
@@ -73,11 +78,11 @@ def test_resident_mode_same_logits_fewer_bytes(quantized, rng):
 
     fp8_dense = bf16_bytes([("attn", ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj")),
                             ("moe", ("shared_w1", "shared_w2", "shared_w3"))])
-    fp8_dense += sum(b.attn.indexer.q_b_proj.nbytes for b in bf16.params.blocks if b.attn.indexer is not None)
+    fp8_dense += sum(b.attn.indexer.q_b_proj.nbytes for b in layer_blocks(bf16) if b.attn.indexer is not None)
     assert 0.5 <= stored_bytes(Fp8Weight) / fp8_dense < 0.52  # 1 byte + a scale byte per 32x32 block
     fp4_dense = bf16_bytes([("moe", ("w1", "w2", "w3"))])
     assert 0.25 <= stored_bytes(Fp4Weight) / fp4_dense < 0.27  # half a byte + a scale byte per 32
-    block = resident.params.blocks[1]
+    block = layer_block(resident.params, resident.config, 1)
     assert isinstance(block.attn.q_b_proj, Fp8Weight) and block.attn.q_b_proj.q.dtype == np.dtype("float8_e4m3fn")
     assert isinstance(block.moe.w1, Fp4Weight) and block.moe.w1.packed.dtype == np.int8
 
@@ -189,6 +194,6 @@ def test_orbax_round_trip(quantized, tmp_path, mode, rng):
     np.testing.assert_array_equal(dsjax.load_model(dst, dtype="float32").logits(ids), want)
     if jax.device_count() >= 8:
         sharded = dsjax.load_model(dst, dtype="float32", mesh="data=2,expert=4")
-        w3 = sharded.params.blocks[1].moe.w3
+        w3 = layer_block(sharded.params, sharded.config, 1).moe.w3
         assert (w3 if mode == "dequantize" else w3.packed).sharding.spec[0] == "expert"
         np.testing.assert_allclose(sharded.logits(ids), want, atol=1e-5 * max(1.0, np.abs(want).max()), rtol=0)

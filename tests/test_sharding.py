@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax.model.cache import init_cache
+from dsjax.model.cache import batch_axes, init_cache
 from dsjax.model import forward
 from dsjax.sharding.rules import batch_sharding, make_mesh, parse_mesh_spec
 
@@ -57,8 +57,9 @@ def test_cached_decode_on_mesh_matches_full_forward(single, mesh, rng):
     want = np.asarray(forward(single.params, jnp.asarray(ids), cfg)[0])
     got = []
     with model.mesh_context():
-        cache = jax.tree.map(lambda a: jax.device_put(a, batch_sharding(model.mesh, a.ndim)),
-                             init_cache(cfg, 8, 256, jnp.float32))
+        cache = init_cache(cfg, 8, 256, jnp.float32)
+        cache = jax.tree.map(lambda a, ax: jax.device_put(a, batch_sharding(model.mesh, a.ndim, ax)), cache,
+                             batch_axes(cache))
         for start, c in ((0, 24), (24, 8), *((p, 1) for p in range(32, 40))):
             tok = jax.device_put(ids[:, start:start + c], batch_sharding(model.mesh, 2))
             n = jax.device_put(np.full(8, c, np.int32), batch_sharding(model.mesh, 1))
@@ -77,7 +78,7 @@ def test_greedy_engine_tokens_match_one_device(single, mesh, prompts):
 def test_weights_split_over_their_axes(mesh):
     model = dsjax.load_model("tiny", dtype="float32", mesh=mesh)
     sizes = parse_mesh_spec(mesh)
-    for block in model.params.blocks:
+    for block in (b for period in model.params.blocks for b in period):  # stacked layers: leading axis unsharded
         for w in (block.moe.w1, block.moe.w2, block.moe.w3):
             assert {s.data.nbytes for s in w.addressable_shards} == {w.nbytes // sizes["expert"]}
         q = block.attn.q_b_proj
@@ -90,14 +91,14 @@ def test_weights_split_over_their_axes(mesh):
 def _all_to_two_experts(model):
     """Route every token of every layer to experts 0 and 1 (router flat, bias on 0 and 1;
     hash tables all [0, 1]): the whole batch lands on one expert shard."""
-    blocks = []
-    for block in model.params.blocks:
+    def one(block):  # a run's stacked block: leaves [repeats, ...]
         moe = block.moe
         router = jnp.zeros_like(moe.router)
-        bias = None if moe.router_bias is None else jnp.zeros_like(moe.router_bias).at[:2].set(10.0)
-        table = None if moe.tid2eid is None else jnp.zeros_like(moe.tid2eid).at[:, 1].set(1)
-        blocks.append(block.replace(moe=moe.replace(router=router, router_bias=bias, tid2eid=table)))
-    return model.params.replace(blocks=tuple(blocks))
+        bias = None if moe.router_bias is None else jnp.zeros_like(moe.router_bias).at[..., :2].set(10.0)
+        table = None if moe.tid2eid is None else jnp.zeros_like(moe.tid2eid).at[..., 1].set(1)
+        return block.replace(moe=moe.replace(router=router, router_bias=bias, tid2eid=table))
+
+    return model.params.replace(blocks=tuple(tuple(one(b) for b in period) for period in model.params.blocks))
 
 
 def test_skewed_routing(single, rng):

@@ -24,12 +24,13 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dsjax.checkpoint.names import IGNORED_PREFIXES, Source, canonical_name, mtp_weight_names, weight_names
+from dsjax.checkpoint.names import (IGNORED_PREFIXES, Source, canonical_name, mtp_weight_names, per_layer_paths,
+                                    weight_names)
 from dsjax.checkpoint.quant import QuantFormat, dequant_fp4, dequant_fp8, e8m0_exponents
 from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
 from dsjax.config import ModelConfig
 from dsjax.layers.quantized import MXFP4_GROUP, Fp4Weight, Fp8Weight
-from dsjax.params import ParamSpec, is_spec, materialize, path_str
+from dsjax.params import ParamSpec, is_spec, materialize, path_str, unstacked
 
 QUANT_PARTS = ("q", "scale_exp", "packed")  # leaf names inside Fp8Weight / Fp4Weight
 
@@ -139,6 +140,19 @@ def _expand(index, shape) -> tuple[slice, ...]:
     return tuple(slice(*ix.indices(n)) for ix, n in zip(index, shape))
 
 
+def _plan_stacked(index: _Index, table: dict[str, Source], fmt: QuantFormat, paths: list[str], spec: ParamSpec,
+                  parent_shape=None):
+    """A weight stacked over layers (leading [repeats] axis): each layer's tensors planned
+    as its own weight, slices stacked on read (as `read_stacked` stacks experts)."""
+    one, inner = unstacked(spec), None if parent_shape is None else parent_shape[1:]
+    plans = [_plan(index, table, fmt, p, one, inner) for p in paths]
+
+    def read_layers(ix):
+        return np.stack([plans[r][1](_expand(ix[1:], one.shape)) for r in range(*ix[0].indices(len(plans)))])
+
+    return [n for names, _ in plans for n in names], read_layers
+
+
 def _plan(index: _Index, table: dict[str, Source], fmt: QuantFormat, path: str, spec: ParamSpec, parent_shape=None):
     """Check one leaf's tensors; return (names consumed, reader(ix) -> np.ndarray)."""
     base, _, part = path.rpartition(".")
@@ -231,7 +245,10 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs, shardings=No
             readers = []
             for p, spec in flat:
                 name = path_str(p)
-                names, reader = _plan(index, table, fmt, name, spec, shapes.get(name.rpartition(".")[0]))
+                parent = shapes.get(name.rpartition(".")[0])
+                layers = per_layer_paths(cfg, name)
+                names, reader = (_plan(index, table, fmt, name, spec, parent) if layers is None
+                                 else _plan_stacked(index, table, fmt, layers, spec, parent))
                 consumed.update(names)
                 readers.append(functools.partial(_read_checked, reader, spec, names, index, check_finite))
             planned.append(tree.unflatten(readers))

@@ -8,7 +8,9 @@ V4 checkpoints come with three spellings of the same tensors:
   * HF's in-memory names (`model.layers.L.self_attn.q_a_proj.weight`, fused
     `mlp.experts.gate_up_proj [E, 2I, D]`), which other tools save.
 `canonical_name` maps all three onto the original spelling; `weight_names` says which
-canonical tensor each dsjax weight comes from.
+canonical tensor each dsjax weight comes from, per layer (`layers.L.*`); the decoder stores
+a layer run's weights stacked (`blocks.K.J.*`, leading [repeats] axis), and
+`per_layer_paths` says which per-layer weights a stacked one stacks.
 """
 
 from __future__ import annotations
@@ -126,8 +128,18 @@ def weight_names(cfg: ModelConfig) -> dict[str, Source]:
     if not cfg.tie_word_embeddings:
         table["lm_head"] = Source("head.weight")
     for layer in cfg.layers:
-        table.update(_block(f"blocks.{layer.index}", f"layers.{layer.index}", layer))
+        table.update(_block(f"layers.{layer.index}", f"layers.{layer.index}", layer))
     return table
+
+
+def per_layer_paths(cfg: ModelConfig, path: str) -> list[str] | None:
+    """A stacked parameter path `blocks.K.J.<rest>` (run K, period position J) -> the
+    `weight_names` paths `layers.L.<rest>` it stacks, in order; None for other paths."""
+    m = re.fullmatch(r"blocks\.(\d+)\.(\d+)\.(.+)", path)
+    if m is None:
+        return None
+    run = cfg.layer_runs[int(m.group(1))]
+    return [f"layers.{i}.{m.group(3)}" for i in run.indices[int(m.group(2))]]
 
 
 def mtp_weight_names(cfg: ModelConfig) -> dict[str, Source]:

@@ -64,6 +64,61 @@ class LayerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """`repeats` consecutive copies of a period of layers (`layers`: the first copy's
+    specs). The decoder stores each period position's weights and cache with a leading
+    [repeats] axis and `lax.scan`s over it, so a program holds one period, not every layer."""
+
+    layers: tuple[LayerSpec, ...]
+    repeats: int
+
+    @property
+    def first(self) -> int:
+        return self.layers[0].index
+
+    def layer(self, r: int, j: int) -> LayerSpec:
+        """The spec of repeat r, period position j (its own index)."""
+        spec = self.layers[j]
+        return dataclasses.replace(spec, index=self.first + r * len(self.layers) + j)
+
+    @property
+    def indices(self) -> tuple[tuple[int, ...], ...]:
+        """Per period position j, the layer indices it stacks (over the repeats)."""
+        return tuple(tuple(self.first + r * len(self.layers) + j for r in range(self.repeats))
+                     for j in range(len(self.layers)))
+
+
+def _kind(layer: LayerSpec):
+    return layer.attention, layer.mlp
+
+
+def layer_runs(layers: tuple[LayerSpec, ...], max_period: int = 4) -> tuple[LayerRun, ...]:
+    """Greedy: at each position the period p in 1..max_period whose repetition covers the
+    most layers with repeats >= 2 (ties: the shorter period); else a single layer. Layers
+    are alike when their (attention, mlp) kinds are, which makes their weights and cache
+    states the same shapes.
+    V4.1's cross-layer sharing (a layer reading an earlier layer's compressed KV / top-k)
+    will constrain this: a layer and the layer it reads must then fall in the same period
+    position pattern (or the shared state must be carried through the scan), so the
+    grouping has to take the sharing edges as an input beside the kinds."""
+    runs, i, n = [], 0, len(layers)
+    while i < n:
+        best_p, best_r = 1, 1
+        for p in range(1, max_period + 1):
+            kinds = [_kind(l) for l in layers[i:i + p]]
+            if len(kinds) < p:
+                break
+            r = 1
+            while i + (r + 1) * p <= n and [_kind(l) for l in layers[i + r * p:i + (r + 1) * p]] == kinds:
+                r += 1
+            if r >= 2 and r * p > best_p * best_r:
+                best_p, best_r = p, r
+        runs.append(LayerRun(tuple(layers[i:i + best_p]), best_r))
+        i += best_p * best_r
+    return tuple(runs)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     # sizes
     vocab_size: int
@@ -121,6 +176,11 @@ class ModelConfig:
             LayerSpec(i, a, ratio[a], m)
             for i, (a, m) in enumerate(zip(self.layer_types, self.mlp_layer_types))
         )
+
+    @property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """The layer plan the decoder stores and scans (see `layer_runs`)."""
+        return layer_runs(self.layers)
 
     @property
     def mtp_layer(self) -> LayerSpec:

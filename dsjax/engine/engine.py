@@ -31,7 +31,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.limits import check_cache_fits, check_engine_args
-from dsjax.model.cache import init_cache, min_ring
+from dsjax.model.cache import batch_axes, init_cache, min_ring
 from dsjax.engine.policy import SpeculationPolicy, check_speculation
 from dsjax.engine.programs import (StepOutput, admit_slot, deactivate_slot, decode_step, prefill_rows, prefill_step,
                                    spec_decode_step, spec_prefill_step)
@@ -119,7 +119,8 @@ class Engine:
         """Batch-major state onto the mesh: rows over the batch axes."""
         if self.mesh is None:
             return tree
-        return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim)), tree)
+        return jax.tree.map(lambda a, ax: jax.device_put(a, batch_sharding(self.mesh, a.ndim, ax)), tree,
+                            batch_axes(tree))
 
     # ------------------------------------------------------------------ speculation
     # the policy's, under the names callers use: [K + 1] verify costs on the device (None: fixed

@@ -22,7 +22,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import sample_tokens, top_logprobs
 from dsjax.engine.slots import Slots, emit_tokens
 from dsjax.engine.speculative import Speculation, prefill_chunk, verify
-from dsjax.model.cache import Cache
+from dsjax.model.cache import Cache, put_rows, take_rows
 from dsjax.model.decoder import forward
 from dsjax.sharding.rules import per_row, rows
 
@@ -80,11 +80,11 @@ def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, opts: R
 
 
 def _row(tree, i):
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0), tree)
+    return take_rows(tree, i)  # along each leaf's batch axis (a cache's layer states: axis 1)
 
 
 def _set_row(tree, row, i):
-    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, i, axis=0), tree, row)
+    return put_rows(tree, row, i)
 
 
 def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, cfg: ModelConfig, opts: RuntimeOptions,

@@ -20,7 +20,7 @@ from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
 from dsjax.layers.compressor import (Compressor, CompressorState, compress_extend, compress_kv, compressor_specs,
-                                     compressor_state_shapes)
+                                     compressor_state_shapes, state_rows, state_set)
 from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_weights, indexer_specs,
                                   select_topk_indices)
 from dsjax.layers.linear import linear
@@ -186,9 +186,11 @@ def ring_positions(start: jax.Array, ring: int) -> jax.Array:
 
 def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: jax.Array, n_valid: jax.Array,
                      layer: LayerSpec, cfg: ModelConfig, n_entries: int, *,
-                     kernels: str = "reference") -> tuple[jax.Array, AttentionState]:
+                     kernels: str = "reference", at: jax.Array | None = None) -> tuple[jax.Array, AttentionState]:
     """Attention for a chunk x [B, C, D] at positions start + i, i < n_valid (per row),
     against the cache; returns the output and the updated cache.
+    at: the state is stacked over a layer run ([R, B, ...] leaves, updated in place); this
+    layer is `at` of it.
 
     n_entries (static) bounds how many compressed entries are read: every entry a query
     can see must lie below it (the engine picks it from the longest sequence)."""
@@ -201,24 +203,23 @@ def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: j
     kv = project_kv(p, x, cos, sin, cfg)
 
     slot_pos = ring_positions(start, w)
-    keys = jnp.concatenate([state.window, kv], axis=1)  # [B, W + C, hd]: the ring, then the chunk
+    keys = jnp.concatenate([state_rows(state.window, at), kv], axis=1)  # [B, W + C, hd]: the ring, then the chunk
     lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
                               jnp.concatenate([slot_pos >= 0, valid], axis=1), w)
     entries = index_keys = comp = idx_state = None
     if layer.compress_ratio:
         m = layer.compress_ratio
         comp = compress_extend(p.compressor, state.compressor, x, start, n_valid, ratio=m,
-                               overlap=layer.overlap, cfg=cfg)
-        entries = comp.entries[:, :n_entries]
+                               overlap=layer.overlap, cfg=cfg, at=at)
+        entries = state_rows(comp.entries, at)[:, :n_entries]
         if layer.has_indexer:
             idx_state = compress_extend(p.indexer.compressor, state.indexer, x, start, n_valid, ratio=m,
-                                        overlap=True, cfg=cfg)
-            index_keys = idx_state.entries[:, :n_entries]
+                                        overlap=True, cfg=cfg, at=at)
+            index_keys = state_rows(idx_state.entries, at)[:, :n_entries]
     o = attend(p, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer, cfg, kernels)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     # window ring: the chunk's last W valid tokens go to slot position % W
     keep = valid & (positions >= (start + n_valid)[:, None] - w)
     slot = jnp.where(keep, jnp.mod(positions, w), w)
-    window = state.window.at[jnp.arange(b)[:, None], slot].set(kv.astype(state.window.dtype), mode="drop",
-                                                               out_sharding=spec("batch", None, None))
+    window = state_set(state.window, at, jnp.arange(b)[:, None], slot, kv)
     return grouped_output(p, o, cfg), AttentionState(window, comp, idx_state)

@@ -124,13 +124,29 @@ def compressor_state_shapes(batch: int, capacity: int, *, ratio: int, dim: int, 
     )
 
 
+def state_rows(a: jax.Array, at: jax.Array | None) -> jax.Array:
+    """A cache leaf [B, ...], or layer `at` of a stacked one [R, B, ...] (a scanned layer run)."""
+    return a if at is None else a[at]
+
+
+def state_set(a: jax.Array, at: jax.Array | None, rows: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+    """a[rows, idx] = values (out of range: dropped), on layer `at` of a stacked leaf when
+    given: written straight into the stacked buffer, so a scanned layer updates its cache in
+    place instead of copying its whole state out and back."""
+    trail = (None,) * (a.ndim - (1 if at is None else 2))
+    if at is None:
+        return a.at[rows, idx].set(values.astype(a.dtype), mode="drop", out_sharding=spec("batch", *trail))
+    return a.at[at, rows, idx].set(values.astype(a.dtype), mode="drop", out_sharding=spec(None, "batch", *trail))
+
+
 def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: jax.Array, n_valid: jax.Array,
-                    *, ratio: int, overlap: bool, cfg: ModelConfig) -> CompressorState:
+                    *, ratio: int, overlap: bool, cfg: ModelConfig, at: jax.Array | None = None) -> CompressorState:
     """Feed a chunk x [B, C, D] at positions start + i (i < n_valid, per row) and emit the
-    entries of every window the chunk completes. Rows with n_valid = 0 are unchanged."""
+    entries of every window the chunk completes. Rows with n_valid = 0 are unchanged.
+    at: the state is stacked over a layer run ([R, B, ...] leaves); this layer is `at`."""
     b, c, _ = x.shape
     m = ratio
-    ring = state.ring_kv.shape[1]
+    ring = state.ring_kv.shape[-2]
     kv_new, gate_new = project(p, x)
     end = start + n_valid
     # An aligned stream from the start of the first window that can still be open (for CSA,
@@ -147,27 +163,20 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
         got_ring = jnp.take_along_axis(ring_vals, ring_idx[..., None], axis=1)
         return reshape(jnp.where(from_chunk[..., None], got_chunk, got_ring), (b, n_win, m, -1))
 
-    kv_al, gate_al = aligned(kv_new, state.ring_kv), aligned(gate_new, state.ring_gate)
+    kv_al, gate_al = aligned(kv_new, state_rows(state.ring_kv, at)), aligned(gate_new, state_rows(state.ring_gate, at))
     pooled = pool_windows(p, kv_al, gate_al, overlap=overlap, eps=cfg.rms_norm_eps,
                           lead_valid=g0 >= 0 if overlap else None)
     first_entry = (start // m)  # entry index of the first pooled window
     pooled = rope_entries(pooled, first_entry, m, cfg)
     entry_idx = first_entry[:, None] + jnp.arange(pooled.shape[1])
     complete = (entry_idx + 1) * m <= end[:, None]
-    capacity = state.entries.shape[1]
-    rows3 = spec("batch", None, None)
-    entries = state.entries.at[jnp.arange(b)[:, None], jnp.where(complete, entry_idx, capacity)].set(
-        pooled.astype(state.entries.dtype), mode="drop", out_sharding=rows3)
+    capacity = state.entries.shape[-2]
+    entries = state_set(state.entries, at, jnp.arange(b)[:, None], jnp.where(complete, entry_idx, capacity), pooled)
     # Ring: every valid chunk token goes to slot p % R (a chunk longer than the ring keeps
     # only its last R tokens, which are all a later entry can need).
     tok_pos = start[:, None] + jnp.arange(c)
     keep = (jnp.arange(c) < n_valid[:, None]) & (tok_pos >= end[:, None] - ring)
     slot = jnp.where(keep, jnp.mod(tok_pos, ring), ring)
     rows = jnp.arange(b)[:, None]
-    return CompressorState(
-        entries=entries,
-        ring_kv=state.ring_kv.at[rows, slot].set(kv_new.astype(state.ring_kv.dtype), mode="drop",
-                                                 out_sharding=rows3),
-        ring_gate=state.ring_gate.at[rows, slot].set(gate_new.astype(state.ring_gate.dtype), mode="drop",
-                                                     out_sharding=rows3),
-    )
+    return CompressorState(entries=entries, ring_kv=state_set(state.ring_kv, at, rows, slot, kv_new),
+                           ring_gate=state_set(state.ring_gate, at, rows, slot, gate_new))

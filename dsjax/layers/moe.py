@@ -117,13 +117,25 @@ def moe_path(tokens: int, k: int, n_experts: int) -> str:
     return "gather" if tokens * k <= max(k, n_experts // 8) else "grouped"
 
 
+def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
+    """p with its routed-expert weights cut to layer `layer` of a stacked run (None: as is)."""
+    if layer is None:
+        return p
+    take = lambda w: jax.tree.map(lambda a: a[layer], w)
+    return p.replace(w1=take(p.w1), w3=take(p.w3), w2=take(p.w2))
+
+
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
-                   path: str | None = None, *, kernels: str = "reference") -> jax.Array:
+                   path: str | None = None, *, kernels: str = "reference", layer: jax.Array | None = None) -> jax.Array:
     """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32. Exact paths
     (see `moe_path`): per-assignment weight gather, or assignments sorted by expert through
-    the grouped matmul (`kernels` picks its implementation)."""
+    the grouped matmul (`kernels` picks its implementation).
+    layer: p's routed-expert weights are stacked over a layer run ([R, E, ...]) and this is
+    layer `layer`; the grouped matmul reads its experts from the stack, not from a copy."""
     t, k = idx.shape
     path = path or moe_path(t, k, cfg.n_routed_experts)
+    if layer is not None and (path == "gather" or not all(isinstance(w, jax.Array) for w in (p.w1, p.w3, p.w2))):
+        p, layer = expert_layer(p, layer), None  # a gather reads only its experts anyway; quantized: dequantize one layer
     p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     if path == "gather":
         y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit)
@@ -131,7 +143,7 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
-    y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels)
+    y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels, layer=layer)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[order // k].add(y)
 
@@ -207,16 +219,19 @@ def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *, kernels: str = "reference",
-                capacity_factor: float | None = None) -> jax.Array:
+                capacity_factor: float | None = None, layer: jax.Array | None = None) -> jax.Array:
     """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
     run expert-parallel (`routed_experts_sharded`; `capacity_factor` caps its send buffers).
-    `kernels` picks the grouped matmul's implementation (dsjax/pallas_kernels/dispatch.py)."""
+    `kernels` picks the grouped matmul's implementation (dsjax/pallas_kernels/dispatch.py).
+    layer: the routed-expert weights w1 / w3 / w2 are stacked over a scanned layer run and
+    this is layer `layer` of them (the other weights are this layer's own)."""
     flat = reshape(x, (-1, x.shape[-1]))
     if current_mesh() is not None:
+        p = expert_layer(p, layer)
         routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, kernels=kernels,
                                         capacity_factor=capacity_factor)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
-        routed = routed_experts(p, flat, weights, idx, cfg, kernels=kernels)
+        routed = routed_experts(p, flat, weights, idx, cfg, kernels=kernels, layer=layer)
     routed = routed.astype(x.dtype)
     return reshape(routed + shared_expert(p, flat, cfg), x.shape)

@@ -6,9 +6,11 @@ cache, and the MTP drafter.
     mtp.py      MTPParams, the drafter's forward and head
 """
 
-from dsjax.model.cache import Cache, cache_bytes, cache_shapes, init_cache
-from dsjax.model.decoder import (Block, ModelParams, decoder_streams, forward, head_logits, logits_of, model_specs)
+from dsjax.model.cache import Cache, batch_axes, cache_bytes, cache_shapes, init_cache, put_rows, take_rows
+from dsjax.model.decoder import (Block, ModelParams, decoder_streams, forward, head_logits, layer_block,
+                                 layer_slot, logits_of, model_specs)
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_specs
 
-__all__ = ["Block", "Cache", "MTPParams", "ModelParams", "cache_bytes", "cache_shapes", "decoder_streams", "forward",
-           "head_logits", "init_cache", "logits_of", "model_specs", "mtp_forward", "mtp_head", "mtp_specs"]
+__all__ = ["Block", "Cache", "MTPParams", "ModelParams", "batch_axes", "cache_bytes", "cache_shapes", "decoder_streams",
+           "forward", "head_logits", "init_cache", "layer_block", "layer_slot", "logits_of", "model_specs",
+           "mtp_forward", "mtp_head", "mtp_specs", "put_rows", "take_rows"]

@@ -2,6 +2,9 @@
 raw projections of the incomplete window; never per-token KV older than the window.
 
 Shapes are static: `capacity` tokens per sequence, `batch` sequences (the engine's slots).
+Layout follows the config's layer plan (`cfg.layer_runs`): per run, per period position,
+one AttentionState whose leaves have a leading [repeats] axis, so the batch axis of a
+layer state is axis 1 (`batch_axes`; `take_rows` / `put_rows` slice rows by it).
 Also here: which cache rows a chunk of positions writes, and saving / restoring exactly
 those rows (`save_rows` / `restore_rows`), which speculative rollback needs.
 """
@@ -21,7 +24,32 @@ from dsjax.layers.compressor import CompressorState
 @struct.dataclass
 class Cache:
     length: jax.Array  # [B] int32: tokens already in the cache per sequence
-    layers: tuple[AttentionState, ...]
+    layers: tuple[tuple[AttentionState, ...], ...]  # per layer run, per period position: [R, B, ...] leaves
+
+    def batch_axes(self) -> "Cache":
+        """Per leaf, which axis is the batch (same structure as the cache)."""
+        return Cache(length=0, layers=jax.tree.map(lambda _: 1, self.layers))
+
+
+def batch_axes(tree):
+    """Per leaf of a batch-major tree (a Cache, slot state, speculation state), its batch axis."""
+    return jax.tree.map(lambda x: x.batch_axes() if isinstance(x, Cache) else 0, tree,
+                        is_leaf=lambda x: isinstance(x, Cache))
+
+
+def take_rows(tree, i, n: int = 1):
+    """Rows i..i+n of every leaf, along each leaf's batch axis (i may be traced)."""
+    return jax.tree.map(lambda a, ax: jax.lax.dynamic_slice_in_dim(a, i, n, axis=ax), tree, batch_axes(tree))
+
+
+def put_rows(tree, rows, i):
+    """`tree` with rows i.. replaced by `rows` (as `take_rows` returned them)."""
+    return jax.tree.map(lambda a, r, ax: jax.lax.dynamic_update_slice_in_dim(a, r, i, axis=ax),
+                        tree, rows, batch_axes(tree))
+
+
+def _stack_shapes(tree, n: int):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), tree)
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> Cache:
@@ -31,7 +59,8 @@ def cache_shapes(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16
                          f"({cfg.compress_rate_csa}, {cfg.compress_rate_hca})")
     return Cache(
         length=jax.ShapeDtypeStruct((batch,), jnp.int32),
-        layers=tuple(attention_state_shapes(cfg, layer, batch, capacity, dtype) for layer in cfg.layers),
+        layers=tuple(tuple(_stack_shapes(attention_state_shapes(cfg, layer, batch, capacity, dtype), run.repeats)
+                           for layer in run.layers) for run in cfg.layer_runs),
     )
 
 
@@ -45,7 +74,7 @@ def cache_bytes(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> dict:
     minimum: per layer 512*(1/4 + 1/128) + 128/4 elements per token, as the spec states."""
     shapes = cache_shapes(cfg, 1, capacity, dtype)
     growing = constant = 0
-    for layer in shapes.layers:
+    for layer in (st for period in shapes.layers for st in period):
         for name, leaf in (("window", layer.window),) + tuple(
                 (n, getattr(s, n)) for s in (layer.compressor, layer.indexer) if s is not None
                 for n in ("entries", "ring_kv", "ring_gate")):
@@ -88,16 +117,21 @@ def written_rows(state: AttentionState, ratio: int, positions: jax.Array) -> Att
                           indexer=comp_rows(state.indexer))
 
 
-def save_rows(cache: Cache, positions: jax.Array, cfg: ModelConfig) -> tuple[AttentionState, ...]:
-    """What an extend over positions [B, n] will overwrite, per layer (each field [B, n, ...])."""
+def save_rows(cache: Cache, positions: jax.Array, cfg: ModelConfig) -> tuple[tuple[AttentionState, ...], ...]:
+    """What an extend over positions [B, n] will overwrite, per layer (each field [R, B, n, ...])."""
     rows = jnp.arange(positions.shape[0])[:, None]
-    return tuple(jax.tree.map(lambda a, idx: a.at[rows, idx].get(mode="fill", fill_value=0), st,
-                              written_rows(st, layer.compress_ratio, positions))
-                 for st, layer in zip(cache.layers, cfg.layers))
+
+    def one(st, ratio):
+        return jax.tree.map(lambda a, idx: a.at[rows, idx].get(mode="fill", fill_value=0), st,
+                            written_rows(st, ratio, positions))
+
+    return tuple(tuple(jax.vmap(lambda st, r=layer.compress_ratio: one(st, r))(st)
+                       for st, layer in zip(period, run.layers))
+                 for period, run in zip(cache.layers, cfg.layer_runs))
 
 
-def restore_rows(cache: Cache, saved: tuple[AttentionState, ...], positions: jax.Array, rejected: jax.Array,
-                 cfg: ModelConfig) -> Cache:
+def restore_rows(cache: Cache, saved: tuple[tuple[AttentionState, ...], ...], positions: jax.Array,
+                 rejected: jax.Array, cfg: ModelConfig) -> Cache:
     """Put back the rows that the positions marked rejected [B, n] wrote. A rejected
     position's entry index holds its pre-step value: every position of that group at or
     after it was rejected too, so no kept position wrote it."""
@@ -107,8 +141,12 @@ def restore_rows(cache: Cache, saved: tuple[AttentionState, ...], positions: jax
         idx = jnp.where(rejected, idx, a.shape[1])  # out of bounds: dropped
         return a.at[rows, idx].set(old, mode="drop")
 
-    layers = tuple(jax.tree.map(put_back, st, written_rows(st, layer.compress_ratio, positions), old)
-                   for st, layer, old in zip(cache.layers, cfg.layers, saved))
+    def one(st, old, ratio):
+        return jax.tree.map(put_back, st, written_rows(st, ratio, positions), old)
+
+    layers = tuple(tuple(jax.vmap(lambda st, o, r=layer.compress_ratio: one(st, o, r))(st, old)
+                         for st, layer, old in zip(period, run.layers, saved_period))
+                   for period, run, saved_period in zip(cache.layers, cfg.layer_runs, saved))
     return cache.replace(layers=layers)
 
 

@@ -5,6 +5,10 @@ cache: ONE `forward` serves `Model.logits`, prefill, decode and speculative veri
     block  : X = expand(attn(Norm(collapse(X))), X);  X = expand(moe(Norm(collapse(X))), X)
     logits = W_head Norm(head_collapse(X))                 # `head_logits`, shared with the MTP drafter
 
+The layers run as the config's layer plan (`cfg.layer_runs`): each run's period of blocks
+is stored with a leading [repeats] axis and applied under `lax.scan`, so a compiled program
+holds one period per run instead of every layer (V4-Flash: 43 layers -> 5 blocks).
+
 Without a cache the tokens are a whole sequence from position 0 (checked against HF
 transformers). With a cache (dsjax/model/cache.py) they are a chunk at positions
 cache.length + i, only i < n_valid real, and the cache comes back updated (checked against
@@ -19,15 +23,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dsjax.config import LayerSpec, ModelConfig, RuntimeOptions
+from dsjax.config import LayerRun, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.attention import Attention, attention_extend, attention_forward, attention_specs
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
 from dsjax.layers.linear import linear
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
-from dsjax.model.cache import Cache
-from dsjax.params import ParamSpec
+from dsjax.model.cache import Cache, put_rows, take_rows
+from dsjax.params import ParamSpec, stack_specs
 from dsjax.sharding.rules import spec
 
 DEFAULT_OPTIONS = RuntimeOptions()
@@ -46,7 +50,7 @@ class Block:
 @struct.dataclass
 class ModelParams:
     embed: jax.Array  # [V, D]
-    blocks: tuple[Block, ...]
+    blocks: tuple[tuple[Block, ...], ...]  # per layer run, per period position: leaves [repeats, ...]
     hc_head: HyperHead
     norm: jax.Array  # [D] fp32
     lm_head: jax.Array | None  # [V, D]; None when tied to embed
@@ -66,11 +70,28 @@ def model_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParams:
     v, d = cfg.vocab_size, cfg.hidden_size
     return ModelParams(
         embed=ParamSpec((v, d), dtype, ("vocab", "embed")),
-        blocks=tuple(block_specs(cfg, layer, dtype) for layer in cfg.layers),
+        blocks=tuple(tuple(stack_specs(block_specs(cfg, layer, dtype), run.repeats) for layer in run.layers)
+                     for run in cfg.layer_runs),
         hc_head=hyper_head_specs(cfg),
         norm=norm_spec(cfg),
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), dtype, ("vocab", "embed")),
     )
+
+
+def layer_slot(cfg: ModelConfig, i: int) -> tuple[int, int, int]:
+    """Where layer i lives in the stacked layout: (run, period position, repeat)."""
+    for k, run in enumerate(cfg.layer_runs):
+        offset = i - run.first
+        if 0 <= offset < len(run.layers) * run.repeats:
+            return k, offset % len(run.layers), offset // len(run.layers)
+    raise IndexError(f"layer {i} outside the {cfg.num_hidden_layers} layers of {cfg.name}")
+
+
+def layer_block(params: ModelParams, cfg: ModelConfig, i: int) -> Block:
+    """Layer i's block (its slice of the stacked weights), for inspection and tests."""
+    k, j, r = layer_slot(cfg, i)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
+                        else a[r], params.blocks[k][j])
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -82,26 +103,30 @@ def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -
 
 
 def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg: ModelConfig,
-                opts: RuntimeOptions = DEFAULT_OPTIONS):
+                opts: RuntimeOptions = DEFAULT_OPTIONS, expert_layer: jax.Array | None = None):
     """One decoder block around an attention call `attend(p.attn, h) -> (out, state)`
-    (full-sequence or cached); returns (streams, state)."""
+    (full-sequence or cached); returns (streams, state). expert_layer: p.moe's routed-expert
+    weights are still stacked over the layer run and this is layer `expert_layer`."""
     pre, post, comb = hc_mixes(p.attn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
     out, state = attend(p.attn, h)
     streams = expand(out, streams, post, comb)
     pre, post, comb = hc_mixes(p.ffn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
-    y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor)
+    y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
+                    layer=expert_layer)
     return expand(y, streams, post, comb), state
 
 
 def attention_call(layer: LayerSpec, cfg: ModelConfig, opts: RuntimeOptions, *, positions=None, state=None,
-                   start=None, n_valid=None, n_entries: int = 0):
+                   start=None, n_valid=None, n_entries: int = 0, at=None):
     """`attend` for `block_apply`: full-sequence at `positions` (state None), or cached
-    against the layer's `state` for a chunk at start + i, i < n_valid."""
+    against the layer's `state` for a chunk at start + i, i < n_valid (`at`: the state is
+    a layer run's stacked states, this layer is `at` of them)."""
     if state is None:
         return lambda p, h: (attention_forward(p, h, positions, layer, cfg, kernels=opts.kernels), None)
-    return lambda p, h: attention_extend(p, state, h, start, n_valid, layer, cfg, n_entries, kernels=opts.kernels)
+    return lambda p, h: attention_extend(p, state, h, start, n_valid, layer, cfg, n_entries, kernels=opts.kernels,
+                                         at=at)
 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:
@@ -139,19 +164,55 @@ def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, ca
     streams = embed_streams(params, tokens, cfg)
     if cache is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        for layer, block in zip(cfg.layers, params.blocks):
-            streams, _ = block_apply(block, streams, tokens, attention_call(layer, cfg, opts, positions=positions),
-                                     cfg, opts)
+        for run, blocks in zip(cfg.layer_runs, params.blocks):
+            attends = tuple(attention_call(layer, cfg, opts, positions=positions) for layer in run.layers)
+            streams, _ = _run_apply(run, blocks, None, streams, tokens, attends, cfg, opts)
         return streams, None
     start = cache.length
     n_valid = jnp.full((b,), s, jnp.int32) if n_valid is None else n_valid
     states = []
-    for layer, block, state in zip(cfg.layers, params.blocks, cache.layers):
-        n_entries = ctx_bucket // layer.compress_ratio if layer.compress_ratio else 0
-        attend = attention_call(layer, cfg, opts, state=state, start=start, n_valid=n_valid, n_entries=n_entries)
-        streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
-        states.append(state)
+    for run, blocks, period_states in zip(cfg.layer_runs, params.blocks, cache.layers):
+        attends = tuple(
+            lambda state, at, layer=layer: attention_call(
+                layer, cfg, opts, state=state, start=start, n_valid=n_valid, at=at,
+                n_entries=ctx_bucket // layer.compress_ratio if layer.compress_ratio else 0)
+            for layer in run.layers)
+        streams, period_states = _run_apply(run, blocks, period_states, streams, tokens, attends, cfg, opts)
+        states.append(period_states)
     return streams, Cache(start + n_valid, tuple(states))
+
+
+def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens, attends, cfg, opts):
+    """One layer run: its period of blocks (leaves [R, ...]) applied R times, under
+    `lax.scan` when R > 1. states None: full-sequence (`attends[j]` is the attend call);
+    else the period's stacked states ([R, B, ...] leaves), and `attends[j](states, at)`
+    gives the attend call of repeat `at` (None: states of one layer)."""
+    def period(streams, blocks, states, at=None):
+        new = []
+        for j, block in enumerate(blocks):
+            attend = attends[j] if states is None else attends[j](states[j], at)
+            if at is None:
+                streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
+            else:  # this repeat's slice of the weights; the routed experts are read from the stack
+                moe = block.moe
+                own = jax.tree.map(lambda a: a[at], block.replace(moe=moe.replace(w1=None, w3=None, w2=None)))
+                own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
+                streams, state = block_apply(own, streams, tokens, attend, cfg, opts, expert_layer=at)
+            new.append(state)
+        return streams, None if states is None else tuple(new)
+
+    if run.repeats == 1:
+        first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+        streams, new = period(streams, first(blocks), None if states is None else first(states))
+        return streams, None if new is None else jax.tree.map(lambda a: a[None], new)
+
+    def step(carry, _):  # stacked states ride in the carry; each layer writes its rows in place
+        x, sts, r = carry
+        x, sts = period(x, blocks, sts, at=r)
+        return (x, sts, r + 1), None
+
+    (streams, states, _), _ = jax.lax.scan(step, (streams, states, jnp.int32(0)), None, length=run.repeats)
+    return streams, states
 
 
 def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
@@ -181,10 +242,10 @@ def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cac
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
     n_valid = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if n_valid is None else n_valid
 
-    def one(row):
-        c, t, n = row
-        c = jax.tree.map(lambda a: a[None], c)
-        logits, c = _forward_rows(params, t[None], cfg, c, opts, n[None], ctx_bucket, last_only)
-        return logits[0], jax.tree.map(lambda a: a[0], c)
+    def one(cache, i):  # row i as its own batch-1 forward, along each cache leaf's batch axis
+        logits, row = _forward_rows(params, jax.lax.dynamic_slice_in_dim(tokens, i, 1), cfg, take_rows(cache, i),
+                                    opts, jax.lax.dynamic_slice_in_dim(n_valid, i, 1), ctx_bucket, last_only)
+        return put_rows(cache, row, i), logits[0]
 
-    return jax.lax.map(one, (cache, tokens, n_valid))
+    cache, logits = jax.lax.scan(one, cache, jnp.arange(tokens.shape[0]))
+    return logits, cache

@@ -108,10 +108,12 @@ def scatter_tiles(y_tiles: jax.Array, first: jax.Array, used: jax.Array, m: int)
     return jnp.zeros((m, d), jnp.float32).at[dest.reshape(-1)].set(y_tiles.reshape(-1, d), mode="drop")
 
 
-def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int):
+def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, layer=None):
     """Same contract as `reference`: a fori_loop over the tile table, one expert's dense
     [rows, D] products per tile. A partial tile's rows past its group are zeroed and then
-    overwritten by the next group's tiles (the loop runs in row order)."""
+    overwritten by the next group's tiles (the loop runs in row order).
+    layer: the weights are stacked over a layer run ([R, E, ...]); each tile reads its
+    expert of layer `layer` straight from the stack (no copy of the layer's experts)."""
     m, d = x_sorted.shape
     expert, first, used = tile_table(group_sizes, m, rows)
     x_padded = jnp.concatenate([x_sorted, jnp.zeros((rows, d), x_sorted.dtype)])
@@ -119,7 +121,7 @@ def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int):
     def tile(i, out):
         def compute(out):
             xt = jax.lax.dynamic_slice_in_dim(x_padded, first[i], rows)
-            e = expert[i]
+            e = expert[i] if layer is None else (layer, expert[i])
             gate = jnp.einsum("rd,id->ri", xt, w1[e].astype(xt.dtype), preferred_element_type=jnp.float32)
             up = jnp.einsum("rd,id->ri", xt, w3[e].astype(xt.dtype), preferred_element_type=jnp.float32)
             h = swiglu(gate, up, limit).astype(xt.dtype)
@@ -249,12 +251,19 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
     return scatter_tiles(y[:, :d].reshape(n_tiles, rows, d), first, used, m)
 
 
-def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = "reference"):
+def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = "reference", layer=None):
     """THE dispatch (dispatch.py's rule), same contract as `reference`: "reference" runs
     ragged_dot, or the tile loop on CPU; "pallas": the Mosaic GPU kernels on Hopper+, else
     the generic kernel (interpreted on CPU); "mosaic_gpu": the Mosaic GPU kernels (GPU
-    interpret mode off the GPU)."""
+    interpret mode off the GPU). layer: w1 / w3 / w2 are stacked over a layer run
+    ([R, E, ...]) and this is layer `layer` of them."""
     kind, interpret = kernel_choice(impl)
+    if layer is not None and not (kind not in ("mosaic_gpu", "pallas") and jax.default_backend() == "cpu"):
+        w1, w3, w2, layer = w1[layer], w3[layer], w2[layer], None
+    if layer is not None:
+        return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=row_tile(x_sorted.shape[0],
+                                                                                        group_sizes.shape[0]),
+                         layer=layer)
     if kind == "mosaic_gpu":
         return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret)
     rows = row_tile(x_sorted.shape[0], group_sizes.shape[0])

@@ -45,6 +45,7 @@ RULES = ShardingRules((
     # activations, caches, engine slots
     ("batch", ("data", "expert")),
     # weights
+    ("layers", None),  # the stacked [repeats] axis of a layer run (dsjax/params.py `stacked`)
     ("vocab", "tensor"),
     ("embed", None),
     ("embed_out", None),
@@ -186,10 +187,13 @@ def param_sharding(param_spec, mesh) -> NamedSharding:
     return NamedSharding(mesh, P(*parts))
 
 
-def batch_sharding(mesh, ndim: int) -> NamedSharding:
-    """Leading axis over the batch axes, the rest replicated (caches, slot state)."""
+def batch_sharding(mesh, ndim: int, axis: int = 0) -> NamedSharding:
+    """Axis `axis` (default the leading one) over the batch axes, the rest replicated
+    (caches, slot state; a stacked cache leaf [R, B, ...] has its batch at axis 1)."""
     axes = present_axes(RULES.mesh_axes("batch"), mesh)
-    return NamedSharding(mesh, P(axes, *([None] * (ndim - 1))))
+    parts = [None] * ndim
+    parts[axis] = axes
+    return NamedSharding(mesh, P(*parts))
 
 
 def shardings_for(specs, mesh):

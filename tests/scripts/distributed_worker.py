@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import dsjax  # noqa: E402
 from dsjax.generate import generate_distributed  # noqa: E402
 from dsjax.sharding.distributed import initialize  # noqa: E402
+from dsjax.model import layer_slot  # noqa: E402
 
 coordinator, n, pid, mesh = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 assert initialize(coordinator, n, pid)
@@ -27,7 +28,8 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(0, 5000, int(k)).tolist() for k in (5, 37, 12, 70, 3, 20, 44, 9)]
 mine = prompts[pid::n]
 model = dsjax.load_model("tiny", dtype="float32", mesh=mesh)
-w1 = model.params.blocks[1].moe.w1
+run, pos, _ = layer_slot(model.config, 1)
+w1 = model.params.blocks[run][pos].moe.w1  # layer 1 stacked with its run (leading axis unsharded)
 shard_bytes = sorted({s.data.nbytes for s in w1.addressable_shards})
 out = generate_distributed(model, mine, 10)
 print(json.dumps({"pid": pid, "tokens": out, "w1_shard_bytes": shard_bytes, "w1_total_bytes": w1.nbytes}))
