@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from dsjax.api import Model
 from dsjax.engine.engine import Engine
-from dsjax.engine.requests import TokenEvent
+from dsjax.engine.requests import TokenEvent, bucket_capacity, check_prompt
 from dsjax.engine.sampler import SamplingParams
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
@@ -68,15 +68,9 @@ def _is_id(x) -> bool:
 
 
 def _id_prompt(p, where: str) -> list[int]:
-    if isinstance(p, np.ndarray):
-        if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
-            raise ValueError(f"{where}: a token id array must be 1-D of integers, got shape {p.shape} dtype {p.dtype}")
-        p = p.tolist()
-    for j, t in enumerate(p):
-        if not _is_id(t):
-            raise ValueError(f"{where}[{j}] is {_describe(t)}: token ids must be ints")
-    if not p:
+    if not len(p):
         raise ValueError(f"{where} is empty: a prompt needs at least one token")
+    check_prompt(p, None, where)  # the engine's own check; the vocabulary is checked at admission
     return [int(t) for t in p]
 
 
@@ -89,6 +83,8 @@ def prompt_list(prompts) -> list:
         if prompts.ndim != 2:
             raise ValueError(f"a prompts array must be [batch, seq] token ids, got shape {prompts.shape}"
                              + (" (wrap one prompt: ids[None])" if prompts.ndim == 1 else ""))
+        if not np.issubdtype(prompts.dtype, np.integer):
+            raise ValueError(f"a prompts array must hold integer token ids, got dtype {prompts.dtype}")
         return [_id_prompt(row, f"prompts[{i}]") for i, row in enumerate(prompts)]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a list of prompts (strings or token id lists), got {type(prompts).__name__}")
@@ -241,12 +237,8 @@ class _Run:
 
 
 def engine_capacity(longest: int, model: Model) -> int:
-    """A power-of-two cache capacity (>= 256) that is a multiple of the compression ratios."""
-    ratio = max(model.config.compress_rate_csa, model.config.compress_rate_hca)
-    capacity = 256
-    while capacity < longest:
-        capacity *= 2
-    return -(-capacity // ratio) * ratio
+    """The cache capacity for sequences of up to `longest` tokens (`bucket_capacity`)."""
+    return bucket_capacity(longest, model.config)
 
 
 def sampling_params(n: int, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0, *, min_p=0.0,

@@ -102,7 +102,7 @@ def stop_ids(params: SamplingParams, eos_token_ids) -> tuple[int, ...]:
 MIN_BUCKET = 256
 
 
-def context_bucket(tokens_needed: int, capacity: int) -> int:
+def context_bucket(tokens_needed: int, capacity: int | None = None) -> int:
     """How many cached tokens a step may read (static per compiled program): the smallest
     power-of-two multiple of MIN_BUCKET holding `tokens_needed`, capped at the capacity. A
     step's cost follows the longest sequence in the batch, not the cache capacity, and
@@ -110,7 +110,14 @@ def context_bucket(tokens_needed: int, capacity: int) -> int:
     bucket = MIN_BUCKET
     while bucket < tokens_needed:
         bucket *= 2
-    return min(bucket, capacity)
+    return bucket if capacity is None else min(bucket, capacity)
+
+
+def bucket_capacity(tokens: int, cfg: ModelConfig) -> int:
+    """A cache capacity holding `tokens`: its context bucket, rounded up to a multiple of the
+    compression ratios (what `dsjax.generate` allocates, and at most what a slot can use)."""
+    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+    return -(-context_bucket(tokens) // ratio) * ratio
 
 
 def chunk_length(remaining: int, prefill_chunk: int) -> int:
@@ -133,17 +140,18 @@ def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_prompt(prompt, vocab_size: int) -> None:
-    """A prompt is a non-empty sequence of int token ids inside the vocabulary; the error
-    names the first id that is not (by its index)."""
+def check_prompt(prompt, vocab_size: int | None, where: str = "prompt") -> None:
+    """A prompt is a non-empty sequence of int token ids inside the vocabulary (vocab_size
+    None: not checked here); the error names the first id that is not, as `where[index]`."""
     if isinstance(prompt, (str, bytes)):
-        raise ValueError(f"prompt must be a list of token ids, got a {type(prompt).__name__} (tokenize the text first)")
+        raise ValueError(f"{where} must be a list of token ids, got a {type(prompt).__name__} "
+                         f"(tokenize the text first)")
     if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
-        raise ValueError(f"prompt must be a 1-D list of token ids, got an array of shape {prompt.shape}")
+        raise ValueError(f"{where} must be a 1-D list of token ids, got an array of shape {prompt.shape}")
     if not isinstance(prompt, (collections.abc.Sequence, np.ndarray)):
-        raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+        raise ValueError(f"{where} must be a list of token ids, got {type(prompt).__name__}")
     if not len(prompt):
-        raise ValueError("prompt must contain at least one token")
+        raise ValueError(f"{where} must contain at least one token")
     if isinstance(prompt, np.ndarray):
         ints = prompt.dtype.kind in "iu"
         lo, hi = (prompt.min(), prompt.max()) if ints else (0, 0)
@@ -153,10 +161,10 @@ def check_prompt(prompt, vocab_size: int) -> None:
     if not ints:
         i, bad = next((i, t) for i, t in enumerate(prompt)
                       if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)))
-        raise ValueError(f"prompt[{i}] is {bad!r} ({type(bad).__name__}): token ids must be ints")
-    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{where}[{i}] is {bad!r} ({type(bad).__name__}): token ids must be ints")
+    if vocab_size is not None and (lo < 0 or hi >= vocab_size):
         i, bad = next((i, int(t)) for i, t in enumerate(prompt) if not 0 <= t < vocab_size)
-        raise ValueError(f"prompt[{i}]: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{where}[{i}]: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_request(prompt, params: SamplingParams, stops: tuple[int, ...], *, vocab_size: int, max_positions: int,
@@ -194,8 +202,4 @@ def max_capacity(cfg: ModelConfig) -> int:
     """The largest cache capacity a slot can use: the context bucket that holds the model's
     longest sequence (`max_position_embeddings`), rounded up to the compression ratio.
     Capacities round up to buckets (`dsjax.generate` sizes them so), hence the bucket."""
-    bucket = MIN_BUCKET
-    while bucket < cfg.max_position_embeddings:
-        bucket *= 2
-    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
-    return -(-bucket // ratio) * ratio
+    return bucket_capacity(cfg.max_position_embeddings, cfg)
