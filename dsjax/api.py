@@ -16,7 +16,7 @@ from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
-from dsjax.engine.requests import check_token_ids
+from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.pallas_kernels.dispatch import resolve_kernels
@@ -89,7 +89,8 @@ class Model:
                              f"(wrap a single sequence in a list)")
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"token_ids must be a non-empty [batch, seq] array, got shape {ids.shape}")
-        check_token_ids(ids, self.config.vocab_size)
+        for i, row in enumerate(ids):
+            check_prompt(row, self.config.vocab_size, f"token_ids[{i}]")
         b = ids.shape[0]
         pad = -b % self.batch_shards()  # the batch splits evenly over the mesh's batch axes
         ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]).astype(np.int32)

@@ -132,14 +132,6 @@ def chunk_lengths(prefill_chunk: int) -> list[int]:
     return sorted({chunk_length(n, prefill_chunk) for n in range(1, prefill_chunk + 1)})
 
 
-def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-
-
 def check_prompt(prompt, vocab_size: int | None, where: str = "prompt") -> None:
     """A prompt is a non-empty sequence of int token ids inside the vocabulary (vocab_size
     None: not checked here); the error names the first id that is not, as `where[index]`."""
