@@ -65,7 +65,8 @@ def test_incremental_matches_full_forward_tiny(tiny, schedule, rng):
 def test_incremental_matches_full_forward_hf_configs(hf_checkpoints, name, rng):
     """The HF oracle configs: hc_mult 2/3, window 5/8, CSA dense (topk >= visible) path.
     Their randomized weights drive logits to ~5 and amplify fp32 rounding (the full forward
-    itself is 3e-5 from HF there), so the 1e-5 bound is relative to the logit scale."""
+    itself is 3e-5 from HF there), so the bound is relative to the logit scale: 2e-5 of it (1e-5
+    failed on one element in 23040 on another CPU of the same kind: 4.5e-5 at scale 4.3)."""
     _, path = hf_checkpoints(name)
     model = dsjax.load_model(path, dtype="float32")
     lengths = np.array([45, 29])
@@ -73,7 +74,7 @@ def test_incremental_matches_full_forward_hf_configs(hf_checkpoints, name, rng):
     got, _ = _feed(model, ids, lengths, [7] * 4 + [1] * 17)
     for r, n in enumerate(lengths):
         full = np.asarray(forward(model.params, jnp.asarray([ids[r]]), model.config)[0])[0]
-        np.testing.assert_allclose(got[r, :n], full, atol=1e-5 * max(1.0, np.abs(full).max()), rtol=0)
+        np.testing.assert_allclose(got[r, :n], full, atol=2e-5 * max(1.0, np.abs(full).max()), rtol=0)
 
 
 def test_engine_chunked_prefill_greedy_matches_hf(hf_checkpoints):
