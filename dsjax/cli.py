@@ -314,6 +314,39 @@ def _cmd_cache(args, say) -> int:
     return 0
 
 
+def _cmd_serve(args, say) -> int:
+    from pathlib import Path
+
+    from dsjax.serving.protocol import Limits
+    from dsjax.serving.server import build, run
+
+    if args.port < 0 or args.port > 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    api_key = args.api_key or os.environ.get("DSJAX_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        say(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it "
+            f"(--api-key KEY or $DSJAX_API_KEY)")
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    max_tokens=args.max_tokens, max_waiting=args.max_queue,
+                    request_timeout=args.request_timeout or None)
+    cache = _setup_cache(args)
+    model = _load(args, say, mtp=True if args.num_draft_tokens else None)
+    name = args.served_model_name or Path(args.model).name
+    _compiling(say, cache)
+    t = time.perf_counter()
+    with _compile_counter() as counts:
+        served = build(model, name=name, max_slots=args.max_slots, capacity=args.capacity,
+                       prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
+                       num_draft_tokens=args.num_draft_tokens, batch_invariant=args.batch_invariant or None,
+                       max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
+                       default_thinking=args.thinking_default == "on", warmup=not args.no_warmup)
+    say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
+        f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "
+        f"/v1/completions, /v1/responses; Anthropic /v1/messages; /v1/models, /health, /metrics")
+    run(served, args.host, args.port, log_level="warning" if args.quiet else "info")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
@@ -377,6 +410,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--show-prompt-ids", action="store_true",
                    help="after each turn, one JSON line on stderr: the prompt ids sent and the reply")
     c.set_defaults(func=_cmd_chat)
+
+    s = sub.add_parser("serve", parents=[common], help="serve a model over the OpenAI and Anthropic APIs "
+                       "(also: python -m dsjax.serving)")
+    s.add_argument("--model", default="tiny", help="checkpoint directory or named config (default: tiny)")
+    s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the --model's "
+                   "last path component)")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    s.add_argument("--seed", type=int, default=0, help="init seed for named configs (random weights)")
+    s.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
+    s.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"])
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key); "
+                   "default: $DSJAX_API_KEY, else none")
+    s.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    s.add_argument("--capacity", type=int, default=4096, help="tokens per request (prompt + output)")
+    s.add_argument("--prefill-chunk", type=int, default=256)
+    s.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (more: higher "
+                   "throughput, burstier streams)")
+    s.add_argument("--num-draft-tokens", type=int, default=0, help="speculative decoding with the MTP layer")
+    s.add_argument("--batch-invariant", action="store_true", help="each request's logits independent of its "
+                   "batch (slower)")
+    s.add_argument("--max-logprobs", type=int, default=0, help="top logprobs a request may ask for (0: logprobs "
+                   "refused)")
+    s.add_argument("--thinking-default", choices=["on", "off"], default="on",
+                   help="thinking mode of requests that do not say (the recipe's default: on)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may run (0: no limit)")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: capacity - 1")
+    s.add_argument("--max-tokens", type=int, default=None, help="cap on a request's max_tokens (default: capacity)")
+    s.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
+    s.set_defaults(func=_cmd_serve)
 
     i = sub.add_parser("info", parents=[common], help="backend, devices, versions, kernels, compile cache")
     i.add_argument("--json", action="store_true")

@@ -177,38 +177,47 @@ class GenerationPlan:
         """Generate; on_token(prompt index, event, new text) is called for each token as it
         arrives (text: what it makes final, "" without a tokenizer or while held back because
         it may begin a stop string)."""
-        runs = [_Run(self, i) for i in range(len(self.prompts))]
+        runs = [TextRun(self.tokenizer, self.stop, bool(sp.logprobs)) for sp in self.params]
         if engine is not None:
-            by_id = {engine.add_request(p, sp): r for p, sp, r in zip(self.prompts, self.params, runs)}
+            by_id = {engine.add_request(p, sp): i for i, (p, sp) in enumerate(zip(self.prompts, self.params))}
             for event in engine.run():
-                run = by_id[event.request_id]
+                i = by_id[event.request_id]
+                run = runs[i]
                 text = run.take(event)
                 if run.finish_reason is not None and event.finish_reason is None:  # a stop string: end it now
                     engine.cancel(event.request_id)
                 if on_token is not None:
-                    on_token(run.index, event, text)
-        return [r.completion() for r in runs]
+                    on_token(i, event, text)
+        return [self._completion(i, r) for i, r in enumerate(runs)]
+
+    def _completion(self, i: int, run: "TextRun") -> Completion:
+        show_text = self.is_text[i] or self.tokenizer is not None
+        return Completion(run.text if show_text else None, run.ids, self.prompts[i], run.finish_reason,
+                          run.stop_hit if run.finish_reason == "stop" else None, run.logprobs)
 
 
-class _Run:
-    """One request's host-side bookkeeping: ids, logprobs, decoded text, stop strings."""
+class TextRun:
+    """One request's host-side bookkeeping: ids, logprobs, decoded text (with a tokenizer),
+    stop strings. `take(event)` returns the text the event makes final: text that may still
+    turn out to begin a stop string is held back until it cannot. `finish_reason` is set
+    when the request ends, by the engine or by a stop string (the caller then cancels it)."""
 
-    def __init__(self, plan: GenerationPlan, index: int):
-        self.plan, self.index = plan, index
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = (), logprobs: bool = False):
+        self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
-        self.logprobs: list[dict] | None = [] if plan.params[index].logprobs else None
-        self.stream = plan.tokenizer.stream() if plan.tokenizer is not None else None
+        self.logprobs: list[dict] | None = [] if logprobs else None
+        self.stream = tokenizer.stream() if tokenizer is not None else None
         self.text, self.emitted = "", 0
         self.finish_reason, self.stop_hit = None, None
-        self.holdback = max((len(s) for s in plan.stop), default=1) - 1
+        self.holdback = max((len(s) for s in stop), default=1) - 1
 
     def take(self, event: TokenEvent) -> str:
         self.ids.append(event.token)
         if self.logprobs is not None:
             entry = {"token": event.token, "logprob": event.logprob,
                      "top_logprobs": [{"token": t, "logprob": v} for t, v in (event.top_logprobs or [])]}
-            if self.plan.tokenizer is not None:
-                entry["text"] = self.plan.tokenizer.decode([event.token], skip_special_tokens=False)
+            if self.tokenizer is not None:
+                entry["text"] = self.tokenizer.decode([event.token], skip_special_tokens=False)
             self.logprobs.append(entry)
         if self.stream is not None:
             before = len(self.text)
@@ -224,16 +233,11 @@ class _Run:
         return new
 
     def _match_stop(self, start: int) -> None:
-        hits = [(self.text.find(s, start), s) for s in self.plan.stop]
+        hits = [(self.text.find(s, start), s) for s in self.stop]
         hits = [(at, s) for at, s in hits if at >= 0]
         if hits:
             at, s = min(hits)
             self.text, self.finish_reason, self.stop_hit = self.text[:at], "stop", s
-
-    def completion(self) -> Completion:
-        show_text = self.plan.is_text[self.index] or self.plan.tokenizer is not None
-        return Completion(self.text if show_text else None, self.ids, self.plan.prompts[self.index],
-                          self.finish_reason, self.stop_hit if self.finish_reason == "stop" else None, self.logprobs)
 
 
 def engine_capacity(longest: int, model: Model) -> int:

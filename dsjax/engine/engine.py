@@ -153,12 +153,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None,
                     on_token: Callable[[TokenEvent], None] | None = None) -> str:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        stops = stop_ids(params, self.cfg.eos_token_ids)
-        check_request(prompt, params, stops, vocab_size=self.cfg.vocab_size,
-                      max_positions=self.cfg.max_position_embeddings, capacity=self.capacity,
-                      num_draft_tokens=self.num_draft_tokens, max_logprobs=self.max_logprobs)
+        stops = self.validate(prompt, params)
         prompt = [int(t) for t in prompt]  # checked above: ints (numpy's too), so nothing changes but the type
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests and not self.requests[request_id].done:
@@ -166,6 +161,25 @@ class Engine:
         req = self.requests[request_id] = Request(request_id, prompt, params, stops, on_token)
         self.waiting.append(req)
         return request_id
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> tuple[int, ...]:
+        """Check a request against this engine (ids, lengths, capacity, settings) without
+        admitting it: ValueError / TypeError name the problem. Returns its stop ids. Reads
+        only the engine's fixed settings, so any thread may call it."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        stops = stop_ids(params, self.cfg.eos_token_ids)
+        check_request(prompt, params, stops, vocab_size=self.cfg.vocab_size,
+                      max_positions=self.cfg.max_position_embeddings, capacity=self.capacity,
+                      num_draft_tokens=self.num_draft_tokens, max_logprobs=self.max_logprobs)
+        return stops
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished or cancelled request from `requests` (a long-running server would
+        otherwise keep every request it ever served)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.done:
+            del self.requests[request_id]
 
     def cancel(self, request_id: str) -> None:
         """Stop a request now: its slot is free for the next admission at once, and none of

@@ -1,0 +1,447 @@
+"""API requests -> engine requests -> API events. deepseek-recipe owns every conversion of
+the Chat Completions, Responses and Anthropic Messages APIs: request -> conversation ->
+prompt ids (its V4 encoding), and generated ids -> events (reasoning, DSML tool calls, JSON
+output, stop sequences, finish reasons, usage). Nothing here renders a chat template or
+parses model output; the legacy Completions API (a raw prompt, no conversation) is the one
+shape written here, over `dsjax.generate.TextRun` (stop strings, logprobs).
+
+    job = prepare(CHAT, body, ctx)                 # APIError(status, message) on bad input
+    job.choices[i]: prompt ids, SamplingParams, output constraint, a Translator
+    translator.start() / .push(events) / .finish(reason) -> [(sse event name | None, json str)]
+    translator.stopped: a stop sequence ended the answer (cancel the engine request)
+    job.response([...translators]) -> the non-streaming JSON body
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+from typing import Any, Callable
+
+import deepseek_recipe as recipe
+
+from dsjax.engine import SamplingParams, TokenEvent
+from dsjax.generate import TextRun
+from dsjax.tokenizer import Tokenizer
+
+MODEL_VERSIONS = {"v4": recipe.ModelVersion.DeepseekV4Pro, "v4.1": recipe.ModelVersion.DeepseekV41Flash}
+
+
+class APIError(Exception):
+    """An error answered as JSON in the API's own shape (`app.error_response`)."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (each refused with a 4xx naming the limit)."""
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None  # default: the engine's capacity - 1
+    max_tokens: int | None = None  # default: the engine's capacity
+    max_prompts: int = 16  # /v1/completions: prompts per request
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 256
+    max_schema_bytes: int = 64 << 10  # response_format / tools / text.format, serialized
+    max_waiting: int = 64  # requests queued beyond the slots before 429
+    request_timeout: float | None = 600.0  # seconds; a request running longer is stopped (finish: length)
+
+
+@dataclasses.dataclass
+class Context:
+    """What every conversion needs: the served names, the tokenizer, the engine's limits."""
+
+    names: tuple[str, ...]
+    tokenizer: Tokenizer
+    eos_ids: tuple[int, ...]
+    capacity: int
+    max_logprobs: int
+    limits: Limits
+    version: str = "v4"
+    default_thinking: bool = True
+
+    def __post_init__(self):
+        options = recipe.ConversionOptions(default_thinking_mode=self.default_thinking)
+        version = MODEL_VERSIONS[self.version]
+        self.conversion = options.with_model_versions_by_name({name: version for name in self.names})
+        encoding = recipe.DeepseekV4Encoding() if self.version == "v4" else recipe.DeepseekV41Encoding()
+        self.encoding = encoding.with_tokenizer(self.tokenizer.recipe)
+        self.created = int(time.time())
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.limits.max_prompt_tokens or self.capacity - 1
+
+
+@dataclasses.dataclass
+class Choice:
+    prompt: list[int]
+    params: SamplingParams
+    translator: Any
+    constraint: tuple[str, str, bool] | None = None  # (kind, schema, thinking): recipe's OutputConstraint
+
+
+@dataclasses.dataclass
+class Job:
+    api: "API"
+    stream: bool
+    choices: list[Choice]
+    response: Callable[[], dict | str]  # the non-streaming body, after every translator finished
+    done_data: str | None = None  # the stream's last SSE data ("[DONE]" for Chat Completions)
+    usage_chunk: Callable[[], tuple] | None = None  # Completions with stream_options.include_usage
+
+
+# --------------------------------------------------------------------------- checks
+def _field_error(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def check_limits(body: dict, api: "API", ctx: Context) -> None:
+    """Caps that hold before any conversion: stop strings, schema sizes, the model name."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _field_error("model", f"a model name is required (this server serves {', '.join(ctx.names)})")
+    if model not in ctx.names:
+        raise APIError(404, f"model {model!r} is not served here; GET /v1/models lists {', '.join(ctx.names)}",
+                       kind="not_found_error" if api.anthropic else "invalid_request_error", param="model",
+                       code="model_not_found")
+    stop_key = "stop_sequences" if api.anthropic else "stop"
+    stop = body.get(stop_key)
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > ctx.limits.max_stop:
+        raise _field_error(stop_key, f"at most {ctx.limits.max_stop} stop sequences, got {len(stops)}")
+    if any(isinstance(s, str) and len(s) > ctx.limits.max_stop_chars for s in stops):
+        raise _field_error(stop_key, f"a stop sequence is longer than {ctx.limits.max_stop_chars} characters")
+    for key in ("response_format", "tools", "text"):
+        if key in body and len(json.dumps(body[key])) > ctx.limits.max_schema_bytes:
+            raise _field_error(key, f"larger than {ctx.limits.max_schema_bytes} bytes serialized")
+
+
+def check_prompt_length(n: int, ctx: Context) -> None:
+    if n > ctx.max_prompt_tokens:
+        raise APIError(400, f"the prompt has {n} tokens; this server takes at most {ctx.max_prompt_tokens} "
+                            f"(its context holds {ctx.capacity})", code="context_length_exceeded")
+
+
+def _seed(value) -> int:
+    """The engine's uint32 seed of an API seed in [0, 2**63) (the same seed, the same tokens);
+    no seed: a fresh random one."""
+    return secrets.randbits(32) if value is None else int(value) % 2**32
+
+
+def _logprobs(n: int, ctx: Context, param: str) -> int:
+    if n > ctx.max_logprobs:
+        raise _field_error(param, f"this server returns at most {ctx.max_logprobs} logprobs per token "
+                                  f"(start it with --max-logprobs N)" if ctx.max_logprobs else
+                                  "this server was started without logprobs (dsjax serve --max-logprobs N)")
+    return n
+
+
+def _penalty(body: dict, key: str) -> float:
+    value = body.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _field_error(key, f"must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def sampling(ctx: Context, *, temperature, top_p, max_tokens: int, seed, logprobs: int = 0, body: dict) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=1.0 if temperature is None else float(temperature),
+                              top_p=1.0 if top_p is None else float(top_p), max_tokens=int(max_tokens),
+                              seed=_seed(seed), logprobs=logprobs,
+                              presence_penalty=_penalty(body, "presence_penalty"),
+                              frequency_penalty=_penalty(body, "frequency_penalty"))
+    except ValueError as e:
+        raise APIError(400, str(e).removeprefix("SamplingParams: ")) from None
+
+
+# --------------------------------------------------------------------------- recipe APIs
+class RecipeTranslator:
+    """Engine TokenEvents -> one API's events, by deepseek-recipe's StreamProcessor. The EOS
+    that ends a turn is not text: it goes in as an empty text chunk counting one token, so
+    usage counts every token the engine generated."""
+
+    def __init__(self, api: "API", generator, conv, ctx: Context, prompt_tokens: int):
+        self.api, self.ctx, self.prompt_tokens = api, ctx, prompt_tokens
+        self.processor = recipe.StreamProcessor(generator, conv.parsing_options, ctx.tokenizer.recipe)
+        self.want_logprobs = bool(conv.inference_options.logprobs)
+        self.events: list = []  # kept for the non-streaming accumulation
+        self.keep = False
+        self.tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        """A stop sequence (or the parser) ended the answer: nothing more is taken."""
+        return self.processor.finished
+
+    def _out(self, events) -> list[tuple[str | None, str]]:
+        if self.keep:
+            self.events.extend(events)
+            return []
+        return [(self.api.response_cls.sse_event_name(e), e.to_json()) for e in events]
+
+    def start(self):
+        usage = recipe.PromptUsage(prompt_tokens=self.prompt_tokens)
+        return self._out(self.processor.push(recipe.InferenceChunk.ready(prompt_usage=usage)))
+
+    def push(self, events: list[TokenEvent]):
+        out = []
+        for event in events:
+            if self.stopped:
+                break
+            self.tokens += 1
+            if event.finish_reason == "stop" and event.token in self.ctx.eos_ids:
+                chunk = recipe.InferenceChunk.text("", 1)
+            elif self.want_logprobs:
+                top = [(t, v) for t, v in (event.top_logprobs or [])]
+                chunk = recipe.InferenceChunk.tokens([event.token], [(event.logprob or 0.0, top)])
+            else:
+                chunk = recipe.InferenceChunk.tokens([event.token])
+            out += self.processor.push(chunk)
+        return self._out(out)
+
+    def finish(self, reason: str | None):
+        out = []
+        if not self.stopped:
+            kind = recipe.InferenceFinishReason.Stop if reason == "stop" else recipe.InferenceFinishReason.Length
+            out += self.processor.push(recipe.InferenceChunk.finish(kind))
+        out += self.processor.finish()
+        return self._out(out)
+
+    def close(self) -> None:
+        if not self.processor.finished:
+            self.processor.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class API:
+    name: str  # the metrics label
+    path: str
+    request_cls: Any = None
+    response_cls: Any = None
+    anthropic: bool = False
+
+
+CHAT = API("chat", "/v1/chat/completions", recipe.ChatCompletionRequest, recipe.ChatCompletionResponse)
+RESPONSES = API("responses", "/v1/responses", recipe.ResponsesRequest, recipe.ResponsesResponse)
+MESSAGES = API("messages", "/v1/messages", recipe.MessagesRequest, recipe.MessagesResponse, anthropic=True)
+COMPLETIONS = API("completions", "/v1/completions")
+
+
+def _new_id(api: API) -> str:
+    prefix = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_", "completions": "cmpl-"}[api.name]
+    return prefix + secrets.token_hex(12)
+
+
+def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
+    check_limits(body, api, ctx)
+    try:
+        req = api.request_cls(body)
+        model = req.model
+        extra = (req.echo(), req.namespace_tool_map(ctx.conversion)) if api is RESPONSES else None
+        conv = req.convert(ctx.conversion)
+    except (ValueError, recipe.ConversionError) as e:  # the recipe's messages name the field
+        raise APIError(400, str(e)) from None
+    conversation = conv.conversation
+    if any(m.image_sources for m in conversation.messages):
+        raise APIError(400, "image inputs are not supported: this server runs a text-only model", param="messages")
+    prompt = ctx.encoding.encode(conversation)
+    check_prompt_length(len(prompt), ctx)
+    opts = conv.inference_options
+    try:
+        max_tokens = conv.resolve_max_tokens(len(prompt), ctx.capacity)
+    except recipe.ConversionError as e:
+        raise APIError(400, str(e), code="context_length_exceeded") from None
+    if ctx.limits.max_tokens is not None:
+        max_tokens = min(max_tokens, ctx.limits.max_tokens)
+    n_logprobs = _logprobs(max(opts.top_logprobs or 0, int(opts.logprobs)), ctx, "top_logprobs")
+    params = sampling(ctx, temperature=opts.temperature, top_p=opts.top_p, max_tokens=max_tokens, seed=opts.seed,
+                      logprobs=n_logprobs, body=body)
+    constraint = opts.output_constraint
+    spec = (constraint.kind, constraint.schema, conversation.thinking_mode) if constraint is not None else None
+    response_id, created = _new_id(api), int(time.time())
+    if api is MESSAGES:
+        generator = recipe.MessagesChunkGenerator(response_id, model, conversation.thinking_mode)
+    else:
+        generator = api.request_cls.chunk_generator(conv, response_id, model)
+    if extra is not None:
+        generator = generator.with_echo(extra[0]).with_namespace_tool_map(extra[1])
+    translator = RecipeTranslator(api, generator, conv, ctx, len(prompt))
+    translator.keep = not conv.stream
+
+    def response():
+        acc = api.response_cls(response_id, model, created, len(prompt), 0)
+        for event in translator.events:
+            acc.accumulate(event)
+        return acc.to_json()
+
+    return Job(api, conv.stream, [Choice(prompt, params, translator, spec)], response,
+               api.response_cls.sse_done_data())
+
+
+# --------------------------------------------------------------------------- /v1/completions
+class CompletionTranslator:
+    """One prompt of a Completions request: text deltas (stop strings cut on the decoded
+    text), OpenAI `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset})."""
+
+    def __init__(self, index: int, ctx: Context, stop: tuple[str, ...], logprobs: int | None, head: dict):
+        self.index, self.ctx, self.head = index, ctx, head
+        self.run = TextRun(ctx.tokenizer, stop, logprobs is not None)
+        self.finish_reason: str | None = None
+        self.keep = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.run.finish_reason is not None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.run.ids)
+
+    def _chunk(self, text: str, logprobs, finish_reason):
+        choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return [] if self.keep else [(None, json.dumps({**self.head, "choices": [choice]}))]
+
+    def _logprobs(self, entries: list[dict], offset: int):
+        if self.run.logprobs is None:
+            return None
+        tok = self.ctx.tokenizer
+        texts = [tok.decode([e["token"]], skip_special_tokens=False) for e in entries]
+        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{tok.decode([t["token"]], skip_special_tokens=False): t["logprob"]
+                                  for t in e["top_logprobs"]} for e in entries], "text_offset": offsets}
+
+    def start(self):
+        return []
+
+    def push(self, events: list[TokenEvent]):
+        if self.stopped:
+            return []
+        first, offset, text = len(self.run.ids), self.run.emitted, ""
+        for event in events:
+            text += self.run.take(event)
+            if self.stopped:
+                break
+        if not text and self.run.logprobs is None:
+            return []
+        return self._chunk(text, self._logprobs(self.run.logprobs[first:], offset)
+                           if self.run.logprobs is not None else None, None)
+
+    def finish(self, reason: str | None):
+        self.finish_reason = self.run.finish_reason or ("stop" if reason == "stop" else "length")
+        return self._chunk("", None, self.finish_reason)
+
+    def close(self) -> None:
+        pass
+
+    def choice(self) -> dict:
+        lp = self.run.logprobs
+        return {"index": self.index, "text": self.run.text, "finish_reason": self.finish_reason,
+                "logprobs": self._logprobs(lp, 0) if lp is not None else None}
+
+
+def _prompts(body: dict, ctx: Context) -> list[list[int]]:
+    prompt = body.get("prompt")
+    bos = [ctx.tokenizer.bos_id] if ctx.tokenizer.bos_id is not None else []
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise _field_error("prompt", "a string, a list of strings, a list of token ids or a list of such lists")
+    if len(items) > ctx.limits.max_prompts:
+        raise _field_error("prompt", f"at most {ctx.limits.max_prompts} prompts per request, got {len(items)}")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            out.append(bos + ctx.tokenizer.encode(item))
+        elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            out.append(list(item))
+        else:
+            raise _field_error(f"prompt[{i}]", "each prompt must be a string or a non-empty list of token ids")
+    return out
+
+
+def _number(body: dict, key: str, default, kind=float):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise _field_error(key, f"must be {'an integer' if kind is int else 'a number'}, got {json.dumps(value)}")
+    return value
+
+
+def prepare_completions(body: dict, ctx: Context) -> Job:
+    api = COMPLETIONS
+    check_limits(body, api, ctx)
+    prompts = _prompts(body, ctx)
+    for p in prompts:
+        check_prompt_length(len(p), ctx)
+    if _number(body, "n", 1, int) != 1 or _number(body, "best_of", 1, int) != 1:
+        raise _field_error("n", "only n = 1 (and best_of = 1) is supported")
+    if body.get("echo"):
+        raise _field_error("echo", "echo is not supported")
+    if body.get("suffix"):
+        raise _field_error("suffix", "suffix (fill in the middle) is not supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _field_error("stream", "must be a boolean")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+    if stop is not None and not (stops and all(isinstance(s, str) and s for s in stops)):
+        raise _field_error("stop", "a non-empty string or a list of them")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise _field_error("logprobs", "an integer >= 0 (top logprobs per token)")
+    if logprobs is not None:
+        _logprobs(max(logprobs, 1), ctx, "logprobs")
+    max_tokens = _number(body, "max_tokens", 16, int)
+    if max_tokens < 1:
+        raise _field_error("max_tokens", "must be >= 1")
+    cap = ctx.limits.max_tokens or ctx.capacity
+    longest = max(len(p) for p in prompts)
+    if max_tokens > cap or longest + max_tokens > ctx.capacity:
+        raise APIError(400, f"max_tokens {max_tokens} + the prompt's {longest} tokens exceed this server's "
+                            f"context of {ctx.capacity} tokens" if max_tokens <= cap else
+                       f"max_tokens: at most {cap}", param="max_tokens", code="context_length_exceeded")
+    seed = _number(body, "seed", None, int)
+    if seed is not None and seed < 0:
+        raise _field_error("seed", "must be >= 0")
+    response_id, created, model = _new_id(api), int(time.time()), body["model"]
+    head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+    choices = []
+    for i, p in enumerate(prompts):
+        params = sampling(ctx, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+                          max_tokens=max_tokens, seed=None if seed is None else seed + i,
+                          logprobs=0 if logprobs is None else max(logprobs, 1), body=body)
+        translator = CompletionTranslator(i, ctx, stops, logprobs, head)
+        translator.keep = not stream
+        choices.append(Choice(p, params, translator))
+    usage = lambda: {"prompt_tokens": sum(len(p) for p in prompts),  # noqa: E731
+                     "completion_tokens": sum(c.translator.tokens for c in choices),
+                     "total_tokens": sum(len(p) for p in prompts) + sum(c.translator.tokens for c in choices)}
+
+    def response():
+        return {**head, "choices": [c.translator.choice() for c in choices], "usage": usage()}
+
+    include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+    usage_chunk = (lambda: (None, json.dumps({**head, "choices": [], "usage": usage()}))) if include_usage else None
+    return Job(api, stream, choices, response, "[DONE]", usage_chunk)
+
+
+def prepare(api: API, body: Any, ctx: Context) -> Job:
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return prepare_completions(body, ctx) if api is COMPLETIONS else prepare_recipe(api, body, ctx)

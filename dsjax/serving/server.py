@@ -1,0 +1,91 @@
+"""Put a model behind the API: engine + engine loop + ASGI app, and run it with uvicorn.
+
+    served = build(model, name="tiny", max_slots=8, capacity=4096)   # compiles every shape now
+    served.app            # Starlette app (tests drive it in-process or behind uvicorn)
+    run(served, host="127.0.0.1", port=8000)                          # blocks; `dsjax serve` does this
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+
+import uvicorn
+
+from dsjax.api import Model
+from dsjax.engine import Engine
+from dsjax.serving.app import create_app
+from dsjax.serving.loop import EngineLoop
+from dsjax.serving.metrics import Metrics
+from dsjax.serving.protocol import Context, Limits
+from dsjax.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclasses.dataclass
+class Served:
+    app: object
+    loop: EngineLoop
+    engine: Engine
+    ctx: Context
+    metrics: Metrics
+
+    def close(self) -> None:
+        self.loop.stop()
+
+
+def build(model: Model, *, name: str = "dsjax", tokenizer: Tokenizer | None = None, max_slots: int = 8,
+          capacity: int = 4096, prefill_chunk: int = 256, decode_steps: int = 1, num_draft_tokens: int = 0,
+          batch_invariant: bool | None = None, max_logprobs: int = 0, limits: Limits = Limits(),
+          api_key: str | None = None, default_thinking: bool = True, warmup: bool = True) -> Served:
+    """The engine (its cache checked to fit, then allocated), warmed up unless warmup=False
+    (then the first requests of each shape compile), its loop thread started, and the app."""
+    engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
+                    decode_steps=decode_steps, num_draft_tokens=num_draft_tokens, batch_invariant=batch_invariant,
+                    max_logprobs=max_logprobs)
+    if warmup:
+        engine.warmup()
+    tokenizer = tokenizer or load_tokenizer(model)
+    eos = tuple(model.config.eos_token_ids)
+    ctx = Context((name,), tokenizer, eos, capacity, max_logprobs, limits, default_thinking=default_thinking)
+    metrics = Metrics(max_slots)
+    loop = EngineLoop(engine, max_waiting=limits.max_waiting, metrics=metrics).start()
+    return Served(create_app(loop, ctx, metrics, api_key), loop, engine, ctx, metrics)
+
+
+class BackgroundServer:
+    """uvicorn in a thread on an already bound socket (port 0: any free port): for tests,
+    notebooks and benchmarks. `url` is where it listens; `stop()` shuts it down."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "BackgroundServer":
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread stopped before it started")
+            threading.Event().wait(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def run(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until interrupted (uvicorn; in the main thread it handles SIGINT / SIGTERM itself)."""
+    try:
+        uvicorn.run(served.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        served.close()

@@ -1,0 +1,411 @@
+"""`dsjax serve` driven over HTTP by the official `openai` and `anthropic` clients (and raw
+httpx for what the clients hide): outputs against dsjax.generate on deepseek-recipe's
+prompt ids (greedy), usage against the engine's token counts, errors in each API's shape,
+concurrency, disconnects and the queue bound read back from /metrics.
+
+One tiny random-weights model and one compiled engine shape serve every test here (a second
+server with the same shapes reuses the compiled programs)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import anthropic
+import deepseek_recipe as recipe
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import dsjax
+from dsjax.serving.protocol import Limits
+from dsjax.serving.server import BackgroundServer, build
+
+NAME = "tiny"
+SHAPES = dict(max_slots=4, capacity=512, prefill_chunk=64, max_logprobs=2)
+NO_THINKING = {"thinking": {"type": "disabled"}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsjax.load_model("tiny", dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    s = build(model, name=NAME, **SHAPES, limits=Limits(max_body_bytes=64 << 10))
+    srv = BackgroundServer(s.app).start()
+    yield s, srv
+    srv.stop()
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def guarded(model, served):
+    """Same shapes (no new compile), an API key and no waiting room: the 5th request is refused."""
+    s = build(model, name=NAME, **SHAPES, api_key="sekret", limits=Limits(max_waiting=0), warmup=False)
+    srv = BackgroundServer(s.app).start()
+    yield s, srv
+    srv.stop()
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    return anthropic.Anthropic(base_url=served[1].url, api_key="unused", max_retries=0, timeout=120)
+
+
+def recipe_ids(body: dict) -> list[int]:
+    """The oracle prompt: deepseek-recipe's own conversion + V4 encoding of the same body."""
+    options = recipe.ConversionOptions().with_model_versions_by_name({NAME: recipe.ModelVersion.DeepseekV4Pro})
+    conv = recipe.ChatCompletionRequest(body).convert(options)
+    return recipe.DeepseekV4Encoding().with_tokenizer(dsjax.load_tokenizer().recipe).encode(conv.conversation)
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    return dsjax.generate(model, [prompt], n, temperature=0.0)[0]
+
+
+def text_of(ids: list[int]) -> str:
+    """What the API shows of generated ids: their text, special tokens included (the recipe
+    decodes them), the EOS that ends the turn left out."""
+    return dsjax.load_tokenizer().decode(ids[:-1] if ids and ids[-1] == 1 else ids, skip_special_tokens=False)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_idle(served, timeout=60.0):
+    s, srv = served
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (metric(srv.url, "dsjax_requests_running") == 0 and metric(srv.url, "dsjax_requests_waiting") == 0
+                and all(o is None for o in s.engine.slot_owner) and not s.engine.waiting):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not idle after {timeout} s: running {metric(srv.url, 'dsjax_requests_running')}")
+
+
+# --------------------------------------------------------------------------- outputs
+def test_chat_greedy_equals_generate_on_recipe_ids(model, oai):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    r = oai.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                    extra_body=NO_THINKING)
+    ids = greedy(model, recipe_ids({"model": NAME, "messages": messages, **NO_THINKING}), 12)
+    assert r.choices[0].message.content == text_of(ids)
+    assert r.usage.completion_tokens == len(ids)
+    assert r.usage.prompt_tokens == len(recipe_ids({"model": NAME, "messages": messages, **NO_THINKING}))
+    assert r.choices[0].finish_reason == ("stop" if ids[-1] == 1 else "length")
+    assert r.model == NAME and r.object == "chat.completion"
+
+
+def test_chat_stream_equals_non_stream_and_seeds_repeat(oai):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=10, temperature=0.9, seed=1234,
+              extra_body=NO_THINKING)
+    whole = oai.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole  # same seed, same tokens, streamed or not
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    other = oai.chat.completions.create(**{**kw, "seed": 4321}).choices[0].message.content
+    assert other != whole  # the seed is used (10 sampled tokens of a 129k vocabulary)
+
+
+def test_chat_logprobs(oai):
+    r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                    temperature=0, logprobs=True, top_logprobs=2, extra_body=NO_THINKING)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1
+    for entry in content:  # greedy: the chosen token is the most likely one
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+    with pytest.raises(openai.BadRequestError, match="at most 2 logprobs"):
+        oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    logprobs=True, top_logprobs=5, extra_body=NO_THINKING)
+
+
+def test_thinking_splits_reasoning_from_content(oai):
+    """Thinking mode: everything before </think> is reasoning (recipe's parser); max_tokens
+    cuts this random model inside its reasoning."""
+    r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                    extra_body={"thinking": {"type": "enabled"}})
+    msg = r.choices[0].message.model_dump()
+    assert msg["reasoning_content"] and not msg["content"]
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+def test_completions_text_ids_stop_and_batch(model, oai):
+    prompt = "The capital of France is"
+    expected = dsjax.generate(model, [prompt], 10, temperature=0.0, details=True)[0]
+    r = oai.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].text == expected.text and r.usage.completion_tokens == len(expected.ids)
+    ids = [0] + dsjax.load_tokenizer().encode(prompt)
+    r_ids = oai.completions.create(model=NAME, prompt=ids, max_tokens=10, temperature=0)
+    assert r_ids.choices[0].text == expected.text and r_ids.usage.prompt_tokens == len(ids)
+    stop = expected.text[3:6]  # inside the greedy text: cut before its first occurrence
+    r_stop = oai.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, stop=[stop])
+    assert r_stop.choices[0].text == expected.text[: expected.text.find(stop)]
+    assert r_stop.choices[0].finish_reason == "stop"
+    batch = oai.completions.create(model=NAME, prompt=[prompt, "1 2 3"], max_tokens=5, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text.startswith(
+        oai.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0).choices[0].text)
+    chunks = list(oai.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+
+
+def test_responses_api(oai):
+    chat = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                       temperature=0, extra_body=NO_THINKING)
+    r = oai.responses.create(model=NAME, input="hi", max_output_tokens=8, temperature=0, extra_body=NO_THINKING)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    events = list(oai.responses.create(model=NAME, input="hi", max_output_tokens=8, temperature=0, stream=True,
+                                       extra_body=NO_THINKING))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+
+def test_anthropic_messages(claude, oai):
+    chat = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                       temperature=0, extra_body=NO_THINKING)
+    kw = dict(model=NAME, max_tokens=8, messages=[{"role": "user", "content": "hi"}], temperature=0,
+              thinking={"type": "disabled"})
+    m = claude.messages.create(**kw)
+    assert m.content[0].type == "text" and m.content[0].text == chat.choices[0].message.content
+    assert m.usage.output_tokens == chat.usage.completion_tokens
+    assert m.stop_reason in ("max_tokens", "end_turn")
+    with claude.messages.stream(**kw) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == m.content[0].text and final.usage.output_tokens == m.usage.output_tokens
+
+
+def test_tool_conversation_round_trip(model, oai):
+    """A tool call and its result, sent back as history, are rendered by the recipe: the
+    server's prompt equals recipe's ids (so the answer equals generate on them)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                              "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": json.dumps({"city": "Paris"})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = oai.chat.completions.create(model=NAME, messages=messages, tools=tools, max_tokens=6, temperature=0,
+                                    extra_body=NO_THINKING)
+    body = {"model": NAME, "messages": messages, "tools": tools, **NO_THINKING}
+    assert r.usage.prompt_tokens == len(recipe_ids(body))
+    ids = greedy(model, recipe_ids(body), 6)
+    assert r.choices[0].message.content == text_of(ids) or r.choices[0].message.tool_calls
+
+
+# --------------------------------------------------------------------------- load, disconnects, limits
+def test_32_concurrent_streams_complete(served):
+    url = served[1].url
+
+    def one(i):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": f"n{i}"}],
+                                                     max_tokens=6, temperature=0, stream=True, extra_body=NO_THINKING))
+        return chunks[-1].choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        reasons = list(pool.map(one, range(32)))
+    assert all(r in ("stop", "length") for r in reasons)
+    text = httpx.get(url + "/metrics").text
+    assert not re.search(r'dsjax_requests_total\{endpoint="chat",status="5\d\d"\}', text)
+    wait_idle(served)
+
+
+def test_disconnects_free_every_slot(served):
+    s, srv = served
+    body = {"model": NAME, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 400, "stream": True,
+            "temperature": 0, **NO_THINKING}
+    clients = []
+    for _ in range(16):
+        c = httpx.Client(timeout=60)
+        resp = c.send(c.build_request("POST", srv.url + "/v1/chat/completions", json=body), stream=True)
+        clients.append((c, resp))
+    for c, resp in clients[:4]:  # some read a little first
+        next(resp.iter_lines())
+    assert metric(srv.url, "dsjax_requests_running") + metric(srv.url, "dsjax_requests_waiting") > 0
+    for c, resp in clients:
+        resp.close()
+        c.close()
+    wait_idle(served)
+    assert s.engine.free_slots == list(range(SHAPES["max_slots"]))
+    assert s.loop._in_flight == 0
+
+
+def test_queue_full_is_429_and_the_server_recovers(guarded):
+    s, srv = guarded
+    headers = {"Authorization": "Bearer sekret"}
+    body = {"model": NAME, "messages": [{"role": "user", "content": "long"}], "max_tokens": 400, "stream": True,
+            **NO_THINKING}
+    holders = []
+    for _ in range(SHAPES["max_slots"]):
+        c = httpx.Client(timeout=60)
+        resp = c.send(c.build_request("POST", srv.url + "/v1/chat/completions", json=body, headers=headers),
+                      stream=True)
+        assert resp.status_code == 200
+        holders.append((c, resp))
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": False}, headers=headers)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    for c, resp in holders:
+        resp.close()
+        c.close()
+    wait_idle(guarded)
+    ok = httpx.post(srv.url + "/v1/chat/completions", headers=headers,
+                    json={**body, "stream": False, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_api_key(guarded):
+    url = guarded[1].url
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **NO_THINKING}
+    assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
+    bad = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    msg = httpx.post(url + "/v1/messages", json={**body, "thinking": {"type": "disabled"}},
+                     headers={"x-api-key": "wrong"})
+    assert msg.status_code == 401 and msg.json() == {"type": "error", "error": {
+        "type": "authentication_error", "message": msg.json()["error"]["message"]}}
+    good = anthropic.Anthropic(base_url=url, api_key="sekret", max_retries=0).messages.create(
+        model=NAME, max_tokens=1, messages=[{"role": "user", "content": "x"}], thinking={"type": "disabled"})
+    assert good.usage.output_tokens == 1
+    assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+
+
+@pytest.mark.parametrize("path,body,status,expect", [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/chat/completions", {"model": NAME, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+     400, "temperature"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-9"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
+     "prompt has"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]}, 400, "image"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                              "stop": [str(i) for i in range(20)]}, 400, "stop"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x" * (70 << 10)}]}, 413,
+     "limit"),
+    ("/v1/completions", {"model": NAME, "prompt": [1.5, 2]}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": [0, 10**9]}, 400, "vocab"),
+    ("/v1/messages", {"model": NAME, "max_tokens": 5}, 400, "messages"),
+    ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": []}, 404, "claude-x"),
+    ("/v1/nowhere", {}, 404, "no route"),
+])
+def test_bad_requests_get_the_right_json_error(served, path, body, status, expect):
+    url = served[1].url
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url + path, **kw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    data = r.json()
+    if path == "/v1/messages":
+        assert data["type"] == "error" and expect in data["error"]["message"]
+    else:
+        assert expect in data["error"]["message"] and data["error"]["type"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_models_health_metrics(served, oai, claude):
+    assert [m.id for m in oai.models.list().data] == [NAME]
+    assert [m.id for m in claude.models.list().data] == [NAME]
+    url = served[1].url
+    text = httpx.get(url + "/metrics").text
+    for name in ("dsjax_requests_running", "dsjax_requests_waiting", "dsjax_slots_used", "dsjax_prompt_tokens_total",
+                 "dsjax_generation_tokens_total", "dsjax_time_to_first_token_seconds_bucket",
+                 "dsjax_inter_token_latency_seconds_bucket", "dsjax_e2e_request_latency_seconds_bucket",
+                 "dsjax_spec_drafts_accepted"):
+        assert name in text
+    assert metric(url, "dsjax_slots_total") == SHAPES["max_slots"]
+
+
+def test_fuzzed_bodies_never_500(served):
+    """hypothesis: random JSON bodies (and random values in valid-looking ones) get a 200 or
+    a 4xx JSON error, never a 5xx, and the server keeps serving."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    url = served[1].url
+    scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=8)
+    values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                          max_leaves=6)
+    keys = st.sampled_from(["messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "tools",
+                            "response_format", "prompt", "n", "logprobs", "thinking", "input", "system"])
+    bodies = st.fixed_dictionaries({"model": st.just(NAME), "max_tokens": st.integers(1, 3)},
+                                   optional={"messages": st.just([{"role": "user", "content": "x"}])}).flatmap(
+        lambda base: st.dictionaries(keys, values, max_size=3).map(lambda extra: {**base, **extra}))
+    paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
+
+    with httpx.Client(timeout=120) as client:
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @given(path=paths, body=bodies)
+        def check(path, body):
+            if isinstance(body.get("max_tokens"), int) and not 1 <= body["max_tokens"] <= 3:
+                body["max_tokens"] = 2  # keep valid bodies cheap: a few tokens each
+            r = client.post(url + path, json=body)
+            assert r.status_code < 500, (path, body, r.text)
+            if r.status_code != 200:
+                assert "error" in r.json()
+
+        check()
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    wait_idle(served)
+
+
+def test_dsjax_serve_cli_process(tmp_path):
+    """`python -m dsjax.serving` in its own process: ready line, a real request, Ctrl-C -> 130."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.Popen([sys.executable, "-m", "dsjax.serving", "--dtype", "float32", "--port", str(port),
+                             "--max-slots", "2", "--capacity", "256", "--prefill-chunk", "32", "--no-warmup"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+        r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body=NO_THINKING)
+        assert r.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        err = proc.stderr.read()
+        assert "serving 'tiny' on http://127.0.0.1" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
