@@ -95,7 +95,7 @@ class Server:
         return streams
 
     def _constraint(self, choice):
-        if choice.constraint is None:
+        if choice.constraint is None or choice.constraint[0] == "tool_call":  # tools allowed, not required
             return None
         raise APIError(400, f"structured output ({choice.constraint[0]}) is not supported by this server yet")
 

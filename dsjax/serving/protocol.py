@@ -242,18 +242,50 @@ def _new_id(api: API) -> str:
     return prefix + secrets.token_hex(12)
 
 
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+def check_no_images(body: dict) -> None:
+    """Image parts are refused by name (the recipe would put "[Unsupported Image]" in their
+    place for a text-only model; nothing is ever fetched)."""
+    for key in ("messages", "input"):
+        items = body.get(key)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            content = item.get("content") if isinstance(item, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                    raise APIError(400, f"{key}[{i}].content[{j}]: image inputs are not supported (this server runs "
+                                        f"a text-only model)", param=f"{key}[{i}].content[{j}]")
+
+
+def _culprit(api: API, body: dict, error: str) -> str:
+    """The recipe's body errors are serde messages without a path ("invalid type: string
+    "hot", expected f32"): name the top-level field whose removal makes the body parse."""
+    for key in body:
+        if key != "model":
+            try:
+                api.request_cls({k: v for k, v in body.items() if k != key})
+            except ValueError as without:  # a required field: removing it is "missing field `key`"
+                if f"missing field `{key}`" not in str(without):
+                    continue
+            return f"{key}: {error.removeprefix('invalid request body: ')}"
+    return error
+
+
 def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     check_limits(body, api, ctx)
+    check_no_images(body)
     try:
         req = api.request_cls(body)
+    except ValueError as e:
+        raise APIError(400, _culprit(api, body, str(e))) from None
+    try:
         model = req.model
         extra = (req.echo(), req.namespace_tool_map(ctx.conversion)) if api is RESPONSES else None
         conv = req.convert(ctx.conversion)
     except (ValueError, recipe.ConversionError) as e:  # the recipe's messages name the field
         raise APIError(400, str(e)) from None
     conversation = conv.conversation
-    if any(m.image_sources for m in conversation.messages):
-        raise APIError(400, "image inputs are not supported: this server runs a text-only model", param="messages")
     prompt = ctx.encoding.encode(conversation)
     check_prompt_length(len(prompt), ctx)
     opts = conv.inference_options
