@@ -128,6 +128,20 @@ def test_chat_stream_equals_non_stream_and_seeds_repeat(oai):
     assert other != whole  # the seed is used (10 sampled tokens of a 129k vocabulary)
 
 
+def test_seeded_sampling_is_independent_of_other_traffic(served, oai):
+    """The same seed gives the same sampled tokens alone and beside three other requests."""
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "tell"}], max_tokens=12, temperature=1.0, seed=77,
+              extra_body=NO_THINKING)
+    alone = oai.chat.completions.create(**kw).choices[0].message.content
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        noise = [pool.submit(oai.chat.completions.create, **{**kw, "seed": 1000 + i,
+                                                             "messages": [{"role": "user", "content": "x" * (i + 1)}]})
+                 for i in range(3)]
+        busy = pool.submit(oai.chat.completions.create, **kw)
+        assert busy.result().choices[0].message.content == alone
+        [f.result() for f in noise]
+
+
 def test_chat_logprobs(oai):
     r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                     temperature=0, logprobs=True, top_logprobs=2, extra_body=NO_THINKING)
