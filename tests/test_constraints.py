@@ -315,3 +315,20 @@ def test_engine_refuses_what_it_cannot_constrain(engine, compiler, model):
     spec = Engine(with_mtp, max_slots=1, capacity=256, num_draft_tokens=1, spec_policy="fixed")
     with pytest.raises(ValueError, match="speculative decoding"):
         spec.add_request([0, 5], SamplingParams(), constraint=compiler.compile("json", ""))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_constrained_decoding_on_a_mesh_matches_one_device(engine, compiler, tok):
+    """Under a mesh the masks are placed by rows like every batch-major array; the tokens
+    equal one device's (greedy: the mesh's logits differ from one device's in the last bits)."""
+    prompt = [0] + tok.encode("Answer:")
+    regex = r"(yes|no), [0-9]{1,3} (apples|pears)\."
+
+    def tokens(eng):
+        jobs = [(prompt, SamplingParams(max_tokens=40), compiler.compile("regex", regex)),
+                (prompt, SamplingParams(max_tokens=10), None)]
+        return [r.tokens for r in run(eng, jobs)]
+
+    mesh_model = dsjax.load_model("tiny", dtype="float32", mesh="data=2,tensor=2")  # rows and vocabulary split
+    on_mesh = tokens(Engine(mesh_model, max_slots=2, capacity=256, prefill_chunk=16))
+    assert re.fullmatch(regex, tok.decode(on_mesh[0])) and on_mesh == tokens(engine)
