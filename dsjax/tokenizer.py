@@ -84,6 +84,10 @@ class Tokenizer:
         """Text of token ids; BOS / EOS and other special tokens left out unless asked."""
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_id(self, spelling: str) -> int | None:
+        """The id of a token spelled exactly so (e.g. "</think>"), or None if there is none."""
+        return self._hf.token_to_id(spelling)
+
     def stream(self, *, skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self._hf, skip_special_tokens)
 

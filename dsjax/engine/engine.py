@@ -17,6 +17,16 @@ returns, no token of that request is delivered, even one already computed.
 With num_draft_tokens > 0 the decode step is a speculative verify step
 (`dsjax.engine.speculative`): each slot's pending token and up to k MTP drafts go through
 the target at once, and a slot advances by 1..k+1 tokens; `dsjax.engine.policy` says k.
+
+Structured output (`add_request(..., constraint=)`, `dsjax.engine.constraints`): a
+constrained row's next mask depends on the token it just sampled, so it never runs ahead.
+While any constrained row decodes, a step is split in two programs: `decode_forward`
+(dispatched first; the device runs it while the host reads the previous step back,
+advances the grammars and computes the packed masks) and `decode_sample` (the masks
+applied, one token per slot). Such steps make one token per dispatch whatever
+`decode_steps` says; steps without a constrained row run the fused `decode_step` as before.
+A constrained request's prefill leaves its prompt's last token to that first split step,
+so its first token is masked too. Constraints are refused with speculative decoding.
 """
 
 from __future__ import annotations
@@ -30,11 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.engine.constraints import Constraint, fill_masks, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args
 from dsjax.model.cache import batch_axes, init_cache, min_ring
 from dsjax.engine.policy import SpeculationPolicy, check_speculation
-from dsjax.engine.programs import (StepOutput, admit_slot, deactivate_slot, decode_step, prefill_rows, prefill_step,
-                                   spec_decode_step, spec_prefill_step)
+from dsjax.engine.programs import (StepOutput, admit_slot, deactivate_slot, decode_forward, decode_sample, decode_step,
+                                   prefill_rows, prefill_step, spec_decode_step, spec_prefill_step, start_decoding)
 from dsjax.engine.requests import Request, TokenEvent, check_request, chunk_length, chunk_lengths, context_bucket, stop_ids
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import init_slots
@@ -152,27 +163,52 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None,
-                    on_token: Callable[[TokenEvent], None] | None = None) -> str:
-        stops = self.validate(prompt, params)
+                    on_token: Callable[[TokenEvent], None] | None = None, *, constraint: Constraint | None = None) -> str:
+        """Queue a request; returns its id. constraint: structured output, a `Constraint`
+        from `ConstraintCompiler.compile` (one per request) whose grammar every generated
+        token is sampled under (whether the output starts with reasoning is the
+        constraint's `thinking`)."""
+        stops = self.validate(prompt, params, constraint)
         prompt = [int(t) for t in prompt]  # checked above: ints (numpy's too), so nothing changes but the type
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests and not self.requests[request_id].done:
             raise ValueError(f"request id {request_id!r} is already running")
-        req = self.requests[request_id] = Request(request_id, prompt, params, stops, on_token)
+        if constraint is not None:
+            constraint.claimed = True
+        req = self.requests[request_id] = Request(request_id, prompt, params, stops, on_token, constraint)
         self.waiting.append(req)
         return request_id
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> tuple[int, ...]:
-        """Check a request against this engine (ids, lengths, capacity, settings) without
-        admitting it: ValueError / TypeError name the problem. Returns its stop ids. Reads
-        only the engine's fixed settings, so any thread may call it."""
+    def validate(self, prompt: list[int], params: SamplingParams, constraint: Constraint | None = None) -> tuple[int, ...]:
+        """Check a request against this engine (ids, lengths, capacity, settings, a
+        constraint) without admitting it: ValueError / TypeError name the problem. Returns
+        its stop ids. Reads only the engine's fixed settings, so any thread may call it."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         stops = stop_ids(params, self.cfg.eos_token_ids)
         check_request(prompt, params, stops, vocab_size=self.cfg.vocab_size,
                       max_positions=self.cfg.max_position_embeddings, capacity=self.capacity,
                       num_draft_tokens=self.num_draft_tokens, max_logprobs=self.max_logprobs)
+        if constraint is not None:
+            self._check_constraint(constraint, params)
         return stops
+
+    def _check_constraint(self, constraint, params: SamplingParams) -> None:
+        if not isinstance(constraint, Constraint):
+            raise TypeError(f"constraint must be a Constraint (ConstraintCompiler.compile), got "
+                            f"{type(constraint).__name__}")
+        if self.num_draft_tokens:
+            raise ValueError("structured output (constraint=) is not supported with speculative decoding: drafts "
+                             "would have to be drawn and verified under the grammar; use an engine with "
+                             "num_draft_tokens=0")
+        if constraint.claimed:
+            raise ValueError("this Constraint already serves a request; compile one per request")
+        if constraint.vocab_size != self.cfg.vocab_size:
+            raise ValueError(f"the constraint was compiled for a vocabulary of {constraint.vocab_size} tokens, the "
+                             f"model has {self.cfg.vocab_size}")
+        if params.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a constraint: the grammar decides where the "
+                             "output ends (EOS is allowed exactly when it is complete)")
 
     def forget(self, request_id: str) -> None:
         """Drop a finished or cancelled request from `requests` (a long-running server would
@@ -204,12 +240,16 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self._pending or self._outbox or any(o is not None for o in self.slot_owner))
 
-    def warmup(self) -> int:
+    def warmup(self, *, constrained: bool = False) -> int:
         """Compile every prefill chunk width and decode step for every context bucket now
         (on the live cache, as no-op steps: n_valid 0, no slot active), so serving never
-        stops to compile. Returns the number of shapes compiled."""
+        stops to compile. constrained: also the programs of structured output (the split
+        decode step per bucket, its sampling half, starting a slot). Returns the number of
+        shapes compiled."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
+        if constrained and self.num_draft_tokens:
+            raise ValueError("constrained=True: structured output is not supported with speculative decoding")
         buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
         chunks, ks, variants = chunk_lengths(self.prefill_chunk), self.policy.verify_lengths(), self.policy.variants()
         with self.model.mesh_context():
@@ -221,8 +261,13 @@ class Engine:
                     self._prefill_call(0, *self._chunk_arrays(c), bucket, sampled)
                 for k, sampled in itertools.product(ks, variants):
                     self._decode_call(bucket, k, sampled)
+                if constrained:
+                    self._split_decode_call(bucket, np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1,
+                                                            np.int32))
+            if constrained:
+                self.slots = deactivate_slot(start_decoding(self.slots, jnp.int32(0), jnp.int32(0)), jnp.int32(0))
             jax.block_until_ready(self.cache)
-        return len(buckets) * (len(chunks) + len(ks)) * len(variants) + 1
+        return len(buckets) * (len(chunks) + len(ks)) * len(variants) + 1 + (len(buckets) + 2) * constrained
 
     # ------------------------------------------------------------------ device calls
     def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, bucket: int, sampled: bool) -> StepOutput:
@@ -251,6 +296,19 @@ class Engine:
             self.cache, self.spec, self.slots, out = spec_decode_step(
                 self.model.params, self.model.mtp, self.cache, self.spec, self.slots, self.costs, k=k, cfg=self.cfg,
                 opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+        return out
+
+    def _split_decode_call(self, bucket: int, masks, before_sample: Callable[[], None] | None = None) -> StepOutput:
+        """A decode step in two dispatches: the forward, then (after `before_sample()` and
+        `masks()`, which the host runs while the device runs the forward) the sampling
+        under the packed masks [max_slots, words] int32."""
+        self.cache, logits, positions = decode_forward(self.model.params, self.cache, self.slots, cfg=self.cfg,
+                                                       opts=self.opts, ctx_bucket=bucket)
+        if before_sample is not None:
+            before_sample()
+        masks = masks() if callable(masks) else masks
+        self.slots, out = decode_sample(self.slots, logits, positions, self._place(masks.view(np.uint32)),
+                                        n_logprobs=self.max_logprobs)
         return out
 
     # ------------------------------------------------------------------ stepping
@@ -302,10 +360,42 @@ class Engine:
             if owners:
                 self._pending.append((out, owners))
 
+    def _start_constrained(self) -> None:
+        """Constrained requests whose prompt is cached but for its last token start decoding
+        from that token (their first token is then sampled under the mask)."""
+        for r in self.slot_owner:
+            if r is not None and r.state == "prefilling" and r.constraint is not None and r.prefilled == r.prefill_len:
+                self.slots = start_decoding(self.slots, jnp.int32(r.slot), jnp.int32(r.prompt[-1]))
+                r.state, r.dispatched = "decoding", r.prefilled
+
+    def _masks(self, decoding: list[Request]) -> np.ndarray:
+        """Packed allowed tokens [max_slots, words] int32 of the next step: all ones but for
+        constrained rows (a new array each step: the device may still read the last one)."""
+        masks = np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1, np.int32)
+        fill_masks([(r.slot, r.constraint) for r in decoding if r.constraint is not None and not r.done], masks)
+        return masks
+
+    def _decode_constrained(self, decoding: list[Request]) -> None:
+        """One split decode step (a constrained row decodes): every output still on the
+        device is read back (advancing the grammars) while the device runs the forward."""
+
+        def read_all():
+            while self._pending:
+                self._read_back(*self._pending.popleft())
+
+        needed = min(max(r.dispatched for r in decoding) + 1, self.capacity)
+        out = self._split_decode_call(self._bucket(needed), lambda: self._masks(decoding), read_all)
+        for r in decoding:
+            r.dispatched += 1
+        self._pending.append((out, {r.slot: r for r in decoding}))
+
     def _decode(self) -> bool:
         decoding = [r for r in self.slot_owner if r is not None and r.state == "decoding"]
         if not decoding:
             return False
+        if any(r.constraint is not None for r in decoding):
+            self._decode_constrained(decoding)
+            return True
         k = self.policy.step_k([r.slot for r in decoding])
         n = k + 1 if self.spec is not None else self.decode_steps  # positions written per slot, at most
         needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
@@ -322,9 +412,11 @@ class Engine:
         with self.model.mesh_context():
             self._measure_costs()
             self._admit()
-            prefilling = [r for r in self.slot_owner if r is not None and r.state == "prefilling"]
+            prefilling = [r for r in self.slot_owner
+                          if r is not None and r.state == "prefilling" and r.prefilled < r.prefill_len]
             if prefilling:
                 self._prefill(*prefilling)
+            self._start_constrained()
             dispatched = self._decode()
             self.steps += 1
             keep = 1 if (dispatched and self.overlap) else 0
@@ -336,8 +428,12 @@ class Engine:
         host = to_host(out)
         if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
             self.policy.count(host, {row: r for row, r in owners.items() if host.emitted[:, row].any()})
-        self._outbox.extend((req, host, step, row) for step in range(host.tokens.shape[0])
-                            for row, req in owners.items() if host.emitted[step, row])
+        for step in range(host.tokens.shape[0]):
+            for row, req in owners.items():
+                if host.emitted[step, row]:
+                    self._outbox.append((req, host, step, row))
+                    if req.constraint is not None and not req.done:  # before the next mask is computed
+                        req.constraint.advance([host.tokens[step, row]])
 
     def _deliver(self) -> Iterator[TokenEvent]:
         """The events read back, in order, each made when it is taken: a request cancelled

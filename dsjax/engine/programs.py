@@ -40,10 +40,12 @@ class StepOutput:
     next_limit: jax.Array | None = None  # [B] drafts each row asks the next step to verify
 
 
-def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array, n_logprobs: int):
+def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array,
+                    mask: jax.Array | None = None, *, n_logprobs: int):
     """Sample one token [B] from logits [B, V] at `positions` [B] for the rows in
-    `emitting`, book it, describe the output."""
-    tokens = sample_tokens(logits, slots.sampling, positions)
+    `emitting` (only among the tokens `mask` [B, ceil(V/32)] allows, if given), book it,
+    describe the output."""
+    tokens = sample_tokens(logits, slots.sampling, positions, mask)
     slots, _, finished = emit_tokens(slots, tokens[:, None], jnp.ones_like(positions), positions - 1, emitting)
     tokens = slots.last_token  # the sampled token where emitting, the old one elsewhere
     logprob = top_values = top_ids = None
@@ -77,6 +79,35 @@ def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, opts: R
         return cache, slots, _one_step(out)
     (cache, slots), out = jax.lax.scan(one, (cache, slots), None, length=n_steps)
     return cache, slots, out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket"), donate_argnames=("cache",))
+def decode_forward(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int):
+    """The forward half of a decode step, for batches with a constrained row (structured
+    output): the next-token logits [B, V] and their positions [B]. While the device runs it,
+    the host brings the constrained rows' grammars up to the last token and computes their
+    masks; `decode_sample` then samples. Together: `decode_step` with n_steps=1 and a mask."""
+    logits, cache = forward(params, slots.last_token[:, None], cfg, cache, opts=opts,
+                            n_valid=slots.active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True)
+    return cache, logits[:, 0], cache.length
+
+
+@functools.partial(jax.jit, static_argnames=("n_logprobs",), donate_argnames=("slots",))
+def decode_sample(slots: Slots, logits: jax.Array, positions: jax.Array, mask: jax.Array, *, n_logprobs: int):
+    """The sampling half: one token per active slot from logits [B, V], only among the tokens
+    the packed mask [B, ceil(V/32)] uint32 allows (all ones for unconstrained rows)."""
+    emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
+    slots, out = emit(slots, logits, positions, slots.active, mask)
+    return slots, _one_step(out)
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def start_decoding(slots: Slots, slot, token) -> Slots:
+    """Make `slot` decode from `token` (its prompt's last, not yet cached): how a constrained
+    request starts, so that its first token is sampled under a mask by decode_sample rather
+    than inside a prefill chunk."""
+    put = lambda a, v: a.at[slot].set(v, out_sharding=rows(a))  # noqa: E731
+    return slots.replace(active=put(slots.active, True), last_token=put(slots.last_token, token))
 
 
 def _row(tree, i):
@@ -127,7 +158,7 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
     row_slots = _row(slots, slot)
 
     def emit(logits, length, last):
-        state, out = sample_and_emit(row_slots, logits, length, last, 0)
+        state, out = sample_and_emit(row_slots, logits, length, last, n_logprobs=0)
         return out.tokens, state.sampling, (state, out)
 
     row_cache, row_spec, (row_slots, out) = prefill_chunk(

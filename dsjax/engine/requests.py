@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from dsjax.config import ModelConfig
+from dsjax.engine.constraints import Constraint
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import MAX_STOP_IDS
 
@@ -39,6 +40,7 @@ class Request:
     params: SamplingParams
     stop_ids: tuple[int, ...]  # sorted: the params' stop ids, and the model's EOS ids unless ignore_eos
     on_token: Callable[[TokenEvent], None] | None = None
+    constraint: Constraint | None = None  # structured output: the grammar its tokens are sampled under
     state: str = "waiting"  # waiting | prefilling | decoding | finished | cancelled
     slot: int | None = None
     prefilled: int = 0
@@ -55,10 +57,16 @@ class Request:
     def done(self) -> bool:
         return self.state in ("finished", "cancelled")
 
+    @property
+    def prefill_len(self) -> int:
+        """Prompt tokens prefill caches. A constrained request leaves its last one to its
+        first decode step, so that its first token is sampled under the grammar's mask."""
+        return len(self.prompt) - (self.constraint is not None)
+
     def next_chunk(self, prefill_chunk: int) -> list[int]:
         """The next prompt chunk (at most the padded width `chunk_length` gives it)."""
-        remaining = len(self.prompt) - self.prefilled
-        return self.prompt[self.prefilled: self.prefilled + chunk_length(remaining, prefill_chunk)]
+        remaining = self.prefill_len - self.prefilled
+        return self.prompt[self.prefilled: self.prefilled + min(remaining, chunk_length(remaining, prefill_chunk))]
 
     def slot_settings(self, capacity: int) -> tuple[dict, np.ndarray, np.ndarray]:
         """What `admit_slot` writes into the slot: (settings, token history [capacity]

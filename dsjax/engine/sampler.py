@@ -4,7 +4,9 @@ Order (as vLLM): repetition / presence / frequency penalties -> temperature -> t
 top-p, min-p -> draw. Randomness for a request comes from a counter-based key derived from
 (request seed, position) only, so its tokens never depend on batch neighbours or slot.
 Reported logprobs are those of the model's raw distribution (log_softmax of the logits,
-before penalties and temperature).
+before penalties and temperature). Structured output (`dsjax.engine.constraints`) hands in
+a packed mask of the allowed tokens per row; disallowed tokens get -inf before anything
+else, so greedy, temperature, top-k / top-p / min-p and the draw all see only the allowed.
 """
 
 from __future__ import annotations
@@ -261,9 +263,19 @@ def processed_logits(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax
     return jax.lax.cond(needs_filter, lambda z: filter_logits(z, top_k, top_p, min_p), lambda z: z, scaled)
 
 
-def sample_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array) -> jax.Array:
-    """logits [B, V] -> token ids [B] (int32). temperature 0: greedy (first maximum)."""
+def unpack_mask(mask: jax.Array, vocab: int) -> jax.Array:
+    """Packed allowed-token mask [B, ceil(V/32)] uint32 (bit j of word w: token 32 w + j)
+    -> bool [B, V]."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)  # [B, W, 32]
+    return reshape(bits, (mask.shape[0], mask.shape[1] * 32))[:, :vocab] == 1
+
+
+def sample_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """logits [B, V] -> token ids [B] (int32). temperature 0: greedy (first maximum). mask:
+    packed allowed tokens [B, ceil(V/32)] uint32 (all ones: unconstrained), or None."""
     logits = logits.astype(jnp.float32)
+    if mask is not None:
+        logits = jnp.where(unpack_mask(mask, logits.shape[-1]), logits, -jnp.inf)
     penalized = jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
     logits = jax.lax.cond(penalized, lambda z: apply_penalties(z, s, *token_stats(s, positions, z.shape[-1])),
                           lambda z: z, logits)
