@@ -339,7 +339,8 @@ def _cmd_serve(args, say) -> int:
                        prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
                        num_draft_tokens=args.num_draft_tokens, batch_invariant=args.batch_invariant or None,
                        max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
-                       default_thinking=args.thinking_default == "on", warmup=not args.no_warmup)
+                       default_thinking=args.thinking_default == "on", max_thinking_tokens=args.max_thinking_tokens,
+                       warmup=not args.no_warmup)
     say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
         f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "
         f"/v1/completions, /v1/responses; Anthropic /v1/messages; /v1/models, /health, /metrics")
@@ -436,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "refused)")
     s.add_argument("--thinking-default", choices=["on", "off"], default="on",
                    help="thinking mode of requests that do not say (the recipe's default: on)")
+    s.add_argument("--max-thinking-tokens", type=int, default=None, help="structured output in thinking mode: "
+                   "close the reasoning after N tokens so the constrained answer gets its turn (default: no limit)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may run (0: no limit)")
     s.add_argument("--max-body-bytes", type=int, default=4 << 20)

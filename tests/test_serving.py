@@ -41,7 +41,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def served(model):
-    s = build(model, name=NAME, **SHAPES, limits=Limits(max_body_bytes=64 << 10))
+    s = build(model, name=NAME, **SHAPES, limits=Limits(max_body_bytes=64 << 10), max_thinking_tokens=6)
     srv = BackgroundServer(s.app).start()
     yield s, srv
     srv.stop()
@@ -230,6 +230,68 @@ def test_tool_conversation_round_trip(model, oai):
     assert r.usage.prompt_tokens == len(recipe_ids(body))
     ids = greedy(model, recipe_ids(body), 6)
     assert r.choices[0].message.content == text_of(ids) or r.choices[0].message.tool_calls
+
+
+# --------------------------------------------------------------------------- structured output
+SCHEMA = {  # bounded (lengths, ranges, enums), so a random model finishes it within max_tokens
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "color": {"type": "string", "enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "color"], "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather at a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("thinking", ["disabled", "enabled"])
+def test_json_schema_output_validates(oai, thinking):
+    """A random-weights model writes valid JSON only because the mask makes it; in thinking
+    mode the reasoning stays free (closed after the server's 6-token budget) and the answer
+    validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": False}}
+    for temperature, seed in ((0.0, 0), (1.0, 3)):
+        r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "A person as JSON."}],
+                                        max_tokens=120, temperature=temperature, seed=seed, response_format=fmt,
+                                        extra_body={"thinking": {"type": thinking}})
+        msg = r.choices[0].message.model_dump()
+        jsonschema.validate(json.loads(msg["content"]), SCHEMA)
+        assert r.choices[0].finish_reason == "stop"
+        assert bool(msg.get("reasoning_content")) == (thinking == "enabled")
+    free = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "A person as JSON."}],
+                                       max_tokens=12, temperature=0, extra_body=NO_THINKING)
+    with pytest.raises(ValueError):  # the same model unconstrained: not JSON
+        json.loads(free.choices[0].message.content)
+
+
+def test_tool_call_round_trip_with_strict_tools(oai):
+    """tool_choice required: the answer is a DSML tool call (recipe parses it) whose
+    arguments validate; the call and its result go back as history and get an answer."""
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "Weather in Rome for 3 days?"}]
+    r = oai.chat.completions.create(model=NAME, messages=messages, tools=TOOLS, tool_choice="required",
+                                    parallel_tool_calls=False, max_tokens=100, temperature=0, extra_body=NO_THINKING)
+    assert r.choices[0].finish_reason == "tool_calls"
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"  # parallel_tool_calls=False: one
+    args = json.loads(calls[0].function.arguments)
+    jsonschema.validate(args, TOOLS[0]["function"]["parameters"])
+    messages += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
+    answer = oai.chat.completions.create(model=NAME, messages=messages, tools=TOOLS, tool_choice="none",
+                                         max_tokens=8, temperature=0, extra_body=NO_THINKING)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
+
+
+def test_bad_schema_is_a_400(served):
+    url = served[1].url
+    bad = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **NO_THINKING,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
 
 
 # --------------------------------------------------------------------------- load, disconnects, limits

@@ -323,10 +323,10 @@ def _parameter_rules(t: int, tool: dict) -> tuple[str, list[str]]:
     return " ".join(parts), rules
 
 
-def tool_call_grammar(tools: list[dict], required: bool) -> str:
+def tool_call_grammar(tools: list[dict], required: bool, parallel: bool = True) -> str:
     """Lark grammar of a V4 answer that calls `tools` in DSML. required=False: text, then
     optionally one tool-call block; required=True: the prompt opened the block, the answer
-    is one or more invocations and the block's end."""
+    is one or more invocations (exactly one with parallel=False) and the block's end."""
     rules, invokes = [], []
     for t, tool in enumerate(tools):
         params, param_rules = _parameter_rules(t, tool)
@@ -334,14 +334,15 @@ def tool_call_grammar(tools: list[dict], required: bool) -> str:
         head, tail = _lit(f'<{DSML}invoke name="{tool["name"]}">\n'), _lit(f"</{DSML}invoke>\n")
         rules.append(f"invoke_{t}: {head} {params} {tail}")
         invokes.append(f"invoke_{t}")
-    calls = f"({' | '.join(invokes)})+ {_lit(f'</{DSML}tool_calls>')}"
+    calls = f"({' | '.join(invokes)}){'+' if parallel else ''} {_lit(f'</{DSML}tool_calls>')}"
     start = [f"start: {calls}"] if required else [f"start: TEXT | OPEN {calls}", f"TEXT: {_TEXT}", f"OPEN: {_OPEN}"]
     return "\n".join([*start, *rules, f"RAW_VALUE: {_RAW_VALUE}", "PARAM_NAME: /[A-Za-z0-9_.\\-]+/"]) + "\n"
 
 
-def grammar_for(kind: str, schema) -> str:
+def grammar_for(kind: str, schema, parallel_tool_calls: bool = True) -> str:
     """llguidance grammar (its JSON form) of one constraint. Raises ValueError for an unknown
-    kind or a schema of the wrong type; the grammar itself is checked at compile."""
+    kind or a schema of the wrong type; the grammar itself is checked at compile.
+    parallel_tool_calls=False: a tool-call block holds one invocation (the APIs' switch)."""
     M = llguidance.LLMatcher
     if kind not in KINDS:
         raise ValueError(f"unknown constraint kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -364,7 +365,7 @@ def grammar_for(kind: str, schema) -> str:
         return M.grammar_from_lark("start: " + " | ".join(_lit(c) for c in choices) + "\n")
     tools = _tools(kind, schema)
     try:
-        lark = tool_call_grammar(tools, required=kind == "tool_call_required")
+        lark = tool_call_grammar(tools, required=kind == "tool_call_required", parallel=parallel_tool_calls)
     except ValueError as e:
         raise ValueError(f"{kind} constraint: {e}") from None
     return M.grammar_from_lark(lark)
@@ -390,12 +391,13 @@ class ConstraintCompiler:
         return cls(tokenizer if tokenizer is not None else load_tokenizer(model), vocab_size=cfg.vocab_size,
                    eos_ids=cfg.eos_token_ids)
 
-    def compile(self, kind: str, schema=None, *, thinking: bool = False,
-                max_thinking_tokens: int | None = None) -> Constraint:
+    def compile(self, kind: str, schema=None, *, thinking: bool = False, max_thinking_tokens: int | None = None,
+                parallel_tool_calls: bool = True) -> Constraint:
         """A Constraint for one request. thinking: the output starts with reasoning, which
-        the constraint leaves alone until `</think>`. Raises ValueError naming the problem
-        (unknown kind, schema that is not JSON, unsupported schema keyword, bad regex)."""
-        grammar = grammar_for(kind, schema)
+        the constraint leaves alone until `</think>`. parallel_tool_calls=False: at most one
+        tool call. Raises ValueError naming the problem (unknown kind, schema that is not
+        JSON, unsupported schema keyword, bad regex)."""
+        grammar = grammar_for(kind, schema, parallel_tool_calls)
         if thinking and self.think_end is None:
             raise ValueError(f"thinking=True needs a {THINK_END} token, which this tokenizer does not have")
         if max_thinking_tokens is not None and not (isinstance(max_thinking_tokens, int) and max_thinking_tokens >= 0):

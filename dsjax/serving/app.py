@@ -82,22 +82,35 @@ class Server:
             given = auth[7:].strip()
         return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
 
-    def _submit(self, job: Job) -> list:
+    async def _submit(self, job: Job) -> list:
+        constraints = [await self._constraint(choice) for choice in job.choices]
         streams = []
         try:
-            for choice in job.choices:
+            for choice, constraint in zip(job.choices, constraints):
                 streams.append(self.loop.submit(choice.prompt, choice.params, timeout=self.ctx.limits.request_timeout,
-                                                constraint=self._constraint(choice)))
+                                                constraint=constraint))
         except BaseException:
             for s in streams:
                 s.cancel()
             raise
         return streams
 
-    def _constraint(self, choice):
-        if choice.constraint is None or choice.constraint[0] == "tool_call":  # tools allowed, not required
+    async def _constraint(self, choice):
+        """The request's grammar (recipe's OutputConstraint: json, regex, tool_call,
+        tool_call_required), compiled off the event loop; with thinking on it applies to the
+        answer after </think>."""
+        if choice.constraint is None:
             return None
-        raise APIError(400, f"structured output ({choice.constraint[0]}) is not supported by this server yet")
+        kind, schema, thinking, parallel = choice.constraint
+        if self.ctx.compiler is None:
+            raise APIError(400, f"structured output ({kind}) is not available on this server "
+                                f"(it is refused with speculative decoding: --num-draft-tokens)")
+        try:
+            return await asyncio.to_thread(self.ctx.compiler.compile, kind, schema, thinking=thinking,
+                                           max_thinking_tokens=self.ctx.max_thinking_tokens if thinking else None,
+                                           parallel_tool_calls=parallel)
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format" if kind in ("json", "regex") else "tools") from None
 
     async def _events(self, job: Job, streams: list):
         """(SSE event name | None, data) of every choice, as the engine produces them; the
@@ -152,7 +165,7 @@ class Server:
             body = await read_json(request, self.ctx.limits.max_body_bytes)
             job = prepare(api, body, self.ctx)
             try:
-                streams = self._submit(job)
+                streams = await self._submit(job)
             except QueueFull as e:
                 raise APIError(429, f"the server is at capacity ({e}); retry later", headers={"Retry-After": "1"}
                                ) from None

@@ -66,6 +66,8 @@ class Context:
     limits: Limits
     version: str = "v4"
     default_thinking: bool = True
+    compiler: Any = None  # dsjax.engine.constraints.ConstraintCompiler; None: structured output refused
+    max_thinking_tokens: int | None = None  # structured output in thinking mode: reasoning closed after N tokens
 
     def __post_init__(self):
         options = recipe.ConversionOptions(default_thinking_mode=self.default_thinking)
@@ -85,7 +87,8 @@ class Choice:
     prompt: list[int]
     params: SamplingParams
     translator: Any
-    constraint: tuple[str, str, bool] | None = None  # (kind, schema, thinking): recipe's OutputConstraint
+    constraint: tuple[str, str, bool, bool] | None = None  # recipe's OutputConstraint: (kind, schema, thinking,
+    #                                                        parallel tool calls)
 
 
 @dataclasses.dataclass
@@ -272,6 +275,15 @@ def _culprit(api: API, body: dict, error: str) -> str:
     return error
 
 
+def _parallel_tool_calls(api: API, body: dict) -> bool:
+    """Whether one answer may call several tools: OpenAI `parallel_tool_calls` (default
+    true), Anthropic `tool_choice.disable_parallel_tool_use`."""
+    if api.anthropic:
+        choice = body.get("tool_choice")
+        return not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
+    return body.get("parallel_tool_calls") is not False
+
+
 def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     check_limits(body, api, ctx)
     check_no_images(body)
@@ -299,7 +311,8 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     params = sampling(ctx, temperature=opts.temperature, top_p=opts.top_p, max_tokens=max_tokens, seed=opts.seed,
                       logprobs=n_logprobs, body=body)
     constraint = opts.output_constraint
-    spec = (constraint.kind, constraint.schema, conversation.thinking_mode) if constraint is not None else None
+    spec = None if constraint is None else (constraint.kind, constraint.schema, conversation.thinking_mode,
+                                            _parallel_tool_calls(api, body))
     response_id, created = _new_id(api), int(time.time())
     if api is MESSAGES:
         generator = recipe.MessagesChunkGenerator(response_id, model, conversation.thinking_mode)

@@ -15,6 +15,7 @@ import uvicorn
 
 from dsjax.api import Model
 from dsjax.engine import Engine
+from dsjax.engine.constraints import ConstraintCompiler
 from dsjax.serving.app import create_app
 from dsjax.serving.loop import EngineLoop
 from dsjax.serving.metrics import Metrics
@@ -37,17 +38,21 @@ class Served:
 def build(model: Model, *, name: str = "dsjax", tokenizer: Tokenizer | None = None, max_slots: int = 8,
           capacity: int = 4096, prefill_chunk: int = 256, decode_steps: int = 1, num_draft_tokens: int = 0,
           batch_invariant: bool | None = None, max_logprobs: int = 0, limits: Limits = Limits(),
-          api_key: str | None = None, default_thinking: bool = True, warmup: bool = True) -> Served:
+          api_key: str | None = None, default_thinking: bool = True, max_thinking_tokens: int | None = None,
+          warmup: bool = True) -> Served:
     """The engine (its cache checked to fit, then allocated), warmed up unless warmup=False
     (then the first requests of each shape compile), its loop thread started, and the app."""
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     decode_steps=decode_steps, num_draft_tokens=num_draft_tokens, batch_invariant=batch_invariant,
                     max_logprobs=max_logprobs)
+    structured = num_draft_tokens == 0  # the engine refuses grammar constraints with speculation
     if warmup:
-        engine.warmup()
+        engine.warmup(constrained=structured)
     tokenizer = tokenizer or load_tokenizer(model)
+    compiler = ConstraintCompiler.for_model(model, tokenizer) if structured else None
     eos = tuple(model.config.eos_token_ids)
-    ctx = Context((name,), tokenizer, eos, capacity, max_logprobs, limits, default_thinking=default_thinking)
+    ctx = Context((name,), tokenizer, eos, capacity, max_logprobs, limits, default_thinking=default_thinking,
+                  compiler=compiler, max_thinking_tokens=max_thinking_tokens)
     metrics = Metrics(max_slots)
     loop = EngineLoop(engine, max_waiting=limits.max_waiting, metrics=metrics).start()
     return Served(create_app(loop, ctx, metrics, api_key), loop, engine, ctx, metrics)
