@@ -31,14 +31,13 @@ import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.limits import check_cache_fits, check_engine_args
-from dsjax.model.cache import batch_axes, init_cache, min_ring
+from dsjax.model.cache import batch_axes, min_ring
 from dsjax.engine.policy import SpeculationPolicy, check_speculation
-from dsjax.engine.programs import (StepOutput, admit_slot, deactivate_slot, decode_step, prefill_rows, prefill_step,
-                                   spec_decode_step, spec_prefill_step)
-from dsjax.engine.requests import Request, TokenEvent, check_request, chunk_length, chunk_lengths, context_bucket, stop_ids
+from dsjax.engine.programs import (StepOutput, decode_step, init_state, prefill_rows, prefill_step, spec_decode_step,
+                                   spec_prefill_step)
+from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
+                                   context_bucket, stop_ids)
 from dsjax.engine.sampler import SamplingParams
-from dsjax.engine.slots import init_slots
-from dsjax.engine.speculative import init_speculation
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding
 
@@ -101,12 +100,11 @@ class Engine:
                                        "max_logprobs > 0": max_logprobs > 0, "decode_steps > 1": decode_steps > 1})
         self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
         check_cache_fits(model, max_slots, capacity, device_memory_bytes)
-        self.spec = init_speculation(cfg, max_slots, num_draft_tokens, model.dtype) if num_draft_tokens else None
-        self.cache = self._place(init_cache(cfg, max_slots, capacity, model.dtype))
-        self.slots = self._place(init_slots(max_slots, capacity))
-        # compile the cancel path now (a no-op on empty slots) so a later cancel is not a hiccup
-        with model.mesh_context():
-            self.slots = deactivate_slot(self.slots, jnp.int32(0))
+        cache, slots, self.spec = init_state(cfg=cfg, batch=max_slots, capacity=capacity, dtype=model.dtype,
+                                             num_draft_tokens=num_draft_tokens)
+        self.cache, self.slots = self._place(cache), self._place(slots)
+        self._cancelled: set[int] = set()  # slots cancelled while decoding: stopped by the next decode step
+        self._none_cancelled = self._place(jax.device_put(np.zeros(max_slots, bool)))
         self.requests: dict[str, Request] = {}  # by id: the latest request of each id
         self.waiting: collections.deque[Request] = collections.deque()
         self.slot_owner: list[Request | None] = [None] * max_slots
@@ -140,12 +138,12 @@ class Engine:
             return
         idle = [jax.tree.map(jnp.copy, self.spec),
                 jax.tree.map(jnp.copy, self.slots).replace(active=jnp.zeros_like(self.slots.active))]
-        placeholder = jnp.ones(self.num_draft_tokens + 1, jnp.float32)
+        placeholder = np.ones(self.num_draft_tokens + 1, np.float32)
 
         def verify(k: int):
             self.cache, idle[0], idle[1], out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, *idle, placeholder, k=k, cfg=self.cfg, opts=self.opts,
-                ctx_bucket=self._bucket(1), sampled=False)
+                self.model.params, self.model.mtp, self.cache, *idle, self._none_cancelled, placeholder, k=k,
+                cfg=self.cfg, opts=self.opts, ctx_bucket=self._bucket(1), sampled=False)
             return self.cache, out
 
         self.policy.measure_costs(verify)
@@ -191,9 +189,8 @@ class Engine:
             return
         if req.state == "waiting":
             self.waiting.remove(req)
-        else:
-            with self.model.mesh_context():
-                self.slots = deactivate_slot(self.slots, jnp.int32(req.slot))
+        else:  # a decoding slot stays active on the device until the next decode step stops it
+            self._cancelled.add(req.slot)
             self.slot_owner[req.slot] = None
         req.state, req.finish_reason, req.slot = "cancelled", "cancelled", None
 
@@ -207,14 +204,12 @@ class Engine:
     def warmup(self) -> int:
         """Compile every prefill chunk width and decode step for every context bucket now
         (on the live cache, as no-op steps: n_valid 0, no slot active), so serving never
-        stops to compile. Returns the number of shapes compiled."""
+        stops to compile. Returns the number of programs compiled."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
         buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
         chunks, ks, variants = chunk_lengths(self.prefill_chunk), self.policy.verify_lengths(), self.policy.variants()
         with self.model.mesh_context():
-            idle = SamplingParams()
-            self._reset_slot(0, Request("warmup", [0], idle, stop_ids(idle, self.cfg.eos_token_ids)))
             self._measure_costs()
             for bucket in buckets:
                 for c, sampled in itertools.product(chunks, variants):
@@ -222,35 +217,41 @@ class Engine:
                 for k, sampled in itertools.product(ks, variants):
                     self._decode_call(bucket, k, sampled)
             jax.block_until_ready(self.cache)
-        return len(buckets) * (len(chunks) + len(ks)) * len(variants) + 1
+        return len(buckets) * (len(chunks) + len(ks)) * len(variants)
 
     # ------------------------------------------------------------------ device calls
-    def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, bucket: int, sampled: bool) -> StepOutput:
-        """One prompt chunk: rows [1, C] for `slot` (one device), or [max_slots, C] (a mesh)."""
-        params = self.model.params
+    def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, bucket: int,
+                      sampled: bool) -> StepOutput:
+        """One prompt chunk: rows [1, C] for `slot` (one device), or [max_slots, C] (a mesh);
+        `admits` (an `Admission`) says which rows start a prompt."""
+        params, slot = self.model.params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
         if self.spec is not None:
             self.cache, self.spec, self.slots, out = spec_prefill_step(
-                params, self.model.mtp, self.cache, self.spec, self.slots, jnp.int32(slot), tokens, following,
-                n_valid, is_last, self.costs, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                params, self.model.mtp, self.cache, self.spec, self.slots, slot, tokens, following, n_valid, is_last,
+                admits, self.costs, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
-                params, self.cache, self.slots, *self._place((tokens, n_valid, is_last)), cfg=self.cfg, opts=self.opts,
-                ctx_bucket=bucket, n_logprobs=self.max_logprobs)
+                params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits)), cfg=self.cfg,
+                opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         else:
             self.cache, self.slots, out = prefill_step(
-                params, self.cache, self.slots, jnp.int32(slot), tokens, n_valid, is_last, cfg=self.cfg, opts=self.opts,
+                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, cfg=self.cfg, opts=self.opts,
                 ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         return out
 
     def _decode_call(self, bucket: int, k: int, sampled: bool = False) -> StepOutput:
+        cancelled = self._none_cancelled
+        if self._cancelled:  # rows cancelled since the last decode step stop first
+            cancelled = self._place(np.isin(np.arange(self.max_slots), list(self._cancelled)))
+            self._cancelled.clear()
         if self.spec is None:
             self.cache, self.slots, out = decode_step(
-                self.model.params, self.cache, self.slots, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
+                self.model.params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
                 n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, self.costs, k=k, cfg=self.cfg,
-                opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.costs, k=k,
+                cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         return out
 
     # ------------------------------------------------------------------ stepping
@@ -258,24 +259,21 @@ class Engine:
         for slot in self.free_slots:
             if not self.waiting:
                 return
-            req = self.waiting.popleft()
-            self._reset_slot(slot, req)
+            req = self.waiting.popleft()  # its first prompt chunk resets the slot (`Admission`)
+            self._cancelled.discard(slot)  # ... and stops it, before any later decode step
             req.state, req.slot = "prefilling", slot
             self.policy.admit(slot)
             self.slot_owner[slot] = req
-
-    def _reset_slot(self, slot: int, req: Request) -> None:
-        self.cache, self.slots = admit_slot(self.cache, self.slots, jnp.int32(slot), *req.slot_settings(self.capacity))
 
     def _bucket(self, tokens_needed: int) -> int:
         return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
 
     def _chunk_arrays(self, width: int):
-        """Zeroed (tokens, following tokens, n_valid, is_last) for one prefill call: one row
-        per slot under a mesh, else the one row of the slot being prefilled."""
+        """Zeroed (tokens, following tokens, n_valid, is_last, admission) for one prefill
+        call: one row per slot under a mesh, else the one row of the slot being prefilled."""
         rows = self.max_slots if self.mesh is not None else 1
         return np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, np.int32), \
-            np.zeros(rows, bool)
+            np.zeros(rows, bool), admission([None] * rows)
 
     def _prefill(self, *reqs: Request) -> None:
         """One prompt chunk for each of `reqs`: all in one call over every row under a mesh
@@ -285,12 +283,14 @@ class Engine:
             rows = [r.slot for r in group] if self.mesh is not None else [0]
             chunks = [r.next_chunk(self.prefill_chunk) for r in group]
             width = chunk_length(max(len(c) for c in chunks), self.prefill_chunk)
-            tokens, following, n_valid, is_last = self._chunk_arrays(width)
+            tokens, following, n_valid, is_last, _ = self._chunk_arrays(width)
+            by_row = dict(zip(rows, group))
+            admits = admission([by_row.get(row) for row in range(len(n_valid))])
             for row, r, chunk in zip(rows, group, chunks):
                 after = r.prompt[r.prefilled + 1: r.prefilled + len(chunk) + 1]  # speculation's MTP ring input
                 tokens[row, : len(chunk)], following[row, : len(after)], n_valid[row] = chunk, after, len(chunk)
                 is_last[row] = r.prefilled + len(chunk) == len(r.prompt)
-            out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last,
+            out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last, admits,
                                      self._bucket(max(r.prefilled for r in group) + width),
                                      any(r.params.temperature > 0 for r in group))
             owners = {}

@@ -18,7 +18,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig
 from dsjax.engine.sampler import SamplingParams
-from dsjax.engine.slots import MAX_STOP_IDS
+from dsjax.engine.slots import MAX_STOP_IDS, Admission
 
 MIN_CHUNK = 16
 
@@ -60,22 +60,6 @@ class Request:
         remaining = len(self.prompt) - self.prefilled
         return self.prompt[self.prefilled: self.prefilled + chunk_length(remaining, prefill_chunk)]
 
-    def slot_settings(self, capacity: int) -> tuple[dict, np.ndarray, np.ndarray]:
-        """What `admit_slot` writes into the slot: (settings, token history [capacity]
-        holding the prompt, stop ids [MAX_STOP_IDS] -1 padded)."""
-        p = self.params
-        settings = {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k),
-                    "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
-                    "repetition_penalty": np.float32(p.repetition_penalty),
-                    "presence_penalty": np.float32(p.presence_penalty),
-                    "frequency_penalty": np.float32(p.frequency_penalty), "seed": np.uint32(p.seed),
-                    "prompt_len": np.int32(len(self.prompt)), "max_tokens": np.int32(p.max_tokens)}
-        history = np.zeros(capacity, np.int32)
-        history[: len(self.prompt)] = self.prompt
-        stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
-        stop_ids[: len(self.stop_ids)] = self.stop_ids
-        return settings, history, stop_ids
-
     def book(self, host, step: int, row: int) -> TokenEvent:
         """Take the token at (step, row) of a host copy of a `StepOutput`; the last one
         (finished on the device) ends the request."""
@@ -92,6 +76,28 @@ class Request:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         return TokenEvent(self.request_id, token, logprob, top, finish)
+
+
+_SETTINGS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
+             "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
+             "seed": np.uint32}
+
+
+def admission(rows: list[Request | None]) -> Admission:
+    """The `Admission` of one prefill call, per row: a request whose first chunk this is
+    (nothing prefilled yet) resets its slot to its settings; other rows (None: not
+    prefilled in this call) keep theirs."""
+    n = len(rows)
+    reset = np.array([r is not None and r.prefilled == 0 for r in rows])
+    sampling = {k: np.zeros(n, dt) for k, dt in _SETTINGS.items()} | {"prompt_len": np.zeros(n, np.int32)}
+    max_tokens, stops = np.zeros(n, np.int32), np.full((n, MAX_STOP_IDS), -1, np.int32)
+    for i in np.flatnonzero(reset):
+        r = rows[i]
+        for k in _SETTINGS:
+            sampling[k][i] = getattr(r.params, k)
+        sampling["prompt_len"][i], max_tokens[i] = len(r.prompt), r.params.max_tokens
+        stops[i, : len(r.stop_ids)] = r.stop_ids
+    return Admission(reset, sampling, max_tokens, stops)
 
 
 def stop_ids(params: SamplingParams, eos_token_ids) -> tuple[int, ...]:
