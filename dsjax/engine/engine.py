@@ -36,7 +36,7 @@ from dsjax.engine.policy import SpeculationPolicy, check_speculation
 from dsjax.engine.programs import (StepOutput, decode_step, init_state, prefill_rows, prefill_step, spec_decode_step,
                                    spec_prefill_step)
 from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
-                                   context_bucket, stop_ids)
+                                   context_bucket, context_buckets, stop_ids)
 from dsjax.engine.sampler import SamplingParams
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding
@@ -201,23 +201,30 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self._pending or self._outbox or any(o is not None for o in self.slot_owner))
 
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (chunk width, context bucket) a prefill call may have. Chunks narrower than
+        prefill_chunk are a prompt's first (`Request.next_chunk`), at the smallest bucket;
+        full chunks at each bucket from `_prefill_bucket(0, prefill_chunk)` up."""
+        shapes = {(w, self._prefill_bucket(0, w)) for w in chunk_lengths(self.prefill_chunk)}
+        lowest = self._prefill_bucket(0, self.prefill_chunk)
+        return sorted(shapes | {(self.prefill_chunk, b) for b in self._buckets() if b >= lowest})
+
     def warmup(self) -> int:
-        """Compile every prefill chunk width and decode step for every context bucket now
-        (on the live cache, as no-op steps: n_valid 0, no slot active), so serving never
-        stops to compile. Returns the number of programs compiled."""
+        """Compile every prefill and decode program serving may run (`prefill_shapes`, a
+        decode step per context bucket) now, on the live cache as no-op steps (n_valid 0, no
+        slot active), so serving never stops to compile. Returns the number of programs
+        compiled: 7 for the README's engine (capacity 4096, prefill_chunk 256)."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
-        buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
-        chunks, ks, variants = chunk_lengths(self.prefill_chunk), self.policy.verify_lengths(), self.policy.variants()
+        shapes, ks, variants = self.prefill_shapes(), self.policy.verify_lengths(), self.policy.variants()
         with self.model.mesh_context():
             self._measure_costs()
-            for bucket in buckets:
-                for c, sampled in itertools.product(chunks, variants):
-                    self._prefill_call(0, *self._chunk_arrays(c), bucket, sampled)
-                for k, sampled in itertools.product(ks, variants):
-                    self._decode_call(bucket, k, sampled)
+            for (width, bucket), sampled in itertools.product(shapes, variants):
+                self._prefill_call(0, *self._chunk_arrays(width), bucket, sampled)
+            for bucket, k, sampled in itertools.product(self._buckets(), ks, variants):
+                self._decode_call(bucket, k, sampled)
             jax.block_until_ready(self.cache)
-        return len(buckets) * (len(chunks) + len(ks)) * len(variants)
+        return (len(shapes) + len(self._buckets()) * len(ks)) * len(variants)
 
     # ------------------------------------------------------------------ device calls
     def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, bucket: int,
@@ -268,6 +275,18 @@ class Engine:
     def _bucket(self, tokens_needed: int) -> int:
         return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
 
+    def _buckets(self) -> list[int]:
+        return [self.capacity] if self.batch_invariant else context_buckets(self.capacity)
+
+    def _prefill_bucket(self, prefilled: int, width: int) -> int:
+        """The context bucket of a chunk of `width` after `prefilled` tokens. A full chunk
+        reads at least the bucket of two full chunks, so a prompt's first full chunk runs
+        the program of its second (one program fewer; reading up to 4x more entries costs
+        little beside a full chunk's dense work)."""
+        if width == self.prefill_chunk:
+            return self._bucket(max(prefilled + width, 2 * width))
+        return self._bucket(prefilled + width)
+
     def _chunk_arrays(self, width: int):
         """Zeroed (tokens, following tokens, n_valid, is_last, admission) for one prefill
         call: one row per slot under a mesh, else the one row of the slot being prefilled."""
@@ -291,7 +310,7 @@ class Engine:
                 tokens[row, : len(chunk)], following[row, : len(after)], n_valid[row] = chunk, after, len(chunk)
                 is_last[row] = r.prefilled + len(chunk) == len(r.prompt)
             out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last, admits,
-                                     self._bucket(max(r.prefilled for r in group) + width),
+                                     self._prefill_bucket(max(r.prefilled for r in group), width),
                                      any(r.params.temperature > 0 for r in group))
             owners = {}
             for row, r in zip(rows, group):

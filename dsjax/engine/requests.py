@@ -20,7 +20,12 @@ from dsjax.config import ModelConfig
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import MAX_STOP_IDS, Admission
 
+# Prompt chunk widths and context buckets grow by SHAPE_GROWTH from MIN_CHUNK / MIN_BUCKET:
+# each is a compiled program, so few of them (log4 of the range), and a chunk or a step
+# computes / reads less than SHAPE_GROWTH x what it needs.
+SHAPE_GROWTH = 4
 MIN_CHUNK = 16
+MIN_BUCKET = 256
 
 
 @dataclasses.dataclass
@@ -56,9 +61,13 @@ class Request:
         return self.state in ("finished", "cancelled")
 
     def next_chunk(self, prefill_chunk: int) -> list[int]:
-        """The next prompt chunk (at most the padded width `chunk_length` gives it)."""
-        remaining = len(self.prompt) - self.prefilled
-        return self.prompt[self.prefilled: self.prefilled + chunk_length(remaining, prefill_chunk)]
+        """The next prompt chunk. The first takes what whole chunks leave over (1 to
+        prefill_chunk tokens), every later one prefill_chunk tokens: only a prompt's first
+        chunk is narrower than prefill_chunk, and it starts at position 0, so prefill
+        compiles (widths + context buckets) programs, not (widths x buckets), and pads at
+        most one chunk per prompt."""
+        n = (len(self.prompt) - 1) % prefill_chunk + 1 if self.prefilled == 0 else prefill_chunk
+        return self.prompt[self.prefilled: self.prefilled + n]
 
     def book(self, host, step: int, row: int) -> TokenEvent:
         """Take the token at (step, row) of a host copy of a `StepOutput`; the last one
@@ -105,36 +114,46 @@ def stop_ids(params: SamplingParams, eos_token_ids) -> tuple[int, ...]:
     return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))))
 
 
-MIN_BUCKET = 256
-
-
 def context_bucket(tokens_needed: int, capacity: int | None = None) -> int:
     """How many cached tokens a step may read (static per compiled program): the smallest
-    power-of-two multiple of MIN_BUCKET holding `tokens_needed`, capped at the capacity. A
-    step's cost follows the longest sequence in the batch, not the cache capacity, and
+    MIN_BUCKET x SHAPE_GROWTH^i holding `tokens_needed`, capped at the capacity. A step's
+    cost follows the longest sequence in the batch, not the cache capacity, and
     steady-state decode reuses one program per bucket."""
     bucket = MIN_BUCKET
     while bucket < tokens_needed:
-        bucket *= 2
+        bucket *= SHAPE_GROWTH
     return bucket if capacity is None else min(bucket, capacity)
 
 
+def context_buckets(capacity: int) -> list[int]:
+    """Every context bucket of a `capacity`-token cache (capacity 4096: 256, 1024, 4096;
+    1M: 7 buckets)."""
+    buckets, bucket = [], MIN_BUCKET
+    while bucket < capacity:
+        buckets.append(bucket)
+        bucket *= SHAPE_GROWTH
+    return buckets + [capacity]
+
+
 def bucket_capacity(tokens: int, cfg: ModelConfig) -> int:
-    """A cache capacity holding `tokens`: its context bucket, rounded up to a multiple of the
-    compression ratios (what `dsjax.generate` allocates, and at most what a slot can use)."""
+    """A cache capacity holding `tokens`: the power of two >= MIN_BUCKET holding it, rounded
+    up to a multiple of the compression ratios (what `dsjax.generate` allocates, and at most
+    what a slot can use). Memory, not a program per size: finer than the context buckets."""
     ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
-    return -(-context_bucket(tokens) // ratio) * ratio
+    return -(-max(MIN_BUCKET, 1 << (tokens - 1).bit_length()) // ratio) * ratio
 
 
-def chunk_length(remaining: int, prefill_chunk: int) -> int:
-    """The padded width of a prompt chunk: a power of two >= MIN_CHUNK covering the
-    `remaining` prompt tokens, at most prefill_chunk (a short prompt does not pay for a full
-    chunk; few shapes to compile)."""
-    return min(prefill_chunk, max(MIN_CHUNK, 1 << (remaining - 1).bit_length()))
+def chunk_length(tokens: int, prefill_chunk: int) -> int:
+    """The padded width of a prompt chunk of `tokens` tokens: MIN_CHUNK x SHAPE_GROWTH^i
+    covering them, at most prefill_chunk (a short prompt does not pay for a full chunk)."""
+    width = MIN_CHUNK
+    while width < tokens:
+        width *= SHAPE_GROWTH
+    return min(prefill_chunk, width)
 
 
 def chunk_lengths(prefill_chunk: int) -> list[int]:
-    """Every chunk width prefill may dispatch (warm-up compiles each)."""
+    """Every chunk width prefill may dispatch (prefill_chunk 256: 16, 64, 256)."""
     return sorted({chunk_length(n, prefill_chunk) for n in range(1, prefill_chunk + 1)})
 
 
@@ -197,7 +216,6 @@ def check_request(prompt, params: SamplingParams, stops: tuple[int, ...], *, voc
 
 
 def max_capacity(cfg: ModelConfig) -> int:
-    """The largest cache capacity a slot can use: the context bucket that holds the model's
-    longest sequence (`max_position_embeddings`), rounded up to the compression ratio.
-    Capacities round up to buckets (`dsjax.generate` sizes them so), hence the bucket."""
+    """The largest cache capacity a slot can use: what `bucket_capacity` gives the model's
+    longest sequence (`max_position_embeddings`): `dsjax.generate` sizes capacities so."""
     return bucket_capacity(cfg.max_position_embeddings, cfg)
