@@ -112,7 +112,7 @@ def test_cache_that_does_not_fit_is_refused_before_allocation(tiny, monkeypatch)
         raise AssertionError("the cache was allocated before the memory check")
 
     with monkeypatch.context() as m:
-        m.setattr(engine_module, "init_cache", no_allocation)
+        m.setattr(engine_module, "init_state", no_allocation)
         with pytest.raises(MemoryError, match=rf"cache needs .*\({need} bytes\) on one device for max_slots=8 x "
                                               rf"capacity=65536 tokens.*\({need - 1} bytes\) free; lower max_slots or "
                                               rf"capacity .*max_new_tokens"):

@@ -42,14 +42,13 @@ import numpy as np
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, fill_masks, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args
-from dsjax.model.cache import batch_axes, init_cache, min_ring
+from dsjax.model.cache import batch_axes, min_ring
 from dsjax.engine.policy import SpeculationPolicy, check_speculation
-from dsjax.engine.programs import (StepOutput, admit_slot, deactivate_slot, decode_forward, decode_sample, decode_step,
-                                   prefill_rows, prefill_step, spec_decode_step, spec_prefill_step, start_decoding)
-from dsjax.engine.requests import Request, TokenEvent, check_request, chunk_length, chunk_lengths, context_bucket, stop_ids
+from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
+                                   prefill_step, spec_decode_step, spec_prefill_step, start_decoding)
+from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
+                                   context_bucket, context_buckets, stop_ids)
 from dsjax.engine.sampler import SamplingParams
-from dsjax.engine.slots import init_slots
-from dsjax.engine.speculative import init_speculation
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding
 
@@ -112,12 +111,11 @@ class Engine:
                                        "max_logprobs > 0": max_logprobs > 0, "decode_steps > 1": decode_steps > 1})
         self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
         check_cache_fits(model, max_slots, capacity, device_memory_bytes)
-        self.spec = init_speculation(cfg, max_slots, num_draft_tokens, model.dtype) if num_draft_tokens else None
-        self.cache = self._place(init_cache(cfg, max_slots, capacity, model.dtype))
-        self.slots = self._place(init_slots(max_slots, capacity))
-        # compile the cancel path now (a no-op on empty slots) so a later cancel is not a hiccup
-        with model.mesh_context():
-            self.slots = deactivate_slot(self.slots, jnp.int32(0))
+        cache, slots, self.spec = init_state(cfg=cfg, batch=max_slots, capacity=capacity, dtype=model.dtype,
+                                             num_draft_tokens=num_draft_tokens)
+        self.cache, self.slots = self._place(cache), self._place(slots)
+        self._cancelled: set[int] = set()  # slots cancelled while decoding: stopped by the next decode step
+        self._none_cancelled = self._place(jax.device_put(np.zeros(max_slots, bool)))
         self.requests: dict[str, Request] = {}  # by id: the latest request of each id
         self.waiting: collections.deque[Request] = collections.deque()
         self.slot_owner: list[Request | None] = [None] * max_slots
@@ -151,12 +149,12 @@ class Engine:
             return
         idle = [jax.tree.map(jnp.copy, self.spec),
                 jax.tree.map(jnp.copy, self.slots).replace(active=jnp.zeros_like(self.slots.active))]
-        placeholder = jnp.ones(self.num_draft_tokens + 1, jnp.float32)
+        placeholder = np.ones(self.num_draft_tokens + 1, np.float32)
 
         def verify(k: int):
             self.cache, idle[0], idle[1], out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, *idle, placeholder, k=k, cfg=self.cfg, opts=self.opts,
-                ctx_bucket=self._bucket(1), sampled=False)
+                self.model.params, self.model.mtp, self.cache, *idle, self._none_cancelled, placeholder, k=k,
+                cfg=self.cfg, opts=self.opts, ctx_bucket=self._bucket(1), sampled=False)
             return self.cache, out
 
         self.policy.measure_costs(verify)
@@ -227,9 +225,8 @@ class Engine:
             return
         if req.state == "waiting":
             self.waiting.remove(req)
-        else:
-            with self.model.mesh_context():
-                self.slots = deactivate_slot(self.slots, jnp.int32(req.slot))
+        else:  # a decoding slot stays active on the device until the next decode step stops it
+            self._cancelled.add(req.slot)
             self.slot_owner[req.slot] = None
         req.state, req.finish_reason, req.slot = "cancelled", "cancelled", None
 
@@ -240,70 +237,88 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self._pending or self._outbox or any(o is not None for o in self.slot_owner))
 
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (chunk width, context bucket) a prefill call may have. Chunks narrower than
+        prefill_chunk are a prompt's first (`Request.next_chunk`), at the smallest bucket;
+        full chunks at each bucket from `_prefill_bucket(0, prefill_chunk)` up."""
+        shapes = {(w, self._prefill_bucket(0, w)) for w in chunk_lengths(self.prefill_chunk)}
+        lowest = self._prefill_bucket(0, self.prefill_chunk)
+        return sorted(shapes | {(self.prefill_chunk, b) for b in self._buckets() if b >= lowest})
+
     def warmup(self, *, constrained: bool = False) -> int:
-        """Compile every prefill chunk width and decode step for every context bucket now
-        (on the live cache, as no-op steps: n_valid 0, no slot active), so serving never
-        stops to compile. constrained: also the programs of structured output (the split
-        decode step per bucket, its sampling half, starting a slot). Returns the number of
-        shapes compiled."""
+        """Compile every prefill and decode program serving may run (`prefill_shapes`, a
+        decode step per context bucket) now, on the live cache as no-op steps (n_valid 0, no
+        slot active), so serving never stops to compile. constrained: also the programs of
+        structured output (the split decode step per bucket, its sampling half, starting a
+        slot). Returns the number of programs compiled: 7 for the README's engine (capacity
+        4096, prefill_chunk 256), 12 with constrained=True."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
         if constrained and self.num_draft_tokens:
             raise ValueError("constrained=True: structured output is not supported with speculative decoding")
-        buckets = sorted({self._bucket(n) for n in (2 ** i for i in range(4, 31)) if n <= 2 * self.capacity})
-        chunks, ks, variants = chunk_lengths(self.prefill_chunk), self.policy.verify_lengths(), self.policy.variants()
+        shapes, ks, variants = self.prefill_shapes(), self.policy.verify_lengths(), self.policy.variants()
         with self.model.mesh_context():
-            idle = SamplingParams()
-            self._reset_slot(0, Request("warmup", [0], idle, stop_ids(idle, self.cfg.eos_token_ids)))
             self._measure_costs()
-            for bucket in buckets:
-                for c, sampled in itertools.product(chunks, variants):
-                    self._prefill_call(0, *self._chunk_arrays(c), bucket, sampled)
-                for k, sampled in itertools.product(ks, variants):
-                    self._decode_call(bucket, k, sampled)
-                if constrained:
-                    self._split_decode_call(bucket, np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1,
-                                                            np.int32))
-            if constrained:
-                self.slots = deactivate_slot(start_decoding(self.slots, jnp.int32(0), jnp.int32(0)), jnp.int32(0))
+            for (width, bucket), sampled in itertools.product(shapes, variants):
+                self._prefill_call(0, *self._chunk_arrays(width), bucket, sampled)
+            for bucket, k, sampled in itertools.product(self._buckets(), ks, variants):
+                self._decode_call(bucket, k, sampled)
+            if constrained:  # slot 0 starts decoding, and the next step's cancel stops it
+                self.slots = start_decoding(self.slots, np.int32(0), np.int32(0))
+                self._cancelled.add(0)
+                ones = np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1, np.int32)
+                for bucket in self._buckets():
+                    self._split_decode_call(bucket, ones)
             jax.block_until_ready(self.cache)
-        return len(buckets) * (len(chunks) + len(ks)) * len(variants) + 1 + (len(buckets) + 2) * constrained
+        return (len(shapes) + len(self._buckets()) * len(ks)) * len(variants) + (len(self._buckets()) + 2) * constrained
 
     # ------------------------------------------------------------------ device calls
-    def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, bucket: int, sampled: bool) -> StepOutput:
-        """One prompt chunk: rows [1, C] for `slot` (one device), or [max_slots, C] (a mesh)."""
-        params = self.model.params
+    def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, bucket: int,
+                      sampled: bool) -> StepOutput:
+        """One prompt chunk: rows [1, C] for `slot` (one device), or [max_slots, C] (a mesh);
+        `admits` (an `Admission`) says which rows start a prompt."""
+        params, slot = self.model.params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
         if self.spec is not None:
             self.cache, self.spec, self.slots, out = spec_prefill_step(
-                params, self.model.mtp, self.cache, self.spec, self.slots, jnp.int32(slot), tokens, following,
-                n_valid, is_last, self.costs, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                params, self.model.mtp, self.cache, self.spec, self.slots, slot, tokens, following, n_valid, is_last,
+                admits, self.costs, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
-                params, self.cache, self.slots, *self._place((tokens, n_valid, is_last)), cfg=self.cfg, opts=self.opts,
-                ctx_bucket=bucket, n_logprobs=self.max_logprobs)
+                params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits)), cfg=self.cfg,
+                opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         else:
             self.cache, self.slots, out = prefill_step(
-                params, self.cache, self.slots, jnp.int32(slot), tokens, n_valid, is_last, cfg=self.cfg, opts=self.opts,
+                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, cfg=self.cfg, opts=self.opts,
                 ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         return out
 
+    def _take_cancelled(self):
+        """Rows cancelled since the last decode step [max_slots] (the next one stops them first)."""
+        if not self._cancelled:
+            return self._none_cancelled
+        cancelled = self._place(np.isin(np.arange(self.max_slots), list(self._cancelled)))
+        self._cancelled.clear()
+        return cancelled
+
     def _decode_call(self, bucket: int, k: int, sampled: bool = False) -> StepOutput:
+        cancelled = self._take_cancelled()
         if self.spec is None:
             self.cache, self.slots, out = decode_step(
-                self.model.params, self.cache, self.slots, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
+                self.model.params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
                 n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, self.costs, k=k, cfg=self.cfg,
-                opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.costs, k=k,
+                cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         return out
 
     def _split_decode_call(self, bucket: int, masks, before_sample: Callable[[], None] | None = None) -> StepOutput:
         """A decode step in two dispatches: the forward, then (after `before_sample()` and
         `masks()`, which the host runs while the device runs the forward) the sampling
         under the packed masks [max_slots, words] int32."""
-        self.cache, logits, positions = decode_forward(self.model.params, self.cache, self.slots, cfg=self.cfg,
-                                                       opts=self.opts, ctx_bucket=bucket)
+        self.cache, self.slots, logits, positions = decode_forward(
+            self.model.params, self.cache, self.slots, self._take_cancelled(), cfg=self.cfg, opts=self.opts,
+            ctx_bucket=bucket)
         if before_sample is not None:
             before_sample()
         masks = masks() if callable(masks) else masks
@@ -316,24 +331,33 @@ class Engine:
         for slot in self.free_slots:
             if not self.waiting:
                 return
-            req = self.waiting.popleft()
-            self._reset_slot(slot, req)
+            req = self.waiting.popleft()  # its first prompt chunk resets the slot (`Admission`)
+            self._cancelled.discard(slot)  # ... and stops it, before any later decode step
             req.state, req.slot = "prefilling", slot
             self.policy.admit(slot)
             self.slot_owner[slot] = req
 
-    def _reset_slot(self, slot: int, req: Request) -> None:
-        self.cache, self.slots = admit_slot(self.cache, self.slots, jnp.int32(slot), *req.slot_settings(self.capacity))
-
     def _bucket(self, tokens_needed: int) -> int:
         return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
 
+    def _buckets(self) -> list[int]:
+        return [self.capacity] if self.batch_invariant else context_buckets(self.capacity)
+
+    def _prefill_bucket(self, prefilled: int, width: int) -> int:
+        """The context bucket of a chunk of `width` after `prefilled` tokens. A full chunk
+        reads at least the bucket of two full chunks, so a prompt's first full chunk runs
+        the program of its second (one program fewer; reading up to 4x more entries costs
+        little beside a full chunk's dense work)."""
+        if width == self.prefill_chunk:
+            return self._bucket(max(prefilled + width, 2 * width))
+        return self._bucket(prefilled + width)
+
     def _chunk_arrays(self, width: int):
-        """Zeroed (tokens, following tokens, n_valid, is_last) for one prefill call: one row
-        per slot under a mesh, else the one row of the slot being prefilled."""
+        """Zeroed (tokens, following tokens, n_valid, is_last, admission) for one prefill
+        call: one row per slot under a mesh, else the one row of the slot being prefilled."""
         rows = self.max_slots if self.mesh is not None else 1
         return np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, np.int32), \
-            np.zeros(rows, bool)
+            np.zeros(rows, bool), admission([None] * rows)
 
     def _prefill(self, *reqs: Request) -> None:
         """One prompt chunk for each of `reqs`: all in one call over every row under a mesh
@@ -343,16 +367,19 @@ class Engine:
             rows = [r.slot for r in group] if self.mesh is not None else [0]
             chunks = [r.next_chunk(self.prefill_chunk) for r in group]
             width = chunk_length(max(len(c) for c in chunks), self.prefill_chunk)
-            tokens, following, n_valid, is_last = self._chunk_arrays(width)
+            tokens, following, n_valid, is_last, _ = self._chunk_arrays(width)
+            by_row = dict(zip(rows, group))
+            admits = admission([by_row.get(row) for row in range(len(n_valid))])
             for row, r, chunk in zip(rows, group, chunks):
                 after = r.prompt[r.prefilled + 1: r.prefilled + len(chunk) + 1]  # speculation's MTP ring input
                 tokens[row, : len(chunk)], following[row, : len(after)], n_valid[row] = chunk, after, len(chunk)
                 is_last[row] = r.prefilled + len(chunk) == len(r.prompt)
-            out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last,
-                                     self._bucket(max(r.prefilled for r in group) + width),
+            out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last, admits,
+                                     self._prefill_bucket(max(r.prefilled for r in group), width),
                                      any(r.params.temperature > 0 for r in group))
             owners = {}
             for row, r in zip(rows, group):
+                r.admitted = True
                 r.prefilled += int(n_valid[row])
                 r.dispatched = r.prefilled
                 if is_last[row]:
@@ -364,8 +391,9 @@ class Engine:
         """Constrained requests whose prompt is cached but for its last token start decoding
         from that token (their first token is then sampled under the mask)."""
         for r in self.slot_owner:
-            if r is not None and r.state == "prefilling" and r.constraint is not None and r.prefilled == r.prefill_len:
-                self.slots = start_decoding(self.slots, jnp.int32(r.slot), jnp.int32(r.prompt[-1]))
+            if (r is not None and r.state == "prefilling" and r.constraint is not None and r.admitted
+                    and r.prefilled == r.prefill_len):
+                self.slots = start_decoding(self.slots, np.int32(r.slot), np.int32(r.prompt[-1]))
                 r.state, r.dispatched = "decoding", r.prefilled
 
     def _masks(self, decoding: list[Request]) -> np.ndarray:
@@ -413,7 +441,7 @@ class Engine:
             self._measure_costs()
             self._admit()
             prefilling = [r for r in self.slot_owner
-                          if r is not None and r.state == "prefilling" and r.prefilled < r.prefill_len]
+                          if r is not None and r.state == "prefilling" and (r.prefilled < r.prefill_len or not r.admitted)]
             if prefilling:
                 self._prefill(*prefilling)
             self._start_constrained()

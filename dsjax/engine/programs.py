@@ -8,6 +8,11 @@ cache), `prefill_rows` (every row at once: the path under a mesh, where one row 
 batch-sharded cache cannot be sliced out) and `decode_step`. Speculative engines:
 `spec_prefill_step` and `spec_decode_step` (a verify step over k drafts,
 `dsjax.engine.speculative`). Every one of them books its tokens with `emit_tokens`.
+
+Compile time is part of performance, so the engine's life needs no other program: the
+state is made by one program (`init_state`), a prompt's first chunk admits its request
+(the prefill programs take an `Admission`) and a cancel reaches the device with the next
+decode step (the decode programs take the rows `cancelled`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import sample_tokens, top_logprobs
-from dsjax.engine.slots import Slots, emit_tokens
-from dsjax.engine.speculative import Speculation, prefill_chunk, verify
-from dsjax.model.cache import Cache, put_rows, take_rows
+from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
+from dsjax.engine.speculative import Speculation, init_speculation, prefill_chunk, verify
+from dsjax.model.cache import Cache, init_cache, put_rows, take_rows
 from dsjax.model.decoder import forward
 from dsjax.sharding.rules import per_row, rows
 
@@ -58,12 +63,26 @@ def _one_step(tree):
     return jax.tree.map(lambda a: a[None], tree)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "capacity", "dtype", "num_draft_tokens"))
+def init_state(*, cfg: ModelConfig, batch: int, capacity: int, dtype, num_draft_tokens: int):
+    """An engine's empty device state, (cache, slots, speculation or None), made by one
+    program: built eagerly, each distinct array shape compiles its own fill."""
+    spec = init_speculation(cfg, batch, num_draft_tokens, dtype) if num_draft_tokens else None
+    return init_cache(cfg, batch, capacity, dtype), init_slots(batch, capacity), spec
+
+
+def _stop_cancelled(slots: Slots, cancelled: jax.Array) -> Slots:
+    return slots.replace(active=slots.active & ~cancelled)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "n_steps"),
                    donate_argnames=("cache", "slots"))
-def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int,
-                n_logprobs: int, n_steps: int = 1):
+def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions,
+                ctx_bucket: int, n_logprobs: int, n_steps: int = 1):
     """n_steps decode steps for every slot in one dispatch (a device-side loop; finished
-    slots stop on the device). Outputs are stacked [n_steps, B]."""
+    slots stop on the device). Rows `cancelled` [B] stop first. Outputs are stacked
+    [n_steps, B]."""
+    slots = _stop_cancelled(slots, cancelled)
 
     def one(carry, _):
         cache, slots = carry
@@ -81,15 +100,18 @@ def decode_step(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, opts: R
     return cache, slots, out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket"), donate_argnames=("cache",))
-def decode_forward(params, cache: Cache, slots: Slots, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket"), donate_argnames=("cache", "slots"))
+def decode_forward(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg: ModelConfig,
+                   opts: RuntimeOptions, ctx_bucket: int):
     """The forward half of a decode step, for batches with a constrained row (structured
-    output): the next-token logits [B, V] and their positions [B]. While the device runs it,
-    the host brings the constrained rows' grammars up to the last token and computes their
-    masks; `decode_sample` then samples. Together: `decode_step` with n_steps=1 and a mask."""
+    output): rows `cancelled` [B] stop first; -> (cache, slots, next-token logits [B, V],
+    their positions [B]). While the device runs it, the host brings the constrained rows'
+    grammars up to the last token and computes their masks; `decode_sample` then samples.
+    Together: `decode_step` with n_steps=1 and a mask."""
+    slots = _stop_cancelled(slots, cancelled)
     logits, cache = forward(params, slots.last_token[:, None], cfg, cache, opts=opts,
                             n_valid=slots.active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True)
-    return cache, logits[:, 0], cache.length
+    return cache, slots, logits[:, 0], cache.length
 
 
 @functools.partial(jax.jit, static_argnames=("n_logprobs",), donate_argnames=("slots",))
@@ -118,8 +140,10 @@ def _set_row(tree, row, i):
     return put_rows(tree, row, i)
 
 
-def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, cfg: ModelConfig, opts: RuntimeOptions,
-             ctx_bucket: int, n_logprobs: int):
+def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, cfg: ModelConfig,
+             opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+    slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
+    cache = cache.replace(length=length)
     logits, cache = forward(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
                             last_only=True)
     slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, logits[:, 0],
@@ -129,40 +153,44 @@ def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, cfg: 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
-def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, *,
-                 cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array,
+                 admission: Admission, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     """A prompt chunk for every slot at once (tokens [B, C]; rows with n_valid 0 untouched);
-    rows whose prompt ends here (is_last [B]) sample their first token."""
-    return _prefill(params, cache, slots, tokens, n_valid, is_last, cfg, opts, ctx_bucket, n_logprobs)
+    rows whose prompt starts here (admission.reset [B]) take their request first, rows whose
+    prompt ends here (is_last [B]) sample their first token."""
+    return _prefill(params, cache, slots, tokens, n_valid, is_last, admission, cfg, opts, ctx_bucket, n_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
 def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
-                 is_last: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
-    """prefill_rows for one slot's row (tokens [1, C], n_valid [1], is_last [1]): the cost
-    of one row, not of the whole batch."""
+                 is_last: jax.Array, admission: Admission, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int,
+                 n_logprobs: int):
+    """prefill_rows for one slot's row (tokens [1, C], n_valid [1], is_last [1], admission
+    rows [1]): the cost of one row, not of the whole batch."""
     row_cache, row_slots, out = _prefill(params, _row(cache, slot), _row(slots, slot), tokens, n_valid, is_last,
-                                         cfg, opts, ctx_bucket, n_logprobs)
+                                         admission, cfg, opts, ctx_bucket, n_logprobs)
     return _set_row(cache, row_cache, slot), _set_row(slots, row_slots, slot), out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
-                      next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, costs, *, cfg: ModelConfig,
-                      opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
+                      next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission, costs, *,
+                      cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
     """prefill_step for speculative engines: the chunk also goes through the MTP ring, and
     a prompt's last chunk drafts the first speculation after the sampled first token.
     sampled=False: the request is greedy (drafts by argmax, no draft distributions)."""
-    row_slots = _row(slots, slot)
+    row_cache = _row(cache, slot)
+    row_slots, length = take_prompt_chunk(_row(slots, slot), row_cache.length, tokens, n_valid, admission)
+    row_cache = row_cache.replace(length=length)
 
     def emit(logits, length, last):
         state, out = sample_and_emit(row_slots, logits, length, last, n_logprobs=0)
         return out.tokens, state.sampling, (state, out)
 
     row_cache, row_spec, (row_slots, out) = prefill_chunk(
-        params, mtp, _row(cache, slot), _row(spec, slot), tokens, next_tokens, n_valid, is_last, emit,
+        params, mtp, row_cache, _row(spec, slot), tokens, next_tokens, n_valid, is_last, emit,
         cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled, opts=opts)
     return (_set_row(cache, row_cache, slot), _set_row(spec, row_spec, slot), _set_row(slots, row_slots, slot),
             _one_step(out))
@@ -170,35 +198,16 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled"),
                    donate_argnames=("cache", "spec", "slots"))
-def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, costs, *, k: int, cfg: ModelConfig,
-                     opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
+def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, cancelled: jax.Array, costs, *,
+                     k: int, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
     """One verify step over k drafts for every slot; outputs stacked [k+1, B] like
-    decode_step's, with the drafts checked / accepted per row. sampled=False: every
-    decoding row is greedy (argmax on the logits; no distributions formed)."""
+    decode_step's, with the drafts checked / accepted per row. Rows `cancelled` [B] stop
+    first. sampled=False: every decoding row is greedy (argmax on the logits; no
+    distributions formed)."""
+    slots = _stop_cancelled(slots, cancelled)
     cache, spec, slots, tokens, count, finished, checked, accepted = verify(
         params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled, opts=opts)
     j = jnp.arange(k + 1)[:, None]
     out = StepOutput(tokens.T, j < count[None], finished[None] & (j == count[None] - 1), None, None, None,
                      checked, accepted, spec.limit)
     return cache, spec, slots, out
-
-
-@functools.partial(jax.jit, donate_argnames=("cache", "slots"))
-def admit_slot(cache: Cache, slots: Slots, slot, settings: dict, prompt: jax.Array, stop_ids: jax.Array):
-    """Reset one slot for a new request: empty cache row, its sampling settings, its prompt
-    as the start of the token history."""
-    s = slots.sampling
-    max_tokens = settings.pop("max_tokens")
-
-    def put(a, v):
-        return a.at[slot].set(v, out_sharding=rows(a))
-
-    sampling = s.replace(**{k: put(getattr(s, k), v) for k, v in settings.items()}, history=put(s.history, prompt))
-    slots = slots.replace(sampling=sampling, active=put(slots.active, False), n_generated=put(slots.n_generated, 0),
-                          max_tokens=put(slots.max_tokens, max_tokens), stop_ids=put(slots.stop_ids, stop_ids))
-    return cache.replace(length=put(cache.length, 0)), slots
-
-
-@functools.partial(jax.jit, donate_argnames=("slots",))
-def deactivate_slot(slots: Slots, slot) -> Slots:
-    return slots.replace(active=slots.active.at[slot].set(False, out_sharding=rows(slots.active)))

@@ -19,9 +19,14 @@ import numpy as np
 from dsjax.config import ModelConfig
 from dsjax.engine.constraints import Constraint
 from dsjax.engine.sampler import SamplingParams
-from dsjax.engine.slots import MAX_STOP_IDS
+from dsjax.engine.slots import MAX_STOP_IDS, Admission
 
+# Prompt chunk widths and context buckets grow by SHAPE_GROWTH from MIN_CHUNK / MIN_BUCKET:
+# each is a compiled program, so few of them (log4 of the range), and a chunk or a step
+# computes / reads less than SHAPE_GROWTH x what it needs.
+SHAPE_GROWTH = 4
 MIN_CHUNK = 16
+MIN_BUCKET = 256
 
 
 @dataclasses.dataclass
@@ -44,6 +49,7 @@ class Request:
     state: str = "waiting"  # waiting | prefilling | decoding | finished | cancelled
     slot: int | None = None
     prefilled: int = 0
+    admitted: bool = False  # its first prefill chunk (which resets the slot) has been dispatched
     dispatched: int = 0  # tokens the device will have cached (upper bound while decoding)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -64,25 +70,14 @@ class Request:
         return len(self.prompt) - (self.constraint is not None)
 
     def next_chunk(self, prefill_chunk: int) -> list[int]:
-        """The next prompt chunk (at most the padded width `chunk_length` gives it)."""
-        remaining = self.prefill_len - self.prefilled
-        return self.prompt[self.prefilled: self.prefilled + min(remaining, chunk_length(remaining, prefill_chunk))]
-
-    def slot_settings(self, capacity: int) -> tuple[dict, np.ndarray, np.ndarray]:
-        """What `admit_slot` writes into the slot: (settings, token history [capacity]
-        holding the prompt, stop ids [MAX_STOP_IDS] -1 padded)."""
-        p = self.params
-        settings = {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k),
-                    "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
-                    "repetition_penalty": np.float32(p.repetition_penalty),
-                    "presence_penalty": np.float32(p.presence_penalty),
-                    "frequency_penalty": np.float32(p.frequency_penalty), "seed": np.uint32(p.seed),
-                    "prompt_len": np.int32(len(self.prompt)), "max_tokens": np.int32(p.max_tokens)}
-        history = np.zeros(capacity, np.int32)
-        history[: len(self.prompt)] = self.prompt
-        stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
-        stop_ids[: len(self.stop_ids)] = self.stop_ids
-        return settings, history, stop_ids
+        """The next prompt chunk. The first takes what whole chunks leave over (1 to
+        prefill_chunk tokens), every later one prefill_chunk tokens: only a prompt's first
+        chunk is narrower than prefill_chunk, and it starts at position 0, so prefill
+        compiles (widths + context buckets) programs, not (widths x buckets), and pads at
+        most one chunk per prompt. Chunks cover `prefill_len` tokens: a constrained
+        request's one-token prompt gets one empty chunk (it only admits the request)."""
+        n = (self.prefill_len - 1) % prefill_chunk + 1 if self.prefilled == 0 else prefill_chunk
+        return self.prompt[self.prefilled: self.prefilled + min(n, self.prefill_len - self.prefilled)]
 
     def book(self, host, step: int, row: int) -> TokenEvent:
         """Take the token at (step, row) of a host copy of a `StepOutput`; the last one
@@ -102,41 +97,73 @@ class Request:
         return TokenEvent(self.request_id, token, logprob, top, finish)
 
 
+_SETTINGS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
+             "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
+             "seed": np.uint32}
+
+
+def admission(rows: list[Request | None]) -> Admission:
+    """The `Admission` of one prefill call, per row: a request whose first chunk this is
+    (nothing prefilled yet) resets its slot to its settings; other rows (None: not
+    prefilled in this call) keep theirs."""
+    n = len(rows)
+    reset = np.array([r is not None and not r.admitted for r in rows])
+    sampling = {k: np.zeros(n, dt) for k, dt in _SETTINGS.items()} | {"prompt_len": np.zeros(n, np.int32)}
+    max_tokens, stops = np.zeros(n, np.int32), np.full((n, MAX_STOP_IDS), -1, np.int32)
+    for i in np.flatnonzero(reset):
+        r = rows[i]
+        for k in _SETTINGS:
+            sampling[k][i] = getattr(r.params, k)
+        sampling["prompt_len"][i], max_tokens[i] = len(r.prompt), r.params.max_tokens
+        stops[i, : len(r.stop_ids)] = r.stop_ids
+    return Admission(reset, sampling, max_tokens, stops)
+
+
 def stop_ids(params: SamplingParams, eos_token_ids) -> tuple[int, ...]:
     """The tokens that end a request: its stop ids, and the model's EOS ids unless ignore_eos."""
     return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))))
 
 
-MIN_BUCKET = 256
-
-
 def context_bucket(tokens_needed: int, capacity: int | None = None) -> int:
     """How many cached tokens a step may read (static per compiled program): the smallest
-    power-of-two multiple of MIN_BUCKET holding `tokens_needed`, capped at the capacity. A
-    step's cost follows the longest sequence in the batch, not the cache capacity, and
+    MIN_BUCKET x SHAPE_GROWTH^i holding `tokens_needed`, capped at the capacity. A step's
+    cost follows the longest sequence in the batch, not the cache capacity, and
     steady-state decode reuses one program per bucket."""
     bucket = MIN_BUCKET
     while bucket < tokens_needed:
-        bucket *= 2
+        bucket *= SHAPE_GROWTH
     return bucket if capacity is None else min(bucket, capacity)
 
 
+def context_buckets(capacity: int) -> list[int]:
+    """Every context bucket of a `capacity`-token cache (capacity 4096: 256, 1024, 4096;
+    1M: 7 buckets)."""
+    buckets, bucket = [], MIN_BUCKET
+    while bucket < capacity:
+        buckets.append(bucket)
+        bucket *= SHAPE_GROWTH
+    return buckets + [capacity]
+
+
 def bucket_capacity(tokens: int, cfg: ModelConfig) -> int:
-    """A cache capacity holding `tokens`: its context bucket, rounded up to a multiple of the
-    compression ratios (what `dsjax.generate` allocates, and at most what a slot can use)."""
+    """A cache capacity holding `tokens`: the power of two >= MIN_BUCKET holding it, rounded
+    up to a multiple of the compression ratios (what `dsjax.generate` allocates, and at most
+    what a slot can use). Memory, not a program per size: finer than the context buckets."""
     ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
-    return -(-context_bucket(tokens) // ratio) * ratio
+    return -(-max(MIN_BUCKET, 1 << (tokens - 1).bit_length()) // ratio) * ratio
 
 
-def chunk_length(remaining: int, prefill_chunk: int) -> int:
-    """The padded width of a prompt chunk: a power of two >= MIN_CHUNK covering the
-    `remaining` prompt tokens, at most prefill_chunk (a short prompt does not pay for a full
-    chunk; few shapes to compile)."""
-    return min(prefill_chunk, max(MIN_CHUNK, 1 << (remaining - 1).bit_length()))
+def chunk_length(tokens: int, prefill_chunk: int) -> int:
+    """The padded width of a prompt chunk of `tokens` tokens: MIN_CHUNK x SHAPE_GROWTH^i
+    covering them, at most prefill_chunk (a short prompt does not pay for a full chunk)."""
+    width = MIN_CHUNK
+    while width < tokens:
+        width *= SHAPE_GROWTH
+    return min(prefill_chunk, width)
 
 
 def chunk_lengths(prefill_chunk: int) -> list[int]:
-    """Every chunk width prefill may dispatch (warm-up compiles each)."""
+    """Every chunk width prefill may dispatch (prefill_chunk 256: 16, 64, 256)."""
     return sorted({chunk_length(n, prefill_chunk) for n in range(1, prefill_chunk + 1)})
 
 
@@ -199,7 +226,6 @@ def check_request(prompt, params: SamplingParams, stops: tuple[int, ...], *, voc
 
 
 def max_capacity(cfg: ModelConfig) -> int:
-    """The largest cache capacity a slot can use: the context bucket that holds the model's
-    longest sequence (`max_position_embeddings`), rounded up to the compression ratio.
-    Capacities round up to buckets (`dsjax.generate` sizes them so), hence the bucket."""
+    """The largest cache capacity a slot can use: what `bucket_capacity` gives the model's
+    longest sequence (`max_position_embeddings`): `dsjax.generate` sizes capacities so."""
     return bucket_capacity(cfg.max_position_embeddings, cfg)

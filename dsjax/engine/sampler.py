@@ -291,10 +291,10 @@ def sample_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, mas
 
 
 def record_tokens(s: SamplingState, tokens: jax.Array, positions: jax.Array, mask: jax.Array) -> SamplingState:
-    """Write generated tokens [B] into the history at `positions` (rows where mask)."""
+    """Write tokens [B] (or [B, n]) into the history at `positions` (same shape), where mask."""
     slot = jnp.where(mask, positions, s.history.shape[1])
-    return s.replace(history=s.history.at[jnp.arange(tokens.shape[0]), slot].set(
-        tokens, mode="drop", out_sharding=spec("batch", None)))
+    rows = jnp.arange(tokens.shape[0]).reshape((-1,) + (1,) * (tokens.ndim - 1))
+    return s.replace(history=s.history.at[rows, slot].set(tokens, mode="drop", out_sharding=spec("batch", None)))
 
 
 def top_logprobs(logits: jax.Array, tokens: jax.Array, n: int):

@@ -5,6 +5,10 @@ decode step (one), a speculative verify step (1..k+1) — ends in `emit_tokens`,
 applies the stop ids and max_tokens, writes the token history the penalties read, and
 moves `last_token` / `n_generated` / `active` on. Stop conditions are evaluated here, on
 the device, so a host that reads outputs a step late never feeds a finished slot.
+
+Prompt tokens are booked by `take_prompt_chunk`, at the start of every prefill chunk; a
+prompt's first chunk also admits its request (`Admission`), so admitting is no program
+of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +40,37 @@ def init_slots(batch: int, capacity: int) -> Slots:
                                z(f32), z(jnp.uint32), jnp.zeros((batch, capacity), i32), z(i32)),
         last_token=z(i32), active=z(bool), n_generated=z(i32), max_tokens=z(i32),
         stop_ids=jnp.full((batch, MAX_STOP_IDS), -1, i32))
+
+
+@struct.dataclass
+class Admission:
+    """The settings a prompt's first chunk writes into its slot, rows [R]. Rows where
+    `reset` is False (a later chunk, or a row not prefilled) keep their state."""
+
+    reset: jax.Array  # [R] bool: the chunk is a prompt's first; the slot takes a new request
+    sampling: dict[str, jax.Array]  # SamplingState fields but `history`: [R] each
+    max_tokens: jax.Array  # [R] i32
+    stop_ids: jax.Array  # [R, MAX_STOP_IDS] i32, -1 padded
+
+
+def take_prompt_chunk(slots: Slots, length: jax.Array, tokens: jax.Array, n_valid: jax.Array, admission: Admission):
+    """Before a prompt chunk tokens [R, C] (n_valid [R] real) runs: rows starting a prompt
+    are emptied (cache length 0, not decoding) and take their request's settings; every
+    row books its chunk into the token history at positions length + i.
+    -> (slots, cache length [R])."""
+    reset = admission.reset
+
+    def pick(new, old):
+        return jnp.where(reset.reshape(reset.shape + (1,) * (old.ndim - 1)), new, old)
+
+    length = jnp.where(reset, 0, length)
+    sampling = slots.sampling.replace(**{k: pick(v, getattr(slots.sampling, k)) for k, v in admission.sampling.items()})
+    i = jnp.arange(tokens.shape[1])
+    sampling = record_tokens(sampling, tokens, length[:, None] + i, i < n_valid[:, None])
+    slots = slots.replace(sampling=sampling, active=slots.active & ~reset, n_generated=pick(0, slots.n_generated),
+                          max_tokens=pick(admission.max_tokens, slots.max_tokens),
+                          stop_ids=pick(admission.stop_ids, slots.stop_ids))
+    return slots, length
 
 
 def emit_tokens(slots: Slots, tokens: jax.Array, n_new: jax.Array, start: jax.Array,
