@@ -117,7 +117,7 @@ def make_step(cfg: ModelConfig, vocab: VocabMap | None, hp: Hparams, opt):
         (total, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(train, frozen, tokens)
         updates, opt_state = opt.update(grads, opt_state, train)
         return optax.apply_updates(train, updates), opt_state, {"loss": total, **losses,
-                                                                "grad_norm": optax.global_norm(grads)}
+                                                                "grad_norm": optax.tree.norm(grads)}
 
     return step
 
