@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shutil
 import time
@@ -85,26 +86,30 @@ def combine(train: dict, model: dict) -> dict:
     return tree.unflatten([t if t is not None else m for t, m in zip(flat_t, flat_m)])
 
 
-def decay_mask(cfg: ModelConfig, model: dict) -> dict:
+def decay_mask(cfg: ModelConfig) -> dict:
     """Weight decay on matrices (>= 2 axes besides a stacked-layers axis), not on norms,
-    biases, sinks or mHC scales."""
+    biases, sinks or mHC scales; None on integer leaves (the shape of `trainable`)."""
     specs = {"params": model_specs(cfg, jnp.float32), "mtp": mtp_specs(cfg, jnp.float32)}
-    is_matrix = jax.tree.map(lambda s: sum(a != LAYERS for a in s.axes) >= 2, specs, is_leaf=is_spec)
-    return jax.tree.map(lambda m, a: m if _is_float(a) else None, is_matrix, model)
+    return jax.tree.map(lambda s: sum(a != LAYERS for a in s.axes) >= 2 if _is_float(s) else None, specs,
+                        is_leaf=is_spec)
 
 
-def optimizer(cfg: ModelConfig, model: dict, hp: Hparams):
+@functools.lru_cache(maxsize=8)
+def optimizer(cfg: ModelConfig, hp: Hparams):
     schedule = optax.warmup_cosine_decay_schedule(0.0, hp.lr, hp.warmup, max(hp.steps, hp.warmup + 1),
                                                   end_value=hp.lr * hp.min_lr_ratio)
     opt = optax.chain(optax.clip_by_global_norm(hp.clip),
                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=hp.weight_decay,
-                                  mask=decay_mask(cfg, model)))
+                                  mask=decay_mask(cfg)))
     return opt, schedule
 
 
-def make_step(cfg: ModelConfig, vocab: VocabMap | None, hp: Hparams, opt):
+@functools.lru_cache(maxsize=8)
+def make_step(cfg: ModelConfig, vocab: VocabMap | None, hp: Hparams):
     """-> jitted step(train, frozen, opt_state, tokens [B, S+1]) -> (train, opt_state,
-    metrics); frozen: the model tree whose integer leaves complete `train`."""
+    metrics); frozen: the model tree whose integer leaves complete `train`. Cached: runs
+    with the same settings in one process share one compiled step."""
+    opt, _ = optimizer(cfg, hp)
 
     def loss_fn(train, frozen, tokens):
         m = combine(train, frozen)
@@ -122,6 +127,7 @@ def make_step(cfg: ModelConfig, vocab: VocabMap | None, hp: Hparams, opt):
     return step
 
 
+@functools.lru_cache(maxsize=8)
 def make_eval(cfg: ModelConfig, vocab: VocabMap | None):
     """-> jitted eval(model, tokens [B, S+1]) -> per-batch sums: lm / mtp NLL, top-1 hits,
     and the MTP layer's agreement with the main model's next greedy token (the first
@@ -231,7 +237,7 @@ def train(cfg: ModelConfig, hp: Hparams, out: Path, train_docs: list[np.ndarray]
     held = remap[data.pack(held_docs, hp.seq_len, None)][:eval_sequences]
 
     model = init_model(tcfg, hp.seed)
-    opt, schedule = optimizer(tcfg, model, hp)
+    opt, schedule = optimizer(tcfg, hp)
     opt_state = opt.init(trainable(model))
     meta = {"config": cfg.name, "hparams": dataclasses.asdict(hp), "compact_vocab": compact_vocab,
             "train_sequences": len(batches.sequences), "vocab_compact": tcfg.vocab_size}
@@ -243,7 +249,7 @@ def train(cfg: ModelConfig, hp: Hparams, out: Path, train_docs: list[np.ndarray]
             raise ValueError(f"{ckpt}: saved with other settings ({saved['hparams']}, {saved['config']}) "
                              f"than this run ({meta['hparams']}, {meta['config']})")
         on_log(f"resumed {ckpt} at step {step}")
-    train_step = make_step(tcfg, vocab, hp, opt)
+    train_step = make_step(tcfg, vocab, hp)
     evaluate = make_eval(tcfg, vocab) if len(held) >= 1 else None
     stop = hp.steps if stop_at is None else stop_at
     params = trainable(model)

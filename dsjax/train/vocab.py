@@ -28,10 +28,16 @@ import numpy as np
 from dsjax.config import ModelConfig
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class VocabMap:
     kept: np.ndarray  # [V_c - 1] int32: full ids with their own row, sorted
     full_size: int
+
+    def __eq__(self, other) -> bool:  # by value: equal maps share compiled training steps
+        return isinstance(other, VocabMap) and self.full_size == other.full_size and np.array_equal(self.kept, other.kept)
+
+    def __hash__(self) -> int:
+        return hash((self.full_size, np.asarray(self.kept).tobytes()))
 
     @classmethod
     def from_counts(cls, counts: np.ndarray, min_count: int, always=(0,)) -> "VocabMap":
