@@ -7,10 +7,10 @@ cache, and the MTP drafter.
 """
 
 from dsjax.model.cache import Cache, batch_axes, cache_bytes, cache_shapes, init_cache, put_rows, take_rows
-from dsjax.model.decoder import (Block, ModelParams, decoder_streams, forward, head_logits, layer_block,
+from dsjax.model.decoder import (Block, ModelParams, decoder_streams, decoder_streams_probed, forward, head_logits, layer_block,
                                  layer_slot, logits_of, model_specs)
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_specs
 
-__all__ = ["Block", "Cache", "MTPParams", "ModelParams", "batch_axes", "cache_bytes", "cache_shapes", "decoder_streams",
+__all__ = ["Block", "Cache", "MTPParams", "ModelParams", "batch_axes", "cache_bytes", "cache_shapes", "decoder_streams", "decoder_streams_probed",
            "forward", "head_logits", "init_cache", "layer_block", "layer_slot", "logits_of", "model_specs",
            "mtp_forward", "mtp_head", "mtp_specs", "put_rows", "take_rows"]

@@ -160,14 +160,10 @@ def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, ca
                     opts: RuntimeOptions = DEFAULT_OPTIONS, n_valid: jax.Array | None = None,
                     ctx_bucket: int | None = None) -> tuple[jax.Array, Cache | None]:
     """The blocks over tokens [B, S] -> (final streams [B, S, N, D], cache). See `forward`."""
+    if cache is None:
+        return decoder_streams_probed(params, tokens, cfg, None, opts=opts)[0], None
     b, s = tokens.shape
     streams = embed_streams(params, tokens, cfg)
-    if cache is None:
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        for run, blocks in zip(cfg.layer_runs, params.blocks):
-            attends = tuple(attention_call(layer, cfg, opts, positions=positions) for layer in run.layers)
-            streams, _ = _run_apply(run, blocks, None, streams, tokens, attends, cfg, opts)
-        return streams, None
     start = cache.length
     n_valid = jnp.full((b,), s, jnp.int32) if n_valid is None else n_valid
     states = []
@@ -182,11 +178,39 @@ def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, ca
     return streams, Cache(start + n_valid, tuple(states))
 
 
+def decoder_streams_probed(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, probe, *,
+                           opts: RuntimeOptions = DEFAULT_OPTIONS) -> tuple[jax.Array, tuple]:
+    """The full-sequence decoder (no cache) over tokens [B, S] -> (final streams [B, S, N, D],
+    probes): `probe(layer, attn_params, h, positions)` is called on every layer's attention
+    input h [B, S, D] (normed) and its results come back per layer run and period position,
+    stacked over the run's repeats ([R, ...] leaves; None when probe is None). Training reads
+    what the forward does not return this way (the Lightning Indexer's distillation loss,
+    dsjax/train/objective.py) instead of running a second forward."""
+    b, s = tokens.shape
+    streams = embed_streams(params, tokens, cfg)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    probes = []
+    for run, blocks in zip(cfg.layer_runs, params.blocks):
+        attends = tuple(_probed(attention_call(layer, cfg, opts, positions=positions), probe, layer, positions)
+                        for layer in run.layers)
+        streams, found = _run_apply(run, blocks, None, streams, tokens, attends, cfg, opts)
+        probes.append(found)
+    return streams, tuple(probes)
+
+
+def _probed(attend, probe, layer: LayerSpec, positions):
+    if probe is None:
+        return attend
+    return lambda p, h: (attend(p, h)[0], probe(layer, p, h, positions))
+
+
 def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens, attends, cfg, opts):
     """One layer run: its period of blocks (leaves [R, ...]) applied R times, under
     `lax.scan` when R > 1. states None: full-sequence (`attends[j]` is the attend call);
     else the period's stacked states ([R, B, ...] leaves), and `attends[j](states, at)`
-    gives the attend call of repeat `at` (None: states of one layer)."""
+    gives the attend call of repeat `at` (None: states of one layer). Returns (streams,
+    the updated states), or without states what the attend calls returned beside their
+    output, per period position stacked [R, ...] (probes; None for a plain forward)."""
     def period(streams, blocks, states, at=None):
         new = []
         for j, block in enumerate(blocks):
@@ -199,20 +223,22 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
                 own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
                 streams, state = block_apply(own, streams, tokens, attend, cfg, opts, expert_layer=at)
             new.append(state)
-        return streams, None if states is None else tuple(new)
+        return streams, tuple(new)
 
     if run.repeats == 1:
         first = lambda tree: jax.tree.map(lambda a: a[0], tree)
         streams, new = period(streams, first(blocks), None if states is None else first(states))
-        return streams, None if new is None else jax.tree.map(lambda a: a[None], new)
+        return streams, jax.tree.map(lambda a: a[None], new)
 
     def step(carry, _):  # stacked states ride in the carry; each layer writes its rows in place
         x, sts, r = carry
-        x, sts = period(x, blocks, sts, at=r)
-        return (x, sts, r + 1), None
+        x, new = period(x, blocks, sts, at=r)
+        if sts is None:  # full sequence: what the attend calls returned besides their output (probes)
+            return (x, None, r + 1), new
+        return (x, new, r + 1), None
 
-    (streams, states, _), _ = jax.lax.scan(step, (streams, states, jnp.int32(0)), None, length=run.repeats)
-    return streams, states
+    (streams, states, _), found = jax.lax.scan(step, (streams, states, jnp.int32(0)), None, length=run.repeats)
+    return streams, found if states is None else states
 
 
 def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
