@@ -29,9 +29,23 @@ try:  # the engine split into programs / slots (Dec 2026)
     from dsjax.engine.slots import init_slots
     from dsjax.model import cache_shapes, model_specs
 
+    try:  # prefill chunks admit their request, decode steps take the cancelled rows (2027)
+        from dsjax.engine.requests import admission
+    except ImportError:
+        admission = None
+
     def _programs(cfg, opts):
-        return (lambda **kw: programs.decode_step.trace(**kw, opts=opts)), \
-            (lambda **kw: programs.prefill_step.trace(**kw, opts=opts))
+        def decode(**kw):
+            if admission is not None:
+                kw["cancelled"] = jax.ShapeDtypeStruct(kw["slots"].active.shape, bool)
+            return programs.decode_step.trace(**kw, opts=opts)
+
+        def prefill(**kw):
+            if admission is not None:
+                kw["admission"] = _abstract(admission([None]))
+            return programs.prefill_step.trace(**kw, opts=opts)
+
+        return decode, prefill
 except ImportError:  # the single-file engine before it
     from dsjax.engine import engine as programs
     from dsjax.engine.cache import cache_shapes
