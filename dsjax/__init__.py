@@ -1,7 +1,8 @@
 """dsjax: DeepSeek-V4 / V4.1 inference as pure JAX functions.
 
     import dsjax
-    model = dsjax.load_model("tiny", dtype="float32")       # or a checkpoint directory
+    model = dsjax.load_model()      # the bundled trained model dsjax-tiny-py; or a checkpoint
+                                    # directory, or a named config ("tiny": random weights)
     logits = model.logits([[0, 100, 200]])                  # [B, S, vocab]
     new = dsjax.generate(model, [[0, 100, 200]], max_new_tokens=8)      # ids in, ids out
     text = dsjax.generate(model, ["The capital of France is"], 8)      # text in, text out

@@ -24,6 +24,8 @@ from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_params, spec_leaves
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import axis_size, batch_sharding, bytes_per_device, make_mesh, shardings_for
+from dsjax.weights import DEFAULT_MODEL
+from dsjax.weights import resolve as resolve_bundled
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}
 
@@ -99,12 +101,13 @@ class Model:
             return to_host(forward(self.params, x, self.config, opts=self.options)[0])[:b]
 
 
-def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int = 0, mesh=None,
+def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="bfloat16", seed: int = 0, mesh=None,
                device_memory_bytes: int | None = None, quantized: str = "dequantize",
                progress: bool = False, check_finite: bool = True, mtp: bool | None = None,
                kernels: str = "reference") -> Model:
-    """A checkpoint directory (config.json + safetensors), or a named config (`tiny`,
-    `v4-flash`, `v4-pro`) / config JSON file with seeded random weights. A path to a
+    """A checkpoint directory (config.json + safetensors), a bundled model by name (the
+    default, `dsjax-tiny-py`: trained weights shipped with dsjax, see dsjax/weights), or a
+    named config (`tiny`, `v4-flash`, `v4-pro`) / config JSON file with seeded random weights. A path to a
     checkpoint's `config.json` loads that checkpoint (the weights beside it); a config JSON
     with no weights beside it gets seeded random weights.
 
@@ -132,7 +135,7 @@ def load_model(path_or_config_name: str | Path, *, dtype="bfloat16", seed: int =
     dtype = resolve_dtype(dtype)
     check_load_args(seed=seed, device_memory_bytes=device_memory_bytes, progress=progress, check_finite=check_finite,
                     mtp=mtp)
-    path = Path(path_or_config_name)
+    path = Path(resolve_bundled(path_or_config_name))
     if path.name == "config.json" and path.is_file() and has_weights(path.parent):
         path = path.parent  # a checkpoint's config.json stands for the checkpoint: its weights, not random ones
     cfg = load_config(path)

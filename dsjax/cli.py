@@ -22,6 +22,8 @@ import threading
 import time
 import traceback
 
+from dsjax.weights import DEFAULT_MODEL
+
 EXIT_INTERNAL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
@@ -81,8 +83,15 @@ def _load(args, say, **kw):
 
     import dsjax
 
-    what = f"{args.model} ({args.dtype})" if Path(args.model).exists() else \
-        f"{args.model} (random weights, seed {args.seed}, {args.dtype})"
+    from dsjax.weights import bundled_path
+
+    bundled = bundled_path(args.model) if not Path(args.model).exists() else None
+    if Path(args.model).exists():
+        what = f"{args.model} ({args.dtype})"
+    elif bundled is not None:
+        what = f"{args.model} (trained weights shipped with dsjax, {args.dtype})"
+    else:
+        what = f"{args.model} (random weights, seed {args.seed}, {args.dtype})"
     say(f"loading {what} ...")
     t = time.perf_counter()
     model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None,
@@ -361,9 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def model_args(c, default_new: int):
-        c.add_argument("--model", default="tiny",
-                       help="checkpoint directory or named config (random weights): tiny, small, v4-flash, v4-pro; "
-                            "default: tiny")
+        c.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"checkpoint directory, bundled model ({DEFAULT_MODEL}: trained, the default) or named "
+                            "config (random weights): tiny, small, v4-flash, v4-pro")
         c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         c.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
         c.add_argument("--max-new-tokens", type=int, default=default_new)
@@ -414,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", parents=[common], help="serve a model over the OpenAI and Anthropic APIs "
                        "(also: python -m dsjax.serving)")
-    s.add_argument("--model", default="tiny", help="checkpoint directory or named config (default: tiny)")
+    s.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"checkpoint directory, bundled model or named config (default: {DEFAULT_MODEL})")
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the --model's "
                    "last path component)")
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
