@@ -349,7 +349,8 @@ def _cmd_serve(args, say) -> int:
                        num_draft_tokens=args.num_draft_tokens, batch_invariant=args.batch_invariant or None,
                        max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
                        default_thinking=args.thinking_default == "on", max_thinking_tokens=args.max_thinking_tokens,
-                       warmup=not args.no_warmup)
+                       warmup=not args.no_warmup,
+                       on_warmup=lambda i, n, what: say(f"compiling {i}/{n}: {what} ..."))
     say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
         f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "
         f"/v1/completions, /v1/responses; Anthropic /v1/messages; /v1/models, /health, /metrics")

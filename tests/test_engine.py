@@ -344,10 +344,13 @@ def test_readme_engine_warmup_compiles_eight_programs_and_serving_none(tiny, rng
     and decode in every context bucket (256, 1024, 4096), a cancel mid-decode, requests
     admitted while others decode."""
     jax.clear_caches()  # count from nothing, whatever ran before in this process
+    heard = []
     with count_compiles() as warm:
         engine = Engine(tiny, **README_ENGINE)
-        assert engine.warmup() == 7
+        assert engine.warmup(progress=lambda i, n, what: heard.append((i, n, what))) == 7
     assert warm["n"] <= 8, warm["names"]
+    assert [(i, n) for i, n, _ in heard] == [(i, 7) for i in range(1, 8)]  # a line per program, as it starts
+    assert [w for *_, w in heard].count("decode, context 1024") == 1
     sampled = lambda n: SamplingParams(temperature=0.8, top_p=0.9, seed=n, max_tokens=n)  # noqa: E731
 
     def prompt(n):

@@ -32,6 +32,7 @@ so its first token is masked too. Constraints are refused with speculative decod
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
@@ -245,30 +246,41 @@ class Engine:
         lowest = self._prefill_bucket(0, self.prefill_chunk)
         return sorted(shapes | {(self.prefill_chunk, b) for b in self._buckets() if b >= lowest})
 
-    def warmup(self, *, constrained: bool = False) -> int:
+    def warmup(self, *, constrained: bool = False, progress: Callable[[int, int, str], None] | None = None) -> int:
         """Compile every prefill and decode program serving may run (`prefill_shapes`, a
         decode step per context bucket) now, on the live cache as no-op steps (n_valid 0, no
         slot active), so serving never stops to compile. constrained: also the programs of
         structured output (the split decode step per bucket, its sampling half, starting a
-        slot). Returns the number of programs compiled: 7 for the README's engine (capacity
-        4096, prefill_chunk 256), 12 with constrained=True."""
+        slot). progress(i, total, what): called before each program (1-based i), e.g. to
+        print a line per program. Returns the number of programs compiled: 7 for the
+        README's engine (capacity 4096, prefill_chunk 256), 12 with constrained=True."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
         if constrained and self.num_draft_tokens:
             raise ValueError("constrained=True: structured output is not supported with speculative decoding")
         shapes, ks, variants = self.prefill_shapes(), self.policy.verify_lengths(), self.policy.variants()
-        with self.model.mesh_context():
-            self._measure_costs()
-            for (width, bucket), sampled in itertools.product(shapes, variants):
-                self._prefill_call(0, *self._chunk_arrays(width), bucket, sampled)
-            for bucket, k, sampled in itertools.product(self._buckets(), ks, variants):
-                self._decode_call(bucket, k, sampled)
-            if constrained:  # slot 0 starts decoding, and the next step's cancel stops it
+        steps = []  # (what, thunk): one compiled program each
+        for (width, bucket), sampled in itertools.product(shapes, variants):
+            steps.append((f"prefill {width} tokens, context {bucket}",
+                          functools.partial(self._prefill_call, 0, *self._chunk_arrays(width), bucket, sampled)))
+        for bucket, k, sampled in itertools.product(self._buckets(), ks, variants):
+            what = f"decode, context {bucket}" + (f", {k} drafts" if self.num_draft_tokens else "")
+            steps.append((what, functools.partial(self._decode_call, bucket, k, sampled)))
+        if constrained:  # slot 0 starts decoding, and the next step's cancel stops it
+            ones = np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1, np.int32)
+
+            def start():
                 self.slots = start_decoding(self.slots, np.int32(0), np.int32(0))
                 self._cancelled.add(0)
-                ones = np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1, np.int32)
-                for bucket in self._buckets():
-                    self._split_decode_call(bucket, ones)
+            steps.append(("structured output: start a slot", start))
+            steps += [(f"structured output: decode, context {b}", functools.partial(self._split_decode_call, b, ones))
+                      for b in self._buckets()]
+        with self.model.mesh_context():
+            self._measure_costs()
+            for i, (what, run) in enumerate(steps, 1):
+                if progress is not None:
+                    progress(i, len(steps), what)
+                run()
             jax.block_until_ready(self.cache)
         return (len(shapes) + len(self._buckets()) * len(ks)) * len(variants) + (len(self._buckets()) + 2) * constrained
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
+from typing import Callable
 
 import uvicorn
 
@@ -39,15 +40,16 @@ def build(model: Model, *, name: str = "dsjax", tokenizer: Tokenizer | None = No
           capacity: int = 4096, prefill_chunk: int = 256, decode_steps: int = 1, num_draft_tokens: int = 0,
           batch_invariant: bool | None = None, max_logprobs: int = 0, limits: Limits = Limits(),
           api_key: str | None = None, default_thinking: bool = True, max_thinking_tokens: int | None = None,
-          warmup: bool = True) -> Served:
+          warmup: bool = True, on_warmup: Callable[[int, int, str], None] | None = None) -> Served:
     """The engine (its cache checked to fit, then allocated), warmed up unless warmup=False
-    (then the first requests of each shape compile), its loop thread started, and the app."""
+    (then the first requests of each shape compile; on_warmup(i, total, what) hears of each
+    program, `Engine.warmup`'s progress), its loop thread started, and the app."""
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     decode_steps=decode_steps, num_draft_tokens=num_draft_tokens, batch_invariant=batch_invariant,
                     max_logprobs=max_logprobs)
     structured = num_draft_tokens == 0  # the engine refuses grammar constraints with speculation
     if warmup:
-        engine.warmup(constrained=structured)
+        engine.warmup(constrained=structured, progress=on_warmup)
     tokenizer = tokenizer or load_tokenizer(model)
     compiler = ConstraintCompiler.for_model(model, tokenizer) if structured else None
     eos = tuple(model.config.eos_token_ids)
