@@ -31,9 +31,13 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float3
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
+    """"bfloat16" / "float32" (or the jnp dtypes), or "auto": float32 on CPU (XLA:CPU's bf16
+    matmuls run several times slower than its fp32 ones), bfloat16 on GPU / TPU."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")
         return jnp.dtype(_DTYPES[dtype])
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
@@ -101,7 +105,7 @@ class Model:
             return to_host(forward(self.params, x, self.config, opts=self.options)[0])[:b]
 
 
-def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="bfloat16", seed: int = 0, mesh=None,
+def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto", seed: int = 0, mesh=None,
                device_memory_bytes: int | None = None, quantized: str = "dequantize",
                progress: bool = False, check_finite: bool = True, mtp: bool | None = None,
                kernels: str = "reference") -> Model:
@@ -110,6 +114,8 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="bfloat
     named config (`tiny`, `v4-flash`, `v4-pro`) / config JSON file with seeded random weights. A path to a
     checkpoint's `config.json` loads that checkpoint (the weights beside it); a config JSON
     with no weights beside it gets seeded random weights.
+
+    dtype: "auto" (float32 on CPU, bfloat16 on GPU / TPU), "bfloat16" or "float32".
 
     check_finite: scan every weight as it is read; a NaN / inf is a `CheckpointError` naming
     the tensor and file (on by default; False skips the scan).

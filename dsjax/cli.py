@@ -82,16 +82,16 @@ def _load(args, say, **kw):
     from pathlib import Path
 
     import dsjax
-
+    from dsjax.api import resolve_dtype
     from dsjax.weights import bundled_path
 
-    bundled = bundled_path(args.model) if not Path(args.model).exists() else None
+    dtype = resolve_dtype(args.dtype).name
     if Path(args.model).exists():
-        what = f"{args.model} ({args.dtype})"
-    elif bundled is not None:
-        what = f"{args.model} (trained weights shipped with dsjax, {args.dtype})"
+        what = f"{args.model} ({dtype})"
+    elif bundled_path(args.model) is not None:
+        what = f"{args.model} (trained weights shipped with dsjax, {dtype})"
     else:
-        what = f"{args.model} (random weights, seed {args.seed}, {args.dtype})"
+        what = f"{args.model} (random weights, seed {args.seed}, {dtype})"
     say(f"loading {what} ...")
     t = time.perf_counter()
     model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None,
@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"checkpoint directory, bundled model ({DEFAULT_MODEL}: trained, the default) or named "
                             "config (random weights): tiny, small, v4-flash, v4-pro")
-        c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        c.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto (default): float32 on CPU, bfloat16 on GPU / TPU")
         c.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
         c.add_argument("--max-new-tokens", type=int, default=default_new)
         c.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
@@ -428,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"checkpoint directory, bundled model or named config (default: {DEFAULT_MODEL})")
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the --model's "
                    "last path component)")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto (default): float32 on CPU, bfloat16 on GPU / TPU")
     s.add_argument("--seed", type=int, default=0, help="init seed for named configs (random weights)")
     s.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
     s.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"])
