@@ -1,4 +1,4 @@
-"""The CLI runs the built-in tiny model with the shipped tokenizer.
+"""The CLI runs the bundled default model (dsjax-tiny-py) with the shipped tokenizer.
 
 Subprocesses (each pays JAX's start-up and, cold, ~15 s of compiling) only where a process
 boundary is the point: the compile cache across processes, Ctrl-C, the console entry.
@@ -60,7 +60,7 @@ def test_generate_matches_library_call(cold_then_warm):
     result = json.loads(out.stdout)
     tok = dsjax.load_tokenizer()
     assert result["prompt_ids"] == [0] + tok.encode(PROMPT)
-    model = dsjax.load_model("tiny", seed=3)
+    model = dsjax.load_model()  # the CLI's default model and dtype
     expected = dsjax.generate(model, [result["prompt_ids"]], 5, temperature=0.9, seed=3)[0]
     assert result["new_ids"] == expected
     assert text.returncode == 0, text.stderr
@@ -73,7 +73,7 @@ def test_second_process_reads_the_compile_cache(cold_then_warm):
     assert after == written, "the warm run compiled (and wrote) programs the cold run had cached"
     line = next(s for s in warm.stderr.splitlines() if "read from the compile cache" in s)
     assert " 0 compiled" in line and not line.split("programs: ")[1].startswith("0 "), line
-    assert "compiling (programs compiled before are read from the cache in" in cold.stderr and "loading tiny" in cold.stderr
+    assert "compiling (programs compiled before are read from the cache in" in cold.stderr and "loading dsjax-tiny-py (trained weights" in cold.stderr
 
 
 def test_params_json(capsys):
