@@ -16,6 +16,7 @@ from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import resident_specs
+from dsjax.engine.policy import check_draft_vocab
 from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
@@ -64,10 +65,13 @@ class Model:
     mesh: jax.sharding.Mesh | None = None
     mtp: MTPParams | None = None  # the next-token-prediction drafter, when loaded
     options: RuntimeOptions = RuntimeOptions()
+    draft_vocab: np.ndarray | None = None  # [|D|] int32: the ids the drafter proposes from (draft_vocab.json)
 
     def __repr__(self) -> str:  # the dataclass default would print every weight array
         counts = count_params(self.config, self.dtype)
         mtp = f" (+ MTP drafter: {_amount(counts['total_with_mtp'] - counts['total'])})" if self.mtp is not None else ""
+        if self.mtp is not None and self.draft_vocab is not None:
+            mtp = mtp[:-1] + f", drafting from {len(self.draft_vocab)} tokens)"
         mesh = "one device" if self.mesh is None else ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         return (f"dsjax.Model {self.config.name!r}\n"
                 f"  dtype       {jnp.dtype(self.dtype).name}\n"
@@ -130,7 +134,9 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     the weight memory).
 
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
-    True on a named config it gets seeded random weights.
+    True on a named config it gets seeded random weights. A checkpoint directory's
+    draft_vocab.json ({"ids": [...], "source": ...}: the token ids the drafter proposes
+    from, see `Engine(draft_vocab=)`) becomes `Model.draft_vocab`.
 
     kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: Mosaic GPU kernels on a
     GPU, generic Pallas elsewhere; on CPU interpreted, slow, for checking), "mosaic_gpu" (the
@@ -145,6 +151,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     if path.name == "config.json" and path.is_file() and has_weights(path.parent):
         path = path.parent  # a checkpoint's config.json stands for the checkpoint: its weights, not random ones
     cfg = load_config(path)
+    draft_ids = read_draft_vocab(path, cfg) if path.is_dir() else None  # checked before any weight is read
     kernels = resolve_kernels(kernels)
     specs = model_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):
@@ -195,7 +202,26 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     else:
         params = init_params(specs, seed, shardings)
         mtp_params = init_params(m_specs, seed + 1, m_shardings) if want_mtp else None
-    return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized))
+    return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized), draft_ids)
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(directory: Path, cfg: ModelConfig) -> np.ndarray | None:
+    """A checkpoint's draft_vocab.json -> its checked ids (sorted int32), or None without one."""
+    f = Path(directory) / DRAFT_VOCAB_FILE
+    if not f.is_file():
+        return None
+    try:
+        record = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("ids"), list):
+        raise ValueError(f"{f}: expected an object with a list \"ids\" of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in record["ids"]):
+        raise ValueError(f"{f}: \"ids\" must hold integer token ids only")
+    return check_draft_vocab(np.asarray(record["ids"], np.int64), cfg.vocab_size, f"{f} \"ids\"")
 
 
 def has_weights(directory: Path) -> bool:

@@ -1,9 +1,11 @@
 """Speculative decoding with the MTP drafter: the MTP layer's cached path against its
 full-sequence form, greedy outputs identical to plain decoding, the sampled output
 distribution against the target's (chi-square), caches after accept / reject sequences
-against plain decoding, and confidence scheduling against its closed form."""
+against plain decoding, and confidence scheduling against its closed form. The same with a
+reduced draft vocabulary: drafts against the drafter's logits restricted to it."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +17,13 @@ import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import init_slots
-from dsjax.engine.speculative import DRAFT, Drafts, accept, choose_limits, draw, init_speculation, prefill_chunk, verify
+from dsjax.config.io import to_hf_dict
+from dsjax.engine.speculative import (DRAFT, Drafts, accept, choose_limits, draft_vocab, draw, init_speculation,
+                                      prefill_chunk, verify)
 from dsjax.model import decoder_streams, model_specs, mtp_forward, mtp_head, mtp_specs
 from dsjax.model.cache import init_cache, min_ring
 from dsjax.params import init_params
+from dsjax.train.export import most_frequent
 
 F32 = jnp.float32
 
@@ -132,6 +137,29 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     assert all(c > 0 for c in measured.verify_costs) and measured.costs.shape == (3,)
 
 
+@pytest.mark.parametrize("policy", ["fixed", "confidence"])
+def test_greedy_speculation_with_draft_vocab_is_token_identical(small_vocab, rng, policy):
+    """A reduced draft vocabulary D without 2 of the 6 tokens (so some drafts are wrong
+    whatever the drafter thinks): the greedy tokens equal plain decoding's, every draft is
+    in D, and the drafter both hit and missed. Fixed: with a sampled row in the batch (the
+    sampling variant, q scattered from D); confidence: rows verifying different counts."""
+    d = [0, 2, 3, 5]
+    prompts = _prompts(rng, 6, (5, 19, 33, 12))
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
+    kw = {"spec_policy": "fixed"}
+    if policy == "fixed":
+        prompts.append(prompts[1])
+        params.append(SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=5))
+    else:
+        kw = {"verify_costs": [1.0, 1.05, 1.1, 1.15]}
+    plain, _ = _generate(small_vocab, prompts, params)
+    spec, engine = _generate(small_vocab, prompts, params, num_draft_tokens=3, draft_vocab=d, **kw)
+    assert spec[:4] == plain[:4]
+    assert engine.draft_vocab.tolist() == d and np.isin(np.asarray(engine.spec.drafts.tokens), d).all()
+    m = engine.spec_metrics()
+    assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
+
+
 def test_choose_limits_closed_form(rng):
     """argmax_k (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k], by enumeration."""
     conf = rng.uniform(0, 1, (64, 5)).astype(np.float32)
@@ -162,14 +190,18 @@ def _chi_square_p(samples, probs):
     return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
 
 
-@pytest.mark.parametrize("limit", [3, 1, 0])
-def test_acceptance_rule_keeps_the_target_distribution(rng, limit):
+@pytest.mark.parametrize("limit, support", [(3, None), (1, None), (0, None), (3, (0, 2, 3, 5))])
+def test_acceptance_rule_keeps_the_target_distribution(rng, limit, support):
     """accept() over 20000 seeds: the first emitted token follows p_0 and the second (given
     the first draft was accepted) p_1, for drafts drawn from a different q; also when the
-    row verifies fewer drafts than it has (limit)."""
+    row verifies fewer drafts than it has (limit), and when q is zero outside a draft
+    vocabulary (`support`: the mass p puts there comes from the residual alone)."""
     n, k, v = 20000, 3, 7
     p = rng.dirichlet(np.ones(v) * 0.7, k + 1).astype(np.float32)
     q = rng.dirichlet(np.ones(v) * 0.7, k).astype(np.float32)
+    if support is not None:
+        q[:, np.setdiff1d(np.arange(v), support)] = 0.0
+        q /= q.sum(-1, keepdims=True)
     s = _sampling_state(n, 16, 1.0)
     start = jnp.zeros((n,), jnp.int32)
     drafts = jnp.stack([draw(jnp.broadcast_to(q[j], (n, v)), s.seed, start + 2 + j, DRAFT) for j in range(k)], 1)
@@ -186,11 +218,14 @@ def test_acceptance_rule_keeps_the_target_distribution(rng, limit):
     assert _chi_square_p(drafts[:, 0], p[0]) < 1e-6
 
 
-def test_sampled_speculation_matches_target_distribution(small_vocab, rng):
+@pytest.mark.parametrize("ids", [None, (0, 2, 3, 5)])
+def test_sampled_speculation_matches_target_distribution(small_vocab, rng, ids):
     """The whole verify path on the model (top-k 4, temperature 0.8): 2048 requests with the
     same prompt and different seeds, two speculative steps; the first two generated tokens'
-    joint distribution equals the target's p(x1) p(x2 | x1) from full forwards."""
+    joint distribution equals the target's p(x1) p(x2 | x1) from full forwards. Also with
+    a draft vocabulary `ids` (drafts only among them, q zero elsewhere)."""
     model, n, k = small_vocab, 2048, 2
+    vocab = None if ids is None else draft_vocab(model.params, ids)
     cfg = model.config
     prompt = _prompts(rng, 6, (11,))[0]
     temperature, top_k = 0.8, 4
@@ -218,18 +253,23 @@ def test_sampled_speculation_matches_target_distribution(small_vocab, rng):
     following[:, : len(prompt) - 1] = prompt[1:]
 
     @jax.jit
-    def prefill(cache, spec, chunk, following, sampling):
+    def prefill(cache, spec, chunk, following, sampling, vocab):
         emit = lambda logits, length, last: (jnp.full((n,), x0, jnp.int32), sampling, None)  # noqa: E731
         return prefill_chunk(model.params, model.mtp, cache, spec, chunk, following,
                              jnp.full((n,), len(prompt), jnp.int32), jnp.ones((n,), bool), emit, cfg=cfg,
-                             ctx_bucket=64, costs=None)[:2]
+                             ctx_bucket=64, costs=None, vocab=vocab)[:2]
 
     cache, spec = prefill(init_cache(cfg, n, 64, F32), init_speculation(cfg, n, k, F32), chunk, following,
-                          slots.sampling)
+                          slots.sampling, vocab)
     step = jax.jit(functools.partial(verify, k=k, cfg=cfg, ctx_bucket=64, costs=None))
     tokens = [[] for _ in range(n)]
     for _ in range(2):
-        cache, spec, slots, produced, count, *_ = step(model.params, model.mtp, cache, spec, slots)
+        if ids is not None:  # drafts from D, q a distribution over the full vocabulary, zero outside D
+            q = np.asarray(spec.drafts.q)
+            assert np.isin(np.asarray(spec.drafts.tokens), ids).all()
+            np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
+            assert not q[..., np.setdiff1d(np.arange(cfg.vocab_size), ids)].any()
+        cache, spec, slots, produced, count, *_ = step(model.params, model.mtp, cache, spec, slots, vocab=vocab)
         produced, count = np.asarray(produced), np.asarray(count)
         for i in range(n):
             tokens[i] += produced[i, : count[i]].tolist()
@@ -237,6 +277,55 @@ def test_sampled_speculation_matches_target_distribution(small_vocab, rng):
     cells = np.array([t[0] * cfg.vocab_size + t[1] for t in tokens])
     assert _chi_square_p(cells, joint) > 1e-3
     assert _chi_square_p(cells, np.full_like(joint, 1 / len(joint))) < 1e-6  # the test has power
+
+
+def test_draft_vocab_drafts_are_the_drafter_restricted_to_it(small_vocab, rng):
+    """The first draft after a prompt against the MTP layer's full-sequence logits z,
+    restricted to D (all ids but z's argmax, so the restriction matters): a greedy row drafts
+    D[argmax z_D] with confidence softmax(z_D) there; a sampled row's q is softmax(z_D / T)
+    scattered into the full vocabulary. D = every id drafts exactly as the full head does."""
+    model, k, t = small_vocab, 2, 0.7
+    cfg = model.config
+    prompt, first = _prompts(rng, 6, (11,))[0], 3
+    seq = jnp.asarray([prompt + [first]])
+    streams, _ = decoder_streams(model.params, seq[:, :-1], cfg)
+    out, _ = mtp_forward(model.mtp, model.params, streams, seq[:, 1:], cfg)
+    z = np.asarray(mtp_head(model.mtp, model.params, out, cfg))[0, -1]  # [V]: predicts the token after `first`
+    d = np.setdiff1d(np.arange(cfg.vocab_size), [np.argmax(z)])
+
+    sampling = _sampling_state(2, 64, t).replace(temperature=jnp.asarray([0.0, t], F32))  # row 0 greedy
+    chunk = np.zeros((2, 16), np.int32)
+    chunk[:, : len(prompt)] = prompt
+    following = np.zeros((2, 16), np.int32)
+    following[:, : len(prompt)] = prompt[1:] + [first]
+
+    @jax.jit
+    def drafts(vocab):
+        emit = lambda logits, length, last: (jnp.full((2,), first, jnp.int32), sampling, None)  # noqa: E731
+        spec = prefill_chunk(model.params, model.mtp, init_cache(cfg, 2, 64, F32), init_speculation(cfg, 2, k, F32),
+                             jnp.asarray(chunk), jnp.asarray(following), jnp.full((2,), len(prompt), jnp.int32),
+                             jnp.ones((2,), bool), emit,
+                             cfg=cfg, ctx_bucket=64, costs=jnp.ones((k + 1,), F32), vocab=vocab)[1]
+        return spec.drafts
+
+    got = drafts(draft_vocab(model.params, d))
+    z_d = z[d] - z[d].max()
+    soft = np.exp(z_d) / np.exp(z_d).sum()
+    want_q = np.zeros(cfg.vocab_size)
+    want_q[d] = np.exp(z_d / t) / np.exp(z_d / t).sum()
+    greedy = d[np.argmax(z_d)]
+    assert int(got.tokens[0, 0]) == greedy
+    np.testing.assert_allclose(got.confidence[0, 0], soft.max(), rtol=1e-4)
+    np.testing.assert_allclose(got.q[0, 0], np.eye(cfg.vocab_size)[greedy])
+    np.testing.assert_allclose(got.q[1, 0], want_q, atol=1e-5)
+    sampled = int(got.tokens[1, 0])
+    assert sampled in d and np.isclose(got.confidence[1, 0], want_q[sampled], rtol=1e-4)
+    assert np.isin(np.asarray(got.tokens), d).all()
+
+    full, every = drafts(None), drafts(draft_vocab(model.params, np.arange(cfg.vocab_size)))
+    assert np.array_equal(np.asarray(full.tokens), np.asarray(every.tokens))
+    np.testing.assert_allclose(every.q, full.q, atol=1e-6)
+    np.testing.assert_allclose(every.confidence, full.confidence, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- caches
@@ -304,6 +393,43 @@ def test_speculation_refuses_what_it_cannot_do(tiny, small_vocab):
         engine.add_request([2, 3], SamplingParams(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="num_draft_tokens"):
         engine.add_request([2, 3], SamplingParams(max_tokens=61))
+
+
+def test_draft_vocab_is_checked(small_vocab, tmp_path):
+    """Engine(draft_vocab=) and a checkpoint's draft_vocab.json: ids in range, unique,
+    non-empty, integers; None takes the model's, False the full vocabulary."""
+    kw = dict(num_draft_tokens=2, capacity=64, spec_policy="fixed")
+    for bad, match in (([], "empty"), ([0, 6], r"token id 6 is outside .*\[0, 6\)"), ([-1, 2], "token id -1"),
+                       ([1, 2, 1], "token id 1 appears more than once"), ([[1, 2]], "1-D"), ([1.5], "integer"),
+                       (True, "got True")):
+        with pytest.raises(ValueError, match=match):
+            Engine(small_vocab, draft_vocab=bad, **kw)
+    with_ids = small_vocab.replace(draft_vocab=np.asarray([5, 0, 2]))
+    assert Engine(with_ids, **kw).draft_vocab.tolist() == [0, 2, 5]  # sorted: argmax ties as over the full vocabulary
+    assert Engine(with_ids, draft_vocab=False, **kw).draft_vocab is None
+    assert Engine(with_ids, draft_vocab=[1, 4], **kw).draft_vocab.tolist() == [1, 4]
+    with pytest.raises(ValueError, match="model.draft_vocab: token id 9"):
+        Engine(small_vocab.replace(draft_vocab=np.asarray([9])), **kw)
+
+    # a checkpoint directory's draft_vocab.json, checked before any weight is read
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_dict(small_vocab.config)))
+    for record, match in (({"ids": [0, 2, 2]}, "appears more than once"), ({"ids": [0, 99]}, "outside"),
+                          ({"ids": ["a"]}, "integer token ids"), ([1, 2], "list \"ids\""), ({"ids": []}, "empty")):
+        (tmp_path / "draft_vocab.json").write_text(json.dumps(record))
+        with pytest.raises(ValueError, match="draft_vocab.json") as e:
+            dsjax.load_model(tmp_path, dtype="float32")
+        assert e.match(match)
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [4, 1], "source": "test"}))
+    assert dsjax.api.read_draft_vocab(tmp_path, small_vocab.config).tolist() == [1, 4]
+
+
+def test_most_frequent_tokens():
+    """The export's draft vocabulary: the n most frequent ids (ties to the smaller id), sorted,
+    never an id that does not occur; and the share of tokens they cover."""
+    docs = [np.asarray([0, 5, 5, 7, 3, 3]), np.asarray([0, 9, 9, 9, 5, 2])]
+    ids, coverage = most_frequent(docs, 12, 3)
+    assert ids.tolist() == [0, 5, 9] and coverage == 8 / 12  # 5 and 9 three times, then 0 and 3 tie: 0
+    assert most_frequent(docs, 12, 100)[0].tolist() == [0, 2, 3, 5, 7, 9]
 
 
 def test_generate_with_drafts(small_vocab, rng):

@@ -16,7 +16,9 @@ returns, no token of that request is delivered, even one already computed.
 
 With num_draft_tokens > 0 the decode step is a speculative verify step
 (`dsjax.engine.speculative`): each slot's pending token and up to k MTP drafts go through
-the target at once, and a slot advances by 1..k+1 tokens; `dsjax.engine.policy` says k.
+the target at once, and a slot advances by 1..k+1 tokens; `dsjax.engine.policy` says k. The
+drafter may propose from a reduced vocabulary (`draft_vocab`, its head rows gathered once
+here and passed to the speculative programs as an argument).
 
 Structured output (`add_request(..., constraint=)`, `dsjax.engine.constraints`): a
 constrained row's next mask depends on the token it just sampled, so it never runs ahead.
@@ -44,12 +46,13 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, fill_masks, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args
 from dsjax.model.cache import batch_axes, min_ring
-from dsjax.engine.policy import SpeculationPolicy, check_speculation
+from dsjax.engine.policy import SpeculationPolicy, check_draft_vocab, check_speculation
 from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, spec_decode_step, spec_prefill_step, start_decoding)
 from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
                                    context_bucket, context_buckets, stop_ids)
 from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding
 
@@ -62,6 +65,7 @@ class Model(Protocol):
     dtype: Any
     mesh: jax.sharding.Mesh | None
     mtp: Any
+    draft_vocab: Any  # token ids the MTP drafter proposes from, or None (all)
     options: RuntimeOptions
 
     def mesh_context(self) -> ContextManager: ...
@@ -81,6 +85,12 @@ class Engine:
     relative costs of verifying k = 0..K drafts) to pin it, e.g. for reproducible runs: the
     output distribution never depends on it, but sampled tokens follow the k chosen.
 
+    draft_vocab: the token ids the drafter proposes from (it scores only their head rows,
+    far cheaper than the full vocabulary's); verification stays exact, so outputs do not
+    depend on it, only the acceptance rate does. None: the model's (`model.draft_vocab`,
+    read from a checkpoint's draft_vocab.json) if it has one, else the full vocabulary;
+    False: the full vocabulary; a list / array of ids: those.
+
     Arguments are checked here, and the cache is checked to fit before it is allocated:
     in `device_memory_bytes` per device if given, else in what the device reports free
     (the weights already loaded deducted)."""
@@ -88,7 +98,7 @@ class Engine:
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
                  num_draft_tokens: int = 0, spec_policy: str = "confidence", verify_costs: list[float] | None = None,
-                 device_memory_bytes: int | None = None):
+                 draft_vocab=None, device_memory_bytes: int | None = None):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                           decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
@@ -111,6 +121,9 @@ class Engine:
                           unsupported={"a mesh": self.mesh is not None, "batch_invariant": batch_invariant,
                                        "max_logprobs > 0": max_logprobs > 0, "decode_steps > 1": decode_steps > 1})
         self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
+        self.draft_vocab = self._check_draft_vocab(draft_vocab)  # sorted ids [|D|] or None (full vocabulary)
+        self._draft = (gather_draft_vocab(model.params, self.draft_vocab)  # the programs' argument
+                       if num_draft_tokens and self.draft_vocab is not None else None)
         check_cache_fits(model, max_slots, capacity, device_memory_bytes)
         cache, slots, self.spec = init_state(cfg=cfg, batch=max_slots, capacity=capacity, dtype=model.dtype,
                                              num_draft_tokens=num_draft_tokens)
@@ -133,6 +146,17 @@ class Engine:
                             batch_axes(tree))
 
     # ------------------------------------------------------------------ speculation
+    def _check_draft_vocab(self, draft_vocab):
+        if draft_vocab is None:
+            ids = self.model.draft_vocab
+            return None if ids is None else check_draft_vocab(ids, self.cfg.vocab_size, "model.draft_vocab")
+        if draft_vocab is False:
+            return None
+        if draft_vocab is True:
+            raise ValueError("draft_vocab must be None (the model's), False (the full vocabulary) or a list of "
+                             "token ids, got True")
+        return check_draft_vocab(draft_vocab, self.cfg.vocab_size)
+
     # the policy's, under the names callers use: [K + 1] verify costs on the device (None: fixed
     # policy or not measured yet), the same as floats, the counters (a benchmark resets them)
     costs = property(lambda self: self.policy.costs)
@@ -154,8 +178,8 @@ class Engine:
 
         def verify(k: int):
             self.cache, idle[0], idle[1], out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, *idle, self._none_cancelled, placeholder, k=k,
-                cfg=self.cfg, opts=self.opts, ctx_bucket=self._bucket(1), sampled=False)
+                self.model.params, self.model.mtp, self.cache, *idle, self._none_cancelled, placeholder, self._draft,
+                k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=self._bucket(1), sampled=False)
             return self.cache, out
 
         self.policy.measure_costs(verify)
@@ -293,7 +317,7 @@ class Engine:
         if self.spec is not None:
             self.cache, self.spec, self.slots, out = spec_prefill_step(
                 params, self.model.mtp, self.cache, self.spec, self.slots, slot, tokens, following, n_valid, is_last,
-                admits, self.costs, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                admits, self.costs, self._draft, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
                 params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits)), cfg=self.cfg,
@@ -320,8 +344,8 @@ class Engine:
                 n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.costs, k=k,
-                cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.costs,
+                self._draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         return out
 
     def _split_decode_call(self, bucket: int, masks, before_sample: Callable[[], None] | None = None) -> StepOutput:

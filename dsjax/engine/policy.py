@@ -42,6 +42,27 @@ def check_speculation(num_draft_tokens: int, *, has_mtp: bool, max_drafts: int, 
             raise ValueError(f"speculative decoding (num_draft_tokens > 0) does not support {name}")
 
 
+def check_draft_vocab(ids, vocab_size: int, where: str = "draft_vocab") -> np.ndarray:
+    """A drafter vocabulary (token ids the MTP drafter may propose) -> sorted int32 [|D|].
+    Refused, naming `where`: not a 1-D list of integers, empty, out of [0, vocab_size),
+    repeated ids."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+        raise ValueError(f"{where} must be a 1-D list of integer token ids, got an array of shape {a.shape} "
+                         f"and dtype {a.dtype}")
+    if a.size == 0:
+        raise ValueError(f"{where} is empty: the drafter needs at least one token id")
+    bad = a[(a < 0) | (a >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{where}: token id {int(bad[0])} is outside the model's vocabulary [0, {vocab_size}) "
+                         f"({bad.size} such ids)")
+    uniq, counts = np.unique(a, return_counts=True)
+    if uniq.size != a.size:
+        raise ValueError(f"{where}: token id {int(uniq[counts > 1][0])} appears more than once "
+                         f"({a.size - uniq.size} repeats)")
+    return uniq.astype(np.int32)
+
+
 class SpeculationPolicy:
     """The scheduler's side of speculation: per slot, the drafts its latest output asked
     the next step to verify (`next_k`); the verify-cost curve; the counters behind
@@ -61,7 +82,12 @@ class SpeculationPolicy:
                 raise ValueError(f"verify_costs must be {k + 1} positive numbers (k = 0..{k}), got {verify_costs}")
             self.costs = jnp.asarray(verify_costs, jnp.float32)
         self.next_k = [k] * max_slots
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counters (a benchmark times runs one at a time)."""
         self.totals = dict.fromkeys(COUNTERS, 0)
+        self.by_position = np.zeros((2, self.num_draft_tokens), np.int64)  # [reached, accepted] per draft position
 
     @property
     def enabled(self) -> bool:
@@ -120,6 +146,8 @@ class SpeculationPolicy:
             req.drafts_proposed += checked
             req.drafts_accepted += accepted
             req.decode_tokens += produced
+            self.by_position[0, : min(accepted + 1, checked)] += 1  # draft j is judged iff drafts < j all passed
+            self.by_position[1, :accepted] += 1
             for key, n in (("row_steps", 1), ("drafts_proposed", checked), ("drafts_accepted", accepted),
                            ("decode_tokens", produced)):
                 self.totals[key] += n
@@ -128,8 +156,12 @@ class SpeculationPolicy:
     def metrics(self) -> dict:
         """Counters since construction: target (verify) steps, the drafts proposed and
         accepted, and tokens per target step, per request (`tokens_per_row_step`) and for
-        the whole batch (`tokens_per_target_step`)."""
+        the whole batch (`tokens_per_target_step`); per draft position j, how often it was
+        accepted when judged (`acceptance_by_position`: drafts before j accepted, j verified)."""
         t = dict(self.totals)
+        reached, accepted = self.by_position
+        t["acceptance_by_position"] = [float(a / r) if r else None for r, a in zip(reached, accepted)]
+        t["judged_by_position"] = reached.tolist()
         t["acceptance_rate"] = t["drafts_accepted"] / max(t["drafts_proposed"], 1)
         t["tokens_per_row_step"] = t["decode_tokens"] / max(t["row_steps"], 1)
         t["tokens_per_target_step"] = t["decode_tokens"] / max(t["target_steps"], 1)

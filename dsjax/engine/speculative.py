@@ -23,6 +23,13 @@ p and q are the request's *processed* distributions (temperature, top-k, top-p, 
 so the output distribution is exactly the target's. Penalties, whose statistics would
 change inside the draft chain, are refused with speculation. Randomness comes from
 (seed, position, salt) keys, so a request's draws never depend on its batch neighbours.
+
+Reduced draft vocabulary (`DraftVocab`): the drafter may score only a set D of token ids
+(the most frequent ones), through head rows gathered once, W_head[D] [|D|, D_model]. A draft
+is then the argmax / a draw within D mapped back to its full id, and q is that distribution
+scattered into the full vocabulary (zero outside D): still the distribution the draft was
+drawn from, so the acceptance test above stays exact. The target verifies with its full
+head as before; only the drafts change (greedy outputs are plain decoding's whatever D is).
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from dsjax.engine.sampler import SamplingState, argmax_first, categorical, proce
 from dsjax.engine.slots import emit_tokens
 from dsjax.layers.attention import AttentionState
 from dsjax.model.cache import Cache, restore_rows, save_rows
-from dsjax.model.decoder import DEFAULT_OPTIONS, ModelParams, decoder_streams, last_valid, logits_of
+from dsjax.model.decoder import (DEFAULT_OPTIONS, ModelParams, decoder_streams, head_logits, last_valid, lm_head_weight,
+                                 logits_of)
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
@@ -49,6 +57,21 @@ class Drafts:
     tokens: jax.Array  # [B, K] int32
     q: jax.Array  # [B, K, V] fp32: the processed draft distribution each was drawn from
     confidence: jax.Array  # [B, K] fp32: q(d_j) (greedy rows: the drafter's softmax at d_j), for scheduling
+
+
+@struct.dataclass
+class DraftVocab:
+    """The drafter's reduced vocabulary D: token ids and their output-head rows, gathered
+    once (`draft_vocab`) and passed to the programs as an argument."""
+
+    ids: jax.Array  # [|D|] int32, sorted (argmax ties fall on the smallest id, as over the full vocabulary)
+    head: jax.Array  # [|D|, D_model]: lm_head_weight rows of ids
+
+
+def draft_vocab(params: ModelParams, ids) -> DraftVocab:
+    """The head rows of token ids [|D|] (checked ones, `dsjax.engine.policy.check_draft_vocab`)."""
+    ids = jnp.asarray(ids, jnp.int32)
+    return DraftVocab(ids, jnp.take(lm_head_weight(params), ids, axis=0))
 
 
 def processed_probs(logits: jax.Array, s: SamplingState) -> jax.Array:
@@ -149,14 +172,15 @@ def choose_limits(confidence: jax.Array, costs: jax.Array | None) -> jax.Array:
 def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionState, streams: jax.Array,
                      next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, s: SamplingState,
                      old: Drafts, cfg: ModelConfig, *, sampled: bool, confidence: bool, draft=True,
-                     opts: RuntimeOptions = DEFAULT_OPTIONS):
+                     vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
     """Commit true positions start .. start+n_valid-1 to the MTP ring (target streams
     [B, C, N, D] and the tokens after them [B, C]), then draft as many tokens as `old` holds
     from the last one by reusing the MTP layer on its own output streams (on a scratch copy
     of the ring, so the ring only ever holds true positions and needs no rollback).
     sampled=False (every row greedy): draft by argmax and leave old.q untouched;
     confidence=False (fixed policy): no confidences (old's kept). draft: a traced bool to
-    draft only when it holds (prefill: on a prompt's last chunk), else `old` is returned."""
+    draft only when it holds (prefill: on a prompt's last chunk), else `old` is returned.
+    vocab: draft only among its ids (None: the full vocabulary)."""
     out, mtp_state = mtp_forward(mtp, params, streams, next_tokens, cfg, mtp_state, start=start, n_valid=n_valid,
                                  opts=opts)
     h = last_valid(out, n_valid)  # [B, 1, N, D]
@@ -164,22 +188,29 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
     row_sampled = s.temperature > 0
 
     def draft_one(h, pos):
-        """One draft from the MTP output streams h at pos (predicting pos + 2)."""
-        logits = mtp_head(mtp, params, h, cfg)[:, 0]
+        """One draft from the MTP output streams h at pos (predicting pos + 2). With a draft
+        vocabulary, logits / q / the draw are over D (index j) and d = D[j]; q leaves here
+        scattered into the full vocabulary."""
+        if vocab is None:
+            logits = mtp_head(mtp, params, h, cfg)[:, 0]  # [B, V]
+            full_id = lambda j: j  # noqa: E731
+        else:
+            logits = head_logits(mtp.hc_head, mtp.norm, vocab.head, h, cfg)[:, 0]  # [B, |D|]
+            full_id = lambda j: vocab.ids[j]  # noqa: E731
         out = {}
         if sampled:
             q = processed_probs(logits, s)
-            d = jnp.where(row_sampled, draw(q, s.seed, pos + 2, DRAFT), argmax_first(logits))
-            out["q"] = q
+            j = jnp.where(row_sampled, draw(q, s.seed, pos + 2, DRAFT), argmax_first(logits))
+            out["q"] = q if vocab is None else jnp.zeros((q.shape[0], cfg.vocab_size), q.dtype).at[:, vocab.ids].set(q)
         else:
-            d = argmax_first(logits)
-        if confidence:  # q(d); for greedy rows (q one-hot) the drafter's softmax at d
-            at_d = jnp.take_along_axis(logits, d[:, None], axis=1)[:, 0]
-            conf = jnp.exp(at_d - jax.nn.logsumexp(logits, axis=-1))
+            j = argmax_first(logits)
+        if confidence:  # q(d); for greedy rows (q one-hot) the drafter's softmax (over D) at d
+            at_j = jnp.take_along_axis(logits, j[:, None], axis=1)[:, 0]
+            conf = jnp.exp(at_j - jax.nn.logsumexp(logits, axis=-1))
             if sampled:
-                conf = jnp.where(row_sampled, jnp.take_along_axis(out["q"], d[:, None], axis=1)[:, 0], conf)
+                conf = jnp.where(row_sampled, jnp.take_along_axis(q, j[:, None], axis=1)[:, 0], conf)
             out["confidence"] = conf
-        return d, out
+        return full_id(j), out
 
     def one(carry, _):  # the layer again, on its own output streams and the draft it just made
         h, scratch, pos, d = carry
@@ -215,11 +246,12 @@ def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Dra
 # ----------------------------------------------------------------------------- steps
 def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
            cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None, sampled: bool = True,
-           opts: RuntimeOptions = DEFAULT_OPTIONS):
+           vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
     """One speculative step for every active slot: feed [pending token, first k drafts] in
     one target forward, accept (at most each row's limit), roll the caches back to the
     kept positions, commit them to the MTP ring and draft anew. sampled=False: a batch of
-    greedy rows only (no distributions formed: argmax on the logits).
+    greedy rows only (no distributions formed: argmax on the logits). vocab: the drafter's
+    reduced vocabulary for the next drafts (None: full); verification always uses the full head.
     -> (cache, spec, slots, tokens [B, k+1], count [B], finished [B], checked [B], accepted [B])."""
     start, active = cache.length, slots.active
     drafts = spec.drafts
@@ -242,7 +274,7 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     slots, count, finished = emit_tokens(slots, produced, a + 1, start)
     mtp_state, new = commit_and_draft(params, mtp, spec.mtp, streams, produced, start, jnp.where(active, a + 1, 0),
                                       slots.sampling, drafts, cfg, sampled=sampled, confidence=costs is not None,
-                                      opts=opts)
+                                      vocab=vocab, opts=opts)
     spec = update_speculation(spec, mtp_state, new, active, costs)
     return cache, spec, slots, produced, count, finished, limit, a
 
@@ -250,7 +282,7 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
 def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, tokens: jax.Array,
                   next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, emit, *, cfg: ModelConfig,
                   ctx_bucket: int, costs: jax.Array | None, sampled: bool = True,
-                  opts: RuntimeOptions = DEFAULT_OPTIONS):
+                  vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
     """A prompt chunk tokens [B, C] through the target and the MTP ring. next_tokens [B, C]:
     the token after each (from the prompt; after its end, the sampled first token).
     `emit(logits [B, V], length [B], is_last [B]) -> (first token [B], sampling state, aux)`
@@ -265,5 +297,5 @@ def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Specu
     next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
     mtp_state, drafts = commit_and_draft(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
                                          spec.drafts, cfg, sampled=sampled, confidence=costs is not None,
-                                         draft=is_last, opts=opts)
+                                         draft=is_last, vocab=vocab, opts=opts)
     return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, costs), aux

@@ -5,8 +5,11 @@
                         128 x 128 blocks, experts fp4)
     model.safetensors   DeepSeek's original tensor names (dsjax/checkpoint/names.py)
     tokenizer.json, tokenizer_config.json   the bundled V4 tokenizer
+    draft_vocab.json    with --draft-vocab N: the N token ids most frequent in the training
+                        split, which the MTP drafter proposes from (`Engine(draft_vocab=)`)
 
-    python -m dsjax.train.export --run /work/tinypy-run --config configs/dsjax-tiny-py.json --out DIR
+    python -m dsjax.train.export --run /work/tinypy-run --config configs/dsjax-tiny-py.json --out DIR \
+        [--draft-vocab 8192]
 
 Storage, as in the V4 checkpoints (and the spec's table):
   FP8 E4M3 + E8M0 block scales   attention wq_a / wq_b / wkv / wo_a / wo_b, indexer wq_b,
@@ -37,8 +40,8 @@ from dsjax.checkpoint.names import mtp_weight_names, per_layer_paths, weight_nam
 from dsjax.config import ModelConfig, load_config
 from dsjax.config.io import to_hf_dict
 from dsjax.params import path_str
-from dsjax.tokenizer import bundled_tokenizer_path
-from dsjax.train import pretrain
+from dsjax.tokenizer import bundled_tokenizer_path, load_tokenizer
+from dsjax.train import data, pretrain
 from dsjax.train.vocab import VocabMap, compact_config, expand
 
 FP8_BLOCK = 128
@@ -150,6 +153,29 @@ def export(model: dict, vocab: VocabMap | None, cfg: ModelConfig, out: Path, pro
     return dequantized
 
 
+def most_frequent(docs: list[np.ndarray], vocab_size: int, n: int) -> tuple[np.ndarray, float]:
+    """The (at most) n token ids most frequent in docs, sorted by id, and the fraction of
+    the docs' tokens they cover. Ties go to the smaller id; ids that never occur are left
+    out, so fewer than n come back when fewer occur."""
+    counts = np.bincount(np.concatenate(docs), minlength=vocab_size)
+    order = np.argsort(-counts, kind="stable")[: min(n, int(np.count_nonzero(counts)))]
+    return np.sort(order).astype(np.int32), float(counts[order].sum() / max(counts.sum(), 1))
+
+
+def write_draft_vocab(out: Path, run: Path, cfg: ModelConfig, n: int) -> dict:
+    """draft_vocab.json in `out`: the n most frequent token ids of the run's training split
+    (its tokenized corpus cache, corpus-*.npz; tokenized anew if the run has none)."""
+    if n <= 0:
+        raise ValueError(f"--draft-vocab must be a positive number of tokens, got {n}")
+    train_docs, _ = data.corpus_tokens(data.stdlib_root(), data.load_file_list(), load_tokenizer(), run)
+    ids, coverage = most_frequent(train_docs, cfg.vocab_size, n)
+    record = {"ids": ids.tolist(), "source": f"the {len(ids)} most frequent token ids of the training split "
+                                              f"({sum(map(len, train_docs))} tokens, {run})",
+              "train_coverage": round(coverage, 6)}
+    (Path(out) / "draft_vocab.json").write_text(json.dumps(record) + "\n")
+    return record
+
+
 def load_run(ckpt: Path, cfg: ModelConfig):
     """A pretraining checkpoint -> ({"params", "mtp"}, VocabMap | None, meta)."""
     vocab = pretrain.load_vocab(ckpt, cfg.vocab_size)
@@ -165,6 +191,8 @@ def main():
     ap.add_argument("--run", required=True, help="pretraining run directory (its newest checkpoint) or a ckpt-* dir")
     ap.add_argument("--config", default="configs/dsjax-tiny-py.json")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="also write draft_vocab.json: the N most frequent training token ids (MTP drafts)")
     args = ap.parse_args()
     run = Path(args.run)
     ckpt = run if (run / "meta.json").is_file() else pretrain.latest_checkpoint(run)
@@ -176,6 +204,10 @@ def main():
                                                 "hparams": meta["hparams"]})
     size = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
     print(f"wrote {args.out} from {ckpt} (step {meta['step']}): model.safetensors {size / 2**20:.1f} MiB")
+    if args.draft_vocab:
+        record = write_draft_vocab(Path(args.out), run.parent if ckpt == run else run, cfg, args.draft_vocab)
+        print(f"wrote draft_vocab.json: {len(record['ids'])} ids covering {record['train_coverage']:.1%} of the "
+              f"training tokens")
 
 
 if __name__ == "__main__":
