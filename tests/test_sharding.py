@@ -34,7 +34,8 @@ def prompts():
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_forward_matches_one_device(single, mesh, rng):
-    ids = rng.integers(0, 5000, (8, 37))
+    # one mesh gets a sequence shorter than the HCA ratio (no compressed entry at all)
+    ids = rng.integers(0, 5000, (8, 12 if mesh == "data=2,expert=4" else 37))
     sharded = dsjax.load_model("tiny", dtype="float32", mesh=mesh)
     np.testing.assert_allclose(sharded.logits(ids), single.logits(ids), atol=1e-5, rtol=0)
 

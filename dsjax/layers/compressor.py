@@ -89,8 +89,8 @@ def compress_kv(p: Compressor, x: jax.Array, *, ratio: int, overlap: bool, cfg: 
     Tokens after the last complete window produce no entry."""
     b, s, _ = x.shape
     n_windows = s // ratio
-    if n_windows == 0:
-        return jnp.zeros((b, 0, p.kv_norm.shape[0]), x.dtype)
+    if n_windows == 0:  # no entry; projected from x's empty slice so it keeps x's (batch) sharding
+        return project(p, x[:, :0])[0].astype(x.dtype)
     kv, gate = project(p, x[:, : n_windows * ratio])
     kv = reshape(kv, (b, n_windows, ratio, -1))
     gate = reshape(gate, (b, n_windows, ratio, -1))
