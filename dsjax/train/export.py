@@ -200,8 +200,15 @@ def main():
         raise SystemExit(f"{run}: no checkpoint (ckpt-*/meta.json) found")
     cfg = load_config(args.config)
     model, vocab, meta = load_run(ckpt, cfg)
-    export(model, vocab, cfg, Path(args.out), {"checkpoint": str(ckpt), "step": meta["step"],
-                                                "hparams": meta["hparams"]})
+    provenance = {"checkpoint": str(ckpt), "step": meta["step"], "hparams": meta["hparams"]}
+    log = ckpt.parent / "log.jsonl"
+    if log.is_file():  # the run's own held-out evaluation at this step: what the shipped weights must reproduce
+        evals = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("eval") and r["step"] == meta["step"]]
+        if evals:
+            provenance["eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval_")}
+            provenance["eval_sequences"] = {"count": pretrain.EVAL_SEQUENCES, "seq_len": meta["hparams"]["seq_len"],
+                                            "what": "data.pack(held-out documents, seq_len, None)[:count]"}
+    export(model, vocab, cfg, Path(args.out), provenance)
     size = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
     print(f"wrote {args.out} from {ckpt} (step {meta['step']}): model.safetensors {size / 2**20:.1f} MiB")
     if args.draft_vocab:

@@ -48,6 +48,9 @@ from dsjax.train.objective import pretrain_losses
 from dsjax.train.vocab import VocabMap, compact_config, full_nll
 
 
+EVAL_SEQUENCES = 32  # held-out sequences each evaluation scores (the first of the packed held-out split)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hparams:
     seq_len: int = 256
@@ -218,7 +221,7 @@ def load_vocab(ckpt: Path, full_size: int) -> VocabMap | None:
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: ModelConfig, hp: Hparams, out: Path, train_docs: list[np.ndarray], held_docs: list[np.ndarray], *,
           resume: bool = False, stop_at: int | None = None, ckpt_minutes: float = 5.0, log_every: int = 10,
-          eval_every: int = 200, eval_sequences: int = 32, compact_vocab: bool = True, on_log=print) -> dict:
+          eval_every: int = 200, eval_sequences: int = EVAL_SEQUENCES, compact_vocab: bool = True, on_log=print) -> dict:
     """Train (or continue) the run in `out` up to step `stop_at` (default hp.steps);
     checkpoint at the end. Documents are full-vocabulary token arrays. -> the final model
     tree (compact vocabulary when compact_vocab) and the VocabMap under "vocab"."""
