@@ -67,6 +67,17 @@ def test_resume_is_bit_identical(trained, tmp_path):
     assert json.loads((tmp_path / "ckpt-0000008" / "meta.json").read_text())["step"] == 8
 
 
+def test_init_from_starts_at_the_other_runs_weights(trained, tmp_path):
+    """Continued pretraining: a new run started from the trained run's checkpoint begins at
+    its loss, not at a fresh init's; its checkpoint records where it came from."""
+    src = max(p for p in trained["out"].glob("ckpt-*"))
+    cont = train(tiny_cfg(), HP, tmp_path, DOCS, [], init_from=src, stop_at=1, **QUIET)
+    first_fresh, last = trained["history"][0]["loss"], trained["history"][-1]["loss"]
+    assert abs(cont["history"][0]["loss"] - last) < 0.25 * (first_fresh - last), (cont["history"][0], last)
+    meta = json.loads((tmp_path / "ckpt-0000001" / "meta.json").read_text())
+    assert meta["init_from"]["step"] == HP.steps
+
+
 def test_gradients_reach_every_mechanism():
     """float32 backward through mHC (Sinkhorn), hash and top-k MoE, CSA / HCA compressors and
     the MTP layer: every trained weight gets a finite gradient, non-zero except where the

@@ -221,10 +221,15 @@ def load_vocab(ckpt: Path, full_size: int) -> VocabMap | None:
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: ModelConfig, hp: Hparams, out: Path, train_docs: list[np.ndarray], held_docs: list[np.ndarray], *,
           resume: bool = False, stop_at: int | None = None, ckpt_minutes: float = 5.0, log_every: int = 10,
-          eval_every: int = 200, eval_sequences: int = EVAL_SEQUENCES, compact_vocab: bool = True, on_log=print) -> dict:
+          eval_every: int = 200, eval_sequences: int = EVAL_SEQUENCES, compact_vocab: bool = True, on_log=print,
+          init_from: Path | None = None) -> dict:
     """Train (or continue) the run in `out` up to step `stop_at` (default hp.steps);
     checkpoint at the end. Documents are full-vocabulary token arrays. -> the final model
-    tree (compact vocabulary when compact_vocab) and the VocabMap under "vocab"."""
+    tree (compact vocabulary when compact_vocab) and the VocabMap under "vocab".
+    init_from: a checkpoint of another run (same config and vocabulary) whose weights this
+    run starts from, with a fresh optimizer and its own schedule (continued pretraining:
+    another run's schedule has decayed; `resume` would only finish it). Ignored once `out`
+    has a checkpoint of its own (then resume continues this run)."""
     setup_compile_cache()  # the training step takes a minute or more to compile on a CPU
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,6 +257,18 @@ def train(cfg: ModelConfig, hp: Hparams, out: Path, train_docs: list[np.ndarray]
             raise ValueError(f"{ckpt}: saved with other settings ({saved['hparams']}, {saved['config']}) "
                              f"than this run ({meta['hparams']}, {meta['config']})")
         on_log(f"resumed {ckpt} at step {step}")
+    elif init_from is not None:
+        src = Path(init_from)
+        src = src if (src / "meta.json").is_file() else latest_checkpoint(src)
+        if src is None:
+            raise ValueError(f"{init_from}: no checkpoint (ckpt-*/meta.json) to start from")
+        src_meta = json.loads((src / "meta.json").read_text())
+        if src_meta["config"] != meta["config"] or src_meta.get("vocab_compact") != meta["vocab_compact"]:
+            raise ValueError(f"{src}: config {src_meta['config']!r} / vocabulary {src_meta.get('vocab_compact')} "
+                             f"differ from this run's ({meta['config']!r} / {meta['vocab_compact']})")
+        _, model, _, _ = load_checkpoint(src, model, opt_state)
+        meta["init_from"] = {"checkpoint": str(src), "step": src_meta["step"]}
+        on_log(f"starting from the weights of {src} (step {src_meta['step']}); fresh optimizer and schedule")
     train_step = make_step(tcfg, vocab, hp)
     evaluate = make_eval(tcfg, vocab) if len(held) >= 1 else None
     stop = hp.steps if stop_at is None else stop_at
@@ -285,7 +302,7 @@ def train(cfg: ModelConfig, hp: Hparams, out: Path, train_docs: list[np.ndarray]
     model = combine(params, model)
     if ckpt is None or step > ckpt_step(ckpt):
         save_checkpoint(out, step, model, opt_state, meta, vocab)
-    return {"model": model, "vocab": vocab, "config": tcfg, "history": history, "step": step}
+    return {"model": model, "vocab": vocab, "config": tcfg, "history": history, "step": step, "out": out}
 
 
 def ckpt_step(ckpt: Path) -> int:
@@ -298,6 +315,9 @@ def main():
     ap.add_argument("--out", required=True, help="run directory (checkpoints, log.jsonl, tokenized corpus cache)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     ap.add_argument("--stop-at", type=int, default=None, help="stop (and checkpoint) at this step; resume later")
+    ap.add_argument("--init-from", default=None, help="start from another run's weights (its newest checkpoint, or a "
+                    "ckpt-* dir) with a fresh optimizer and this run's schedule; pass another --seed for a new "
+                    "data order")
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=200)
@@ -312,7 +332,7 @@ def main():
           f"{len(held_docs)} held out ({sum(map(len, held_docs))} tokens); {hp}", flush=True)
     train(cfg, hp, Path(args.out), train_docs, held_docs, resume=args.resume, stop_at=args.stop_at,
           ckpt_minutes=args.ckpt_minutes, log_every=args.log_every, eval_every=args.eval_every,
-          on_log=lambda s: print(s, flush=True))
+          on_log=lambda s: print(s, flush=True), init_from=args.init_from)
 
 
 if __name__ == "__main__":
