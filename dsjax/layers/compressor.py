@@ -90,7 +90,7 @@ def compress_kv(p: Compressor, x: jax.Array, *, ratio: int, overlap: bool, cfg: 
     b, s, _ = x.shape
     n_windows = s // ratio
     if n_windows == 0:  # no entry; projected from x's empty slice so it keeps x's (batch) sharding
-        return project(p, x[:, :0])[0].astype(x.dtype)
+        return project(p, x[:, :0])[0][..., : p.kv_norm.shape[0]].astype(x.dtype)  # [B, 0, c*d] -> [B, 0, d]
     kv, gate = project(p, x[:, : n_windows * ratio])
     kv = reshape(kv, (b, n_windows, ratio, -1))
     gate = reshape(gate, (b, n_windows, ratio, -1))
