@@ -21,14 +21,13 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from results_io import write_result  # noqa: E402
 
 import dsjax
-from dsjax.model import forward
 from dsjax.train import data
+from dsjax.train.export import mean_nll
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "def read_lines(path):\n    with open(path) as f:",
            "for i in range(10):"]
@@ -51,15 +50,9 @@ def held_out_loss(model, tokenizer, max_sequences: int) -> dict:
     docs = data.tokenize(data.read_documents(data.stdlib_root(), data.load_file_list(), held_out=True), tokenizer)
     seqs = data.pack(docs, SEQ_LEN, None)[:max_sequences]  # [N, SEQ_LEN + 1]
 
-    @jax.jit
-    def nll(params, tokens):
-        logits, _ = forward(params, tokens[:, :-1], model.config, opts=model.options)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0].sum()
-
-    total = sum(float(nll(model.params, jnp.asarray(seqs[i:i + 4]))) for i in range(0, len(seqs), 4))
+    loss = mean_nll(model, seqs)
     n = seqs[:, 1:].size
-    return {"sequences": int(len(seqs)), "tokens": int(n), "loss": total / n, "perplexity": float(np.exp(total / n))}
+    return {"sequences": int(len(seqs)), "tokens": int(n), "loss": loss, "perplexity": float(np.exp(loss))}
 
 
 def parses(prompt: str, text: str) -> bool:

@@ -5,15 +5,14 @@ vocabulary, unquantized float32 weights)."""
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
 
 import dsjax
-from dsjax.model import forward
 from dsjax.train import data
+from dsjax.train.export import mean_nll
 from dsjax.weights import DEFAULT_MODEL, bundled_models, bundled_path
 
 CKPT = bundled_path(DEFAULT_MODEL)
@@ -53,13 +52,6 @@ def test_shipped_weights_reproduce_the_training_eval(model):
     held = data.tokenize(data.read_documents(data.stdlib_root(), data.load_file_list(), held_out=True), tok)
     seqs = data.pack(held, spec["seq_len"], None)[: spec["count"]]
 
-    @jax.jit
-    def nll(params, tokens):
-        logits, _ = forward(params, tokens[:, :-1], model.config, opts=model.options)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0].sum()
-
-    total = sum(float(nll(model.params, jnp.asarray(seqs[i:i + 4]))) for i in range(0, len(seqs), 4))
-    loss = total / seqs[:, 1:].size
+    loss = mean_nll(model, seqs)
     assert abs(loss - expected) < 0.05, (loss, expected)
     assert loss < 6.0

@@ -186,6 +186,23 @@ def load_run(ckpt: Path, cfg: ModelConfig):
     return model, vocab, json.loads((Path(ckpt) / "meta.json").read_text())
 
 
+def mean_nll(model, sequences: np.ndarray, batch: int = 4) -> float:
+    """Mean next-token NLL (nats, full-vocabulary softmax) of a loaded `dsjax.Model` over
+    token sequences [N, S + 1]: how the shipped checkpoint is scored (report and tests)."""
+    import jax.numpy as jnp
+
+    from dsjax.model import forward
+
+    @jax.jit
+    def nll(params, tokens):
+        logits, _ = forward(params, tokens[:, :-1], model.config, opts=model.options)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0].sum()
+
+    total = sum(float(nll(model.params, jnp.asarray(sequences[i:i + batch]))) for i in range(0, len(sequences), batch))
+    return total / sequences[:, 1:].size
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, help="pretraining run directory (its newest checkpoint) or a ckpt-* dir")
