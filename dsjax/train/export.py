@@ -32,6 +32,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -39,6 +40,7 @@ from dsjax.checkpoint import write_safetensors
 from dsjax.checkpoint.names import mtp_weight_names, per_layer_paths, weight_names
 from dsjax.config import ModelConfig, load_config
 from dsjax.config.io import to_hf_dict
+from dsjax.model import forward
 from dsjax.params import path_str
 from dsjax.tokenizer import bundled_tokenizer_path, load_tokenizer
 from dsjax.train import data, pretrain
@@ -189,10 +191,6 @@ def load_run(ckpt: Path, cfg: ModelConfig):
 def mean_nll(model, sequences: np.ndarray, batch: int = 4) -> float:
     """Mean next-token NLL (nats, full-vocabulary softmax) of a loaded `dsjax.Model` over
     token sequences [N, S + 1]: how the shipped checkpoint is scored (report and tests)."""
-    import jax.numpy as jnp
-
-    from dsjax.model import forward
-
     @jax.jit
     def nll(params, tokens):
         logits, _ = forward(params, tokens[:, :-1], model.config, opts=model.options)
