@@ -144,7 +144,7 @@ def _generate(args, say, cache):
     initialize(args.coordinator, args.num_processes, args.process_id)
     model = _load(args, say, mtp=True if args.num_draft_tokens else None)
     p = plan(model, args.text, *sampling, args.num_draft_tokens, args.spec_policy, stop=args.stop,
-             tokenizer=dsjax.load_tokenizer(args.model), **settings)
+             tokenizer=dsjax.load_tokenizer(args.model), token_healing=args.token_healing, **settings)
     stream = len(args.text) == 1 and not (args.json or args.ids)
     start, first = time.perf_counter(), []
 
@@ -396,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop at this text (cut from the output); repeatable")
     g.add_argument("--stop-id", action="append", type=int, metavar="ID", help="stop at this token id; repeatable")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
+    g.add_argument("--no-token-healing", dest="token_healing", action="store_false",
+                   help="feed the prompt's tokens as they are (default: the last one is backed off and the first "
+                        "new token begins with its text, so `def f(n):` goes on as code does, with `):\n`)")
     g.add_argument("--logprobs", type=int, default=0, metavar="N", help="report each token's logprob and the top N "
                    "(shown with --json)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt: text, ids, finish_reason, usage, "

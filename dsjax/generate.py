@@ -23,7 +23,7 @@ from dsjax.api import Model
 from dsjax.engine.engine import Engine
 from dsjax.engine.requests import TokenEvent, bucket_capacity, check_prompt
 from dsjax.engine.sampler import SamplingParams
-from dsjax.tokenizer import Tokenizer, load_tokenizer
+from dsjax.tokenizer import Healing, Tokenizer, load_tokenizer
 
 MAX_SLOTS = 32
 
@@ -159,6 +159,7 @@ class GenerationPlan:
     max_new_tokens: int
     num_draft_tokens: int = 0
     spec_policy: str = "confidence"
+    healed: list[Healing | None] | None = None  # per prompt: its token healing (text prompts, when asked)
 
     def engine(self, model: Model) -> Engine | None:
         """An engine sized for these prompts (None when max_new_tokens is 0)."""
@@ -177,9 +178,12 @@ class GenerationPlan:
         """Generate; on_token(prompt index, event, new text) is called for each token as it
         arrives (text: what it makes final, "" without a tokenizer or while held back because
         it may begin a stop string)."""
-        runs = [TextRun(self.tokenizer, self.stop, bool(sp.logprobs)) for sp in self.params]
+        healed = self.healed or [None] * len(self.prompts)
+        runs = [TextRun(self.tokenizer, self.stop, bool(sp.logprobs), h.removed if h else "")
+                for sp, h in zip(self.params, healed)]
         if engine is not None:
-            by_id = {engine.add_request(p, sp): i for i, (p, sp) in enumerate(zip(self.prompts, self.params))}
+            by_id = {engine.add_request(p, sp, first_tokens=h.first_tokens if h else None): i
+                     for i, (p, sp, h) in enumerate(zip(self.prompts, self.params, healed))}
             for event in engine.run():
                 i = by_id[event.request_id]
                 run = runs[i]
@@ -200,10 +204,14 @@ class TextRun:
     """One request's host-side bookkeeping: ids, logprobs, decoded text (with a tokenizer),
     stop strings. `take(event)` returns the text the event makes final: text that may still
     turn out to begin a stop string is held back until it cannot. `finish_reason` is set
-    when the request ends, by the engine or by a stop string (the caller then cancels it)."""
+    when the request ends, by the engine or by a stop string (the caller then cancels it).
+    healed: the text a token-healed prompt backed off, which its first token repeats: left
+    out of the text (it is the prompt's)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = (), logprobs: bool = False):
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = (), logprobs: bool = False,
+                 healed: str = ""):
         self.tokenizer, self.stop = tokenizer, stop
+        self.healed, self._head = healed, ""
         self.ids: list[int] = []
         self.logprobs: list[dict] | None = [] if logprobs else None
         self.stream = tokenizer.stream() if tokenizer is not None else None
@@ -221,7 +229,7 @@ class TextRun:
             self.logprobs.append(entry)
         if self.stream is not None:
             before = len(self.text)
-            self.text += self.stream.push(event.token)
+            self.text += self._unhealed(self.stream.push(event.token))
             self._match_stop(max(0, before - self.holdback))
         if event.finish_reason is not None and self.stop_hit is None:
             self.finish_reason = event.finish_reason
@@ -231,6 +239,13 @@ class TextRun:
         end = len(self.text) if done else max(self.emitted, len(self.text) - self.holdback)
         new, self.emitted = self.text[self.emitted: end], end
         return new
+
+    def _unhealed(self, piece: str) -> str:
+        """piece, less what is left of the healed prefix (the first token's text starts with it)."""
+        if len(self._head) >= len(self.healed):
+            return piece
+        self._head += piece
+        return self._head[len(self.healed):] if len(self._head) >= len(self.healed) else ""
 
     def _match_stop(self, start: int) -> None:
         hits = [(self.text.find(s, start), s) for s in self.stop]
@@ -265,7 +280,7 @@ def sampling_params(n: int, max_new_tokens: int = 32, temperature=0.0, top_p=1.0
 def plan(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0,
          num_draft_tokens: int = 0, spec_policy: str = "confidence", *, min_p=0.0, repetition_penalty=1.0,
          presence_penalty=0.0, frequency_penalty=0.0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
-         logprobs: int = 0, tokenizer: Tokenizer | None = None) -> GenerationPlan:
+         logprobs: int = 0, tokenizer: Tokenizer | None = None, token_healing: bool = False) -> GenerationPlan:
     """Check and encode `generate`'s arguments (see there) into a GenerationPlan."""
     items = prompt_list(prompts)
     _check_count(num_draft_tokens, "num_draft_tokens")
@@ -278,14 +293,17 @@ def plan(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p
     if tokenizer is None and (any(is_text) or stops):
         tokenizer = load_tokenizer(model)
     ids = [[model.config.bos_token_id] + tokenizer.encode(p) if t else p for p, t in zip(items, is_text)]
-    return GenerationPlan(ids, is_text, params, stops, tokenizer, max_new_tokens, int(num_draft_tokens), spec_policy)
+    healed = [tokenizer.heal(p) if t and token_healing else None for p, t in zip(ids, is_text)]
+    ids = [h.prompt if h else p for p, h in zip(ids, healed)]
+    return GenerationPlan(ids, is_text, params, stops, tokenizer, max_new_tokens, int(num_draft_tokens), spec_policy,
+                          healed)
 
 
 def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0,
              num_draft_tokens: int = 0, spec_policy: str = "confidence", *, min_p=0.0, repetition_penalty=1.0,
              presence_penalty=0.0, frequency_penalty=0.0, stop: str | Sequence[str] | None = None,
              stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, logprobs: int = 0,
-             tokenizer: Tokenizer | None = None, details: bool = False,
+             tokenizer: Tokenizer | None = None, token_healing: bool = False, details: bool = False,
              on_token: Callable[[int, TokenEvent, str], None] | None = None) -> list:
     """Generate up to max_new_tokens for each prompt, stopping at EOS, a stop id or a stop string.
 
@@ -303,13 +321,18 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, t
     ignore_eos. logprobs=n: each token's logprob and the top n (`details=True` shows them).
     tokenizer: default `load_tokenizer(model)` (the bundled V4 tokenizer), loaded only when
     a prompt is text or stop strings are given.
+    token_healing: a text prompt's last token is backed off and the first new token drawn
+    from those that begin with its text (`Tokenizer.heal`): a prompt cut at a token
+    boundary the training text rarely has (`def f(n):` where code has `):\n`) continues as
+    the text would. The completion's text leaves the backed-off text out; its ids and
+    prompt_ids are what the model saw and made. Id prompts are never healed.
     num_draft_tokens > 0: speculative decoding with the model's MTP layer (greedy output is
     unchanged; sampled output keeps its distribution), spec_policy "confidence" | "fixed".
     on_token(prompt index, TokenEvent, new text): called as each token arrives (streaming)."""
     p = plan(model, prompts, max_new_tokens, temperature, top_p, top_k, seed, num_draft_tokens, spec_policy,
              min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-             logprobs=logprobs, tokenizer=tokenizer)
+             logprobs=logprobs, tokenizer=tokenizer, token_healing=token_healing)
     engine = p.engine(model)
     results = p.run(engine, on_token)
     if details:

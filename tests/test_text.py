@@ -66,6 +66,37 @@ def test_text_in_text_out_equals_ids_in_ids_out(tiny, tok, greedy):
     assert mixed.prompts == [ids, ids, ids] and mixed.is_text == [True, False, False]
 
 
+def test_heal_backs_off_the_last_token_to_every_token_extending_it(tok):
+    """Tokenizer.heal: the candidates are exactly the ordinary tokens whose text begins with
+    the last token's (checked against the tokenizer's own decode of every id)."""
+    ids = [0] + tok.encode("def fibonacci(n):")
+    h = tok.heal(ids)
+    assert h.prompt == ids[:-1] and h.removed == "):" and ids[-1] in h.first_tokens
+    special = set(tok._hf.get_added_tokens_decoder())
+    texts = {i: tok.decode([i], skip_special_tokens=False) for i in range(tok.vocab_size) if i not in special}
+    want = {i for i, t in texts.items() if t.startswith("):") and "\ufffd" not in t}
+    assert want <= set(h.first_tokens) and tok.encode("):\n")[0] in want
+    assert all(texts[i].startswith("):") for i in h.first_tokens)  # a split character may follow
+    assert tok.heal([0] + tok.encode("héllo 日本語")) is None  # no longer token starts with it
+    assert tok.heal([0, tok.eos_id]) is None and tok.heal([0]) is None
+
+
+def test_token_healing_generates_from_the_backed_off_prompt(tiny, tok):
+    """generate(token_healing=True): the prompt fed is the healed one, the first token one
+    of the candidates (the argmax among them, greedy), the text leaves the backed-off part
+    out; id prompts are never healed."""
+    prompt = "def fibonacci(n):"
+    h = tok.heal([0] + tok.encode(prompt))
+    (c,) = dsjax.generate(tiny, [prompt], 6, token_healing=True, ignore_eos=True, details=True)
+    assert c.prompt_ids == h.prompt and c.usage["prompt_tokens"] == len(h.prompt)
+    logits = tiny.logits(np.array([h.prompt]))[0, -1]
+    assert c.ids[0] == h.first_tokens[int(np.argmax(logits[h.first_tokens]))]
+    assert c.text == tok.decode(c.ids)[len(h.removed):]
+    ids = [0] + tok.encode(prompt)
+    assert dsjax.generate(tiny, [ids], 6, token_healing=True, ignore_eos=True) == \
+        dsjax.generate(tiny, [ids], 6, ignore_eos=True)
+
+
 def test_on_token_streams_the_text(tiny, greedy):
     seen = []
     dsjax.generate(tiny, [PROMPT], 12, ignore_eos=True, on_token=lambda i, event, text: seen.append((i, text)))

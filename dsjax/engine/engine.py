@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.engine.constraints import Constraint, fill_masks, mask_words
+from dsjax.engine.constraints import Constraint, fill_masks, mask_words, pack_mask
 from dsjax.engine.limits import check_cache_fits, check_engine_args
 from dsjax.model.cache import batch_axes, min_ring
 from dsjax.engine.policy import SpeculationPolicy, check_draft_vocab, check_speculation
@@ -186,19 +186,24 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None,
-                    on_token: Callable[[TokenEvent], None] | None = None, *, constraint: Constraint | None = None) -> str:
+                    on_token: Callable[[TokenEvent], None] | None = None, *, constraint: Constraint | None = None,
+                    first_tokens=None) -> str:
         """Queue a request; returns its id. constraint: structured output, a `Constraint`
         from `ConstraintCompiler.compile` (one per request) whose grammar every generated
         token is sampled under (whether the output starts with reasoning is the
-        constraint's `thinking`)."""
+        constraint's `thinking`). first_tokens: ids the first generated token is drawn
+        from (the model's distribution restricted to them; token healing, see
+        `Tokenizer.heal`), applied by the prefill that samples it: no other program, and
+        speculation works as usual."""
         stops = self.validate(prompt, params, constraint)
+        first_mask = None if first_tokens is None else self._first_mask(first_tokens, constraint)
         prompt = [int(t) for t in prompt]  # checked above: ints (numpy's too), so nothing changes but the type
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests and not self.requests[request_id].done:
             raise ValueError(f"request id {request_id!r} is already running")
         if constraint is not None:
             constraint.claimed = True
-        req = self.requests[request_id] = Request(request_id, prompt, params, stops, on_token, constraint)
+        req = self.requests[request_id] = Request(request_id, prompt, params, stops, on_token, constraint, first_mask)
         self.waiting.append(req)
         return request_id
 
@@ -232,6 +237,21 @@ class Engine:
         if params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a constraint: the grammar decides where the "
                              "output ends (EOS is allowed exactly when it is complete)")
+
+    def _first_mask(self, first_tokens, constraint) -> np.ndarray:
+        """first_tokens (a non-empty sequence of ids in the vocabulary) packed as a mask row."""
+        ids = np.asarray(first_tokens)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(f"first_tokens must be a non-empty list of token ids, got {str(first_tokens)[:80]}")
+        ids = ids.astype(np.int64)
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0])
+            raise ValueError(f"first_tokens: token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if constraint is not None:
+            raise ValueError("first_tokens cannot be combined with a constraint (the grammar decides the first token)")
+        allowed = np.zeros(self.cfg.vocab_size, bool)
+        allowed[ids] = True
+        return pack_mask(allowed)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished or cancelled request from `requests` (a long-running server would
@@ -309,23 +329,25 @@ class Engine:
         return (len(shapes) + len(self._buckets()) * len(ks)) * len(variants) + (len(self._buckets()) + 2) * constrained
 
     # ------------------------------------------------------------------ device calls
-    def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, bucket: int,
+    def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, first_mask, bucket: int,
                       sampled: bool) -> StepOutput:
         """One prompt chunk: rows [1, C] for `slot` (one device), or [max_slots, C] (a mesh);
-        `admits` (an `Admission`) says which rows start a prompt."""
+        `admits` (an `Admission`) says which rows start a prompt, `first_mask` (packed
+        [rows, words] uint32) which first tokens a row whose prompt ends here may take."""
         params, slot = self.model.params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
         if self.spec is not None:
             self.cache, self.spec, self.slots, out = spec_prefill_step(
                 params, self.model.mtp, self.cache, self.spec, self.slots, slot, tokens, following, n_valid, is_last,
-                admits, self.costs, self._draft, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                admits, first_mask, self.costs, self._draft, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
+                sampled=sampled)
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
-                params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits)), cfg=self.cfg,
-                opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
+                params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits, first_mask)),
+                cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         else:
             self.cache, self.slots, out = prefill_step(
-                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, cfg=self.cfg, opts=self.opts,
-                ctx_bucket=bucket, n_logprobs=self.max_logprobs)
+                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, first_mask, cfg=self.cfg,
+                opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         return out
 
     def _take_cancelled(self):
@@ -389,11 +411,13 @@ class Engine:
         return self._bucket(prefilled + width)
 
     def _chunk_arrays(self, width: int):
-        """Zeroed (tokens, following tokens, n_valid, is_last, admission) for one prefill
-        call: one row per slot under a mesh, else the one row of the slot being prefilled."""
+        """Zeroed (tokens, following tokens, n_valid, is_last, admission) and an all-ones
+        first-token mask for one prefill call: one row per slot under a mesh, else the one
+        row of the slot being prefilled."""
         rows = self.max_slots if self.mesh is not None else 1
         return np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, np.int32), \
-            np.zeros(rows, bool), admission([None] * rows)
+            np.zeros(rows, bool), admission([None] * rows), \
+            np.full((rows, mask_words(self.cfg.vocab_size)), 0xFFFFFFFF, np.uint32)
 
     def _prefill(self, *reqs: Request) -> None:
         """One prompt chunk for each of `reqs`: all in one call over every row under a mesh
@@ -403,14 +427,16 @@ class Engine:
             rows = [r.slot for r in group] if self.mesh is not None else [0]
             chunks = [r.next_chunk(self.prefill_chunk) for r in group]
             width = chunk_length(max(len(c) for c in chunks), self.prefill_chunk)
-            tokens, following, n_valid, is_last, _ = self._chunk_arrays(width)
+            tokens, following, n_valid, is_last, _, first_mask = self._chunk_arrays(width)
             by_row = dict(zip(rows, group))
             admits = admission([by_row.get(row) for row in range(len(n_valid))])
             for row, r, chunk in zip(rows, group, chunks):
                 after = r.prompt[r.prefilled + 1: r.prefilled + len(chunk) + 1]  # speculation's MTP ring input
                 tokens[row, : len(chunk)], following[row, : len(after)], n_valid[row] = chunk, after, len(chunk)
                 is_last[row] = r.prefilled + len(chunk) == len(r.prompt)
-            out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last, admits,
+                if r.first_mask is not None:
+                    first_mask[row] = r.first_mask
+            out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last, admits, first_mask,
                                      self._prefill_bucket(max(r.prefilled for r in group), width),
                                      any(r.params.temperature > 0 for r in group))
             owners = {}

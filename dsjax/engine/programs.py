@@ -140,45 +140,48 @@ def _set_row(tree, row, i):
     return put_rows(tree, row, i)
 
 
-def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, cfg: ModelConfig,
-             opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, first_mask,
+             cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
     cache = cache.replace(length=length)
     logits, cache = forward(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
                             last_only=True)
     slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, logits[:, 0],
-                                                                                    cache.length, is_last)
+                                                                                    cache.length, is_last, first_mask)
     return cache, slots, _one_step(out)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
 def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array,
-                 admission: Admission, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+                 admission: Admission, first_mask: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions,
+                 ctx_bucket: int, n_logprobs: int):
     """A prompt chunk for every slot at once (tokens [B, C]; rows with n_valid 0 untouched);
     rows whose prompt starts here (admission.reset [B]) take their request first, rows whose
-    prompt ends here (is_last [B]) sample their first token."""
-    return _prefill(params, cache, slots, tokens, n_valid, is_last, admission, cfg, opts, ctx_bucket, n_logprobs)
+    prompt ends here (is_last [B]) sample their first token among those first_mask [B,
+    ceil(V/32)] uint32 allows (all ones but for a token-healed request)."""
+    return _prefill(params, cache, slots, tokens, n_valid, is_last, admission, first_mask, cfg, opts, ctx_bucket,
+                    n_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
 def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
-                 is_last: jax.Array, admission: Admission, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int,
-                 n_logprobs: int):
+                 is_last: jax.Array, admission: Admission, first_mask: jax.Array, *, cfg: ModelConfig,
+                 opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     """prefill_rows for one slot's row (tokens [1, C], n_valid [1], is_last [1], admission
-    rows [1]): the cost of one row, not of the whole batch."""
+    rows [1], first_mask [1, W]): the cost of one row, not of the whole batch."""
     row_cache, row_slots, out = _prefill(params, _row(cache, slot), _row(slots, slot), tokens, n_valid, is_last,
-                                         admission, cfg, opts, ctx_bucket, n_logprobs)
+                                         admission, first_mask, cfg, opts, ctx_bucket, n_logprobs)
     return _set_row(cache, row_cache, slot), _set_row(slots, row_slots, slot), out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
-                      next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission, costs,
-                      vocab: DraftVocab | None, *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int,
-                      sampled: bool):
+                      next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission,
+                      first_mask: jax.Array, costs, vocab: DraftVocab | None, *, cfg: ModelConfig,
+                      opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
     """prefill_step for speculative engines: the chunk also goes through the MTP ring, and
     a prompt's last chunk drafts the first speculation after the sampled first token.
     sampled=False: the request is greedy (drafts by argmax, no draft distributions).
@@ -188,7 +191,7 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
     row_cache = row_cache.replace(length=length)
 
     def emit(logits, length, last):
-        state, out = sample_and_emit(row_slots, logits, length, last, n_logprobs=0)
+        state, out = sample_and_emit(row_slots, logits, length, last, first_mask, n_logprobs=0)
         return out.tokens, state.sampling, (state, out)
 
     row_cache, row_spec, (row_slots, out) = prefill_chunk(

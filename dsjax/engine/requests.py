@@ -46,6 +46,7 @@ class Request:
     stop_ids: tuple[int, ...]  # sorted: the params' stop ids, and the model's EOS ids unless ignore_eos
     on_token: Callable[[TokenEvent], None] | None = None
     constraint: Constraint | None = None  # structured output: the grammar its tokens are sampled under
+    first_mask: np.ndarray | None = None  # packed uint32 [words]: the tokens its first one may be (token healing)
     state: str = "waiting"  # waiting | prefilling | decoding | finished | cancelled
     slot: int | None = None
     prefilled: int = 0
