@@ -6,6 +6,7 @@ reduced draft vocabulary: drafts against the drafter's logits restricted to it."
 
 import functools
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +16,12 @@ from scipy import stats
 
 import dsjax
 from dsjax.engine.engine import Engine
+from dsjax.engine.policy import CALIBRATION_PRIOR, SpeculationPolicy
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import init_slots
 from dsjax.config.io import to_hf_dict
-from dsjax.engine.speculative import (DRAFT, Drafts, accept, choose_limits, draft_vocab, draw, init_speculation,
-                                      prefill_chunk, verify)
+from dsjax.engine.speculative import (CALIBRATION_BINS, DRAFT, Drafts, Schedule, accept, calibration_centres,
+                                      choose_limits, draft_vocab, draw, init_speculation, prefill_chunk, verify)
 from dsjax.model import decoder_streams, model_specs, mtp_forward, mtp_head, mtp_specs
 from dsjax.model.cache import init_cache, min_ring
 from dsjax.params import init_params
@@ -154,6 +156,9 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     assert spec == plain
     m = engine.spec_metrics()
     assert 0 < m["drafts_proposed"] < 2 * m["row_steps"]  # not always the maximum
+    # the calibration booked every judged draft, each once, and the accepted ones
+    assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
+    assert sum(m["calibration"]["accepted"]) == m["drafts_accepted"]
     measured = _engine(small_vocab, num_draft_tokens=2)  # the same step shapes: no new compiles
     measured._measure_costs()
     assert len(measured.verify_costs) == 3 and measured.verify_costs[0] == 1.0
@@ -192,6 +197,32 @@ def test_choose_limits_closed_form(rng):
         value = [(1 + sum(np.prod(c[: j + 1]) for j in range(k))) / costs[k] for k in range(6)]
         assert got[row] == int(np.argmax(value))
     assert (np.asarray(choose_limits(jnp.asarray(conf), None)) == 5).all()
+    table = np.sort(rng.uniform(0, 1, CALIBRATION_BINS)).astype(np.float32)  # calibrated: c -> interp(c, table)
+    got = np.asarray(choose_limits(jnp.asarray(conf), jnp.asarray(costs), jnp.asarray(table)))
+    for row, c in enumerate(np.interp(conf, calibration_centres(), table)):
+        value = [(1 + sum(np.prod(c[: j + 1]) for j in range(k))) / costs[k] for k in range(6)]
+        assert got[row] == int(np.argmax(value))
+
+
+def test_calibration_books_each_judged_draft():
+    """The confidence policy's calibration: a draft is judged iff the drafts before it were
+    accepted; each judged draft's confidence bin counts it, and the accepted ones; the
+    schedule's acceptance per bin is (accepted + prior x centre) / (judged + prior), the
+    centre itself before anything is judged."""
+    policy = SpeculationPolicy(3, "confidence", verify_costs=[1.0, 1.1, 1.2, 1.3], max_slots=2)
+    np.testing.assert_allclose(np.asarray(policy.schedule.acceptance), calibration_centres(), rtol=1e-6)
+    host = types.SimpleNamespace(drafts_checked=np.array([3, 2]), drafts_accepted=np.array([1, 2]),
+                                 emitted=np.ones((4, 2), bool), next_limit=np.array([3, 1]),
+                                 draft_confidence=np.array([[0.05, 0.55, 0.95], [0.31, 0.39, 0.0]], np.float32))
+    req = lambda: types.SimpleNamespace(done=False, target_steps=0, drafts_proposed=0, drafts_accepted=0,  # noqa: E731
+                                        decode_tokens=0)
+    policy.count(host, {0: req(), 1: req()})
+    judged, accepted = np.zeros(CALIBRATION_BINS), np.zeros(CALIBRATION_BINS)
+    judged[[0, 3, 5]], accepted[[0, 3]] = [1, 2, 1], [1, 2]  # row 0: 0.05 yes, 0.55 no; row 1: 0.31, 0.39 yes
+    assert policy.calibration.tolist() == [judged.tolist(), accepted.tolist()]
+    want = (accepted + CALIBRATION_PRIOR * calibration_centres()) / (judged + CALIBRATION_PRIOR)
+    np.testing.assert_allclose(np.asarray(policy.schedule.acceptance), want, rtol=1e-6)
+    assert policy.next_k == [3, 1]
 
 
 # ----------------------------------------------------------------------------- sampled
@@ -280,11 +311,11 @@ def test_sampled_speculation_matches_target_distribution(small_vocab, rng, ids):
         emit = lambda logits, length, last: (jnp.full((n,), x0, jnp.int32), sampling, None)  # noqa: E731
         return prefill_chunk(model.params, model.mtp, cache, spec, chunk, following,
                              jnp.full((n,), len(prompt), jnp.int32), jnp.ones((n,), bool), emit, cfg=cfg,
-                             ctx_bucket=64, costs=None, vocab=vocab)[:2]
+                             ctx_bucket=64, schedule=None, vocab=vocab)[:2]
 
     cache, spec = prefill(init_cache(cfg, n, 64, F32), init_speculation(cfg, n, k, F32), chunk, following,
                           slots.sampling, vocab)
-    step = jax.jit(functools.partial(verify, k=k, cfg=cfg, ctx_bucket=64, costs=None))
+    step = jax.jit(functools.partial(verify, k=k, cfg=cfg, ctx_bucket=64, schedule=None))
     tokens = [[] for _ in range(n)]
     for _ in range(2):
         if ids is not None:  # drafts from D, q a distribution over the full vocabulary, zero outside D
@@ -328,7 +359,8 @@ def test_draft_vocab_drafts_are_the_drafter_restricted_to_it(small_vocab, rng):
         spec = prefill_chunk(model.params, model.mtp, init_cache(cfg, 2, 64, F32), init_speculation(cfg, 2, k, F32),
                              jnp.asarray(chunk), jnp.asarray(following), jnp.full((2,), len(prompt), jnp.int32),
                              jnp.ones((2,), bool), emit,
-                             cfg=cfg, ctx_bucket=64, costs=jnp.ones((k + 1,), F32), vocab=vocab)[1]
+                             cfg=cfg, ctx_bucket=64, vocab=vocab,
+                             schedule=Schedule(jnp.ones((k + 1,), F32), jnp.asarray(calibration_centres(), F32)))[1]
         return spec.drafts
 
     got = drafts(draft_vocab(model.params, d))

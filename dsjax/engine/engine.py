@@ -52,6 +52,7 @@ from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, de
 from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
                                    context_bucket, context_buckets, stop_ids)
 from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.speculative import Schedule, calibration_centres
 from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding
@@ -174,7 +175,8 @@ class Engine:
             return
         idle = [jax.tree.map(jnp.copy, self.spec),
                 jax.tree.map(jnp.copy, self.slots).replace(active=jnp.zeros_like(self.slots.active))]
-        placeholder = np.ones(self.num_draft_tokens + 1, np.float32)
+        placeholder = Schedule(jnp.ones(self.num_draft_tokens + 1, jnp.float32),
+                               jnp.asarray(calibration_centres(), jnp.float32))
 
         def verify(k: int):
             self.cache, idle[0], idle[1], out = spec_decode_step(
@@ -338,7 +340,7 @@ class Engine:
         if self.spec is not None:
             self.cache, self.spec, self.slots, out = spec_prefill_step(
                 params, self.model.mtp, self.cache, self.spec, self.slots, slot, tokens, following, n_valid, is_last,
-                admits, first_mask, self.costs, self._draft, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
+                admits, first_mask, self.policy.schedule, self._draft, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
                 sampled=sampled)
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
@@ -366,7 +368,7 @@ class Engine:
                 n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.costs,
+                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.policy.schedule,
                 self._draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
         return out
 

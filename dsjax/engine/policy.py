@@ -5,8 +5,12 @@ maximises its expected tokens (from the drafter's confidences) per unit of verif
 (`dsjax.engine.speculative.choose_limits`, on the device); the step then verifies the
 largest k any decoding row asked for, known one step late since outputs are read while the
 next step runs. The cost curve (K + 1 relative costs of verifying k = 0..K drafts) is
-pinned by the user or measured once on the device. The output distribution never depends
-on the policy; sampled tokens follow the k chosen.
+pinned by the user or measured once on the device. The drafter's confidence is calibrated
+online: every judged draft's confidence and outcome are binned, and the acceptance observed
+per bin (shrunk toward the bin's centre by CALIBRATION_PRIOR pseudo-drafts) replaces the
+raw confidence (a small drafter's softmax says 0.3 where 77 % of its greedy drafts match
+the target). The output distribution never depends on the policy; sampled tokens follow
+the k chosen.
 
 A policy with K = 0 is plain decoding: every question gets the no-speculation answer.
 """
@@ -20,7 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax.engine.speculative import CALIBRATION_BINS, Schedule, calibration_centres
+
 SPEC_POLICIES = ("confidence", "fixed")
+CALIBRATION_PRIOR = 8.0  # pseudo-drafts per bin at the bin's centre: the raw confidence until drafts are judged
 COUNTERS = ("target_steps", "row_steps", "drafts_proposed", "drafts_accepted", "decode_tokens")
 
 
@@ -82,12 +89,29 @@ class SpeculationPolicy:
                 raise ValueError(f"verify_costs must be {k + 1} positive numbers (k = 0..{k}), got {verify_costs}")
             self.costs = jnp.asarray(verify_costs, jnp.float32)
         self.next_k = [k] * max_slots
+        self.calibration = np.zeros((2, CALIBRATION_BINS), np.int64)  # [judged, accepted] per confidence bin
+        self._schedule = None
         self.reset()
 
     def reset(self) -> None:
-        """Zero the counters (a benchmark times runs one at a time)."""
+        """Zero the counters (a benchmark times runs one at a time); the calibration stays."""
         self.totals = dict.fromkeys(COUNTERS, 0)
         self.by_position = np.zeros((2, self.num_draft_tokens), np.int64)  # [reached, accepted] per draft position
+
+    def acceptance(self) -> np.ndarray:
+        """Calibrated acceptance at each confidence bin's centre: (accepted + prior x centre) /
+        (judged + prior)."""
+        judged, accepted = self.calibration
+        return (accepted + CALIBRATION_PRIOR * calibration_centres()) / (judged + CALIBRATION_PRIOR)
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The programs' argument: None for the fixed policy (or before the costs are known)."""
+        if self.costs is None or self.name != "confidence":
+            return None
+        if self._schedule is None:
+            self._schedule = Schedule(self.costs, jnp.asarray(self.acceptance(), jnp.float32))
+        return self._schedule
 
     @property
     def enabled(self) -> bool:
@@ -146,8 +170,15 @@ class SpeculationPolicy:
             req.drafts_proposed += checked
             req.drafts_accepted += accepted
             req.decode_tokens += produced
-            self.by_position[0, : min(accepted + 1, checked)] += 1  # draft j is judged iff drafts < j all passed
+            judged = min(accepted + 1, checked)  # draft j is judged iff drafts < j all passed
+            self.by_position[0, :judged] += 1
             self.by_position[1, :accepted] += 1
+            if host.draft_confidence is not None and judged:
+                bins = np.minimum((host.draft_confidence[row, :judged] * CALIBRATION_BINS).astype(int),
+                                  CALIBRATION_BINS - 1)
+                np.add.at(self.calibration[0], bins, 1)
+                np.add.at(self.calibration[1], bins[:accepted], 1)
+                self._schedule = None
             for key, n in (("row_steps", 1), ("drafts_proposed", checked), ("drafts_accepted", accepted),
                            ("decode_tokens", produced)):
                 self.totals[key] += n
@@ -166,4 +197,7 @@ class SpeculationPolicy:
         t["tokens_per_row_step"] = t["decode_tokens"] / max(t["row_steps"], 1)
         t["tokens_per_target_step"] = t["decode_tokens"] / max(t["target_steps"], 1)
         t["verify_costs"] = self.verify_costs
+        if self.name == "confidence" and self.enabled:  # the drafter's confidence vs what was accepted
+            t["calibration"] = {"bin_centres": calibration_centres().tolist(), "judged": self.calibration[0].tolist(),
+                                "accepted": self.calibration[1].tolist(), "acceptance": self.acceptance().tolist()}
         return t

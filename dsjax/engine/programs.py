@@ -26,7 +26,7 @@ from flax import struct
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import sample_tokens, top_logprobs
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
-from dsjax.engine.speculative import DraftVocab, Speculation, init_speculation, prefill_chunk, verify
+from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
 from dsjax.model.cache import Cache, init_cache, put_rows, take_rows
 from dsjax.model.decoder import forward
 from dsjax.sharding.rules import per_row, rows
@@ -43,6 +43,7 @@ class StepOutput:
     drafts_checked: jax.Array | None = None  # [B] speculative engines: drafts verified this step
     drafts_accepted: jax.Array | None = None  # [B]
     next_limit: jax.Array | None = None  # [B] drafts each row asks the next step to verify
+    draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence policy)
 
 
 def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array,
@@ -180,7 +181,7 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
                    donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
                       next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission,
-                      first_mask: jax.Array, costs, vocab: DraftVocab | None, *, cfg: ModelConfig,
+                      first_mask: jax.Array, schedule, vocab: DraftVocab | None, *, cfg: ModelConfig,
                       opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
     """prefill_step for speculative engines: the chunk also goes through the MTP ring, and
     a prompt's last chunk drafts the first speculation after the sampled first token.
@@ -196,25 +197,27 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
 
     row_cache, row_spec, (row_slots, out) = prefill_chunk(
         params, mtp, row_cache, _row(spec, slot), tokens, next_tokens, n_valid, is_last, emit,
-        cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled, vocab=vocab, opts=opts)
+        cfg=cfg, ctx_bucket=ctx_bucket, schedule=schedule, sampled=sampled, vocab=vocab, opts=opts)
     return (_set_row(cache, row_cache, slot), _set_row(spec, row_spec, slot), _set_row(slots, row_slots, slot),
             _one_step(out))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled"),
                    donate_argnames=("cache", "spec", "slots"))
-def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, cancelled: jax.Array, costs,
-                     vocab: DraftVocab | None, *, k: int, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int,
-                     sampled: bool):
+def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, cancelled: jax.Array,
+                     schedule: Schedule | None, vocab: DraftVocab | None, *, k: int, cfg: ModelConfig,
+                     opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
     """One verify step over k drafts for every slot; outputs stacked [k+1, B] like
-    decode_step's, with the drafts checked / accepted per row. Rows `cancelled` [B] stop
+    decode_step's, with the drafts checked / accepted per row (and, for the confidence
+    policy's calibration, the drafter's confidence in each). Rows `cancelled` [B] stop
     first. sampled=False: every decoding row is greedy (argmax on the logits; no
     distributions formed). vocab: the drafter's reduced vocabulary (None: the full one)."""
     slots = _stop_cancelled(slots, cancelled)
+    judged = spec.drafts.confidence[:, :k] if schedule is not None else None
     cache, spec, slots, tokens, count, finished, checked, accepted = verify(
-        params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, costs=costs, sampled=sampled,
+        params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, schedule=schedule, sampled=sampled,
         vocab=vocab, opts=opts)
     j = jnp.arange(k + 1)[:, None]
     out = StepOutput(tokens.T, j < count[None], finished[None] & (j == count[None] - 1), None, None, None,
-                     checked, accepted, spec.limit)
+                     checked, accepted, spec.limit, judged)
     return cache, spec, slots, out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
@@ -57,6 +58,24 @@ class Drafts:
     tokens: jax.Array  # [B, K] int32
     q: jax.Array  # [B, K, V] fp32: the processed draft distribution each was drawn from
     confidence: jax.Array  # [B, K] fp32: q(d_j) (greedy rows: the drafter's softmax at d_j), for scheduling
+
+
+CALIBRATION_BINS = 10  # the drafter's confidence [0, 1] in equal bins, calibrated at their centres
+
+
+def calibration_centres() -> np.ndarray:
+    return (np.arange(CALIBRATION_BINS) + 0.5) / CALIBRATION_BINS
+
+
+@struct.dataclass
+class Schedule:
+    """What the confidence policy schedules by, a program argument (`SpeculationPolicy`
+    keeps it): the verify cost curve, and the drafts' acceptance observed so far at each
+    confidence bin's centre (`calibration_centres`; the centres themselves before any
+    draft is judged, i.e. the drafter's confidence taken at its word)."""
+
+    costs: jax.Array  # [K + 1] relative cost of a verify step over k = 0..K drafts
+    acceptance: jax.Array  # [CALIBRATION_BINS]
 
 
 @struct.dataclass
@@ -156,14 +175,18 @@ def init_speculation(cfg: ModelConfig, batch: int, n_drafts: int, dtype) -> Spec
     return Speculation(ring, drafts, jnp.zeros((batch,), jnp.int32))
 
 
-def choose_limits(confidence: jax.Array, costs: jax.Array | None) -> jax.Array:
+def choose_limits(confidence: jax.Array, costs: jax.Array | None, acceptance: jax.Array | None = None) -> jax.Array:
     """How many drafts to verify per row. Fixed (costs None): all of them. Otherwise the k
     maximising expected tokens per unit cost, (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k]:
-    the prefix-survival estimate from the drafter's own confidences c [B, K] against the
-    measured cost curve cost [K+1] of a verify step over k+1 positions."""
+    the prefix-survival estimate from the drafts' acceptance chances c [B, K] against the
+    measured cost curve cost [K+1] of a verify step over k+1 positions. c is the drafter's
+    own confidence, calibrated when `acceptance` (observed acceptance at the bin centres)
+    is given: interpolated between the centres."""
     b, k = confidence.shape
     if costs is None:
         return jnp.full((b,), k, jnp.int32)
+    if acceptance is not None:
+        confidence = jnp.interp(confidence, jnp.asarray(calibration_centres(), jnp.float32), acceptance)
     survival = jnp.cumprod(confidence, axis=1)
     expected = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(survival, axis=1)], axis=1)  # [B, K+1]
     return jnp.argmax(expected / costs[None, :], axis=1).astype(jnp.int32)
@@ -230,7 +253,7 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
 
 
 def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Drafts, rows: jax.Array,
-                       costs: jax.Array | None) -> Speculation:
+                       schedule: Schedule | None) -> Speculation:
     """The new ring and drafts for `rows` [B] (bool); the other rows keep theirs."""
     def keep(new, old):
         if new is old:  # not recomputed (greedy-only q, fixed-policy confidence)
@@ -239,13 +262,14 @@ def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Dra
 
     drafts = Drafts(*(keep(n, o) for n, o in zip((drafts.tokens, drafts.q, drafts.confidence),
                                                  (spec.drafts.tokens, spec.drafts.q, spec.drafts.confidence))))
-    return Speculation(jax.tree.map(keep, mtp_state, spec.mtp), drafts,
-                       keep(choose_limits(drafts.confidence, costs), spec.limit))
+    limits = choose_limits(drafts.confidence, None) if schedule is None else \
+        choose_limits(drafts.confidence, schedule.costs, schedule.acceptance)
+    return Speculation(jax.tree.map(keep, mtp_state, spec.mtp), drafts, keep(limits, spec.limit))
 
 
 # ----------------------------------------------------------------------------- steps
 def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
-           cfg: ModelConfig, ctx_bucket: int, costs: jax.Array | None, sampled: bool = True,
+           cfg: ModelConfig, ctx_bucket: int, schedule: Schedule | None, sampled: bool = True,
            vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
     """One speculative step for every active slot: feed [pending token, first k drafts] in
     one target forward, accept (at most each row's limit), roll the caches back to the
@@ -273,15 +297,15 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     cache = cache.replace(length=jnp.where(active, start + a + 1, start))
     slots, count, finished = emit_tokens(slots, produced, a + 1, start)
     mtp_state, new = commit_and_draft(params, mtp, spec.mtp, streams, produced, start, jnp.where(active, a + 1, 0),
-                                      slots.sampling, drafts, cfg, sampled=sampled, confidence=costs is not None,
+                                      slots.sampling, drafts, cfg, sampled=sampled, confidence=schedule is not None,
                                       vocab=vocab, opts=opts)
-    spec = update_speculation(spec, mtp_state, new, active, costs)
+    spec = update_speculation(spec, mtp_state, new, active, schedule)
     return cache, spec, slots, produced, count, finished, limit, a
 
 
 def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, tokens: jax.Array,
                   next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, emit, *, cfg: ModelConfig,
-                  ctx_bucket: int, costs: jax.Array | None, sampled: bool = True,
+                  ctx_bucket: int, schedule: Schedule | None, sampled: bool = True,
                   vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
     """A prompt chunk tokens [B, C] through the target and the MTP ring. next_tokens [B, C]:
     the token after each (from the prompt; after its end, the sampled first token).
@@ -296,6 +320,6 @@ def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Specu
     rows = jnp.arange(tokens.shape[0])
     next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
     mtp_state, drafts = commit_and_draft(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
-                                         spec.drafts, cfg, sampled=sampled, confidence=costs is not None,
+                                         spec.drafts, cfg, sampled=sampled, confidence=schedule is not None,
                                          draft=is_last, vocab=vocab, opts=opts)
-    return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, costs), aux
+    return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, schedule), aux
