@@ -15,14 +15,18 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from pathlib import Path
 
-from dsjax.weights import DEFAULT_MODEL
+from dsjax.weights import DEFAULT_MODEL, resolve
+
+SIDE_FILES = ("draft_vocab.json", "tokenizer.json", "tokenizer_config.json", "training.json")
 
 EXIT_INTERNAL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -79,8 +83,6 @@ def _setup_cache(args):
 
 def _load(args, say, **kw):
     """load_model with the command's flags, saying what it loads."""
-    from pathlib import Path
-
     import dsjax
     from dsjax.api import resolve_dtype
     from dsjax.weights import bundled_path
@@ -258,6 +260,10 @@ def _cmd_convert(args, say) -> int:
     fmt = checkpoint_format(args.src)
     say(f"writing {args.dst} ...")
     orbax_io.save(model, args.dst, quantized=args.quantized, fp8_block=fmt.fp8_block, experts_fp4=fmt.experts_fp4)
+    src = Path(resolve(args.src))
+    for side in SIDE_FILES:  # what a checkpoint directory holds besides its weights and config
+        if (src / side).is_file():
+            shutil.copy2(src / side, Path(args.dst) / side)
     print(f"read {args.src} in {loaded:.1f} s; wrote orbax checkpoint {args.dst} in "
           f"{time.perf_counter() - t - loaded:.1f} s")
     return 0

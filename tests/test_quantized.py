@@ -185,13 +185,19 @@ def test_orbax_round_trip(quantized, tmp_path, mode, rng):
     import sys
 
     src, _ = quantized
+    if mode == "dequantize":  # and the files beside the weights come along (the drafter's vocabulary)
+        src = shutil.copytree(src, tmp_path / "src")
+        (src / "draft_vocab.json").write_text(json.dumps({"ids": [5, 2, 9]}))
     dst = tmp_path / "orbax"
     out = subprocess.run([sys.executable, "-m", "dsjax.cli", "convert", str(src), str(dst), "--dtype", "float32",
                           "--quantized", mode], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     ids = rng.integers(0, 512, (8, 19))
     want = dsjax.load_model(src, dtype="float32", quantized=mode).logits(ids)
-    np.testing.assert_array_equal(dsjax.load_model(dst, dtype="float32").logits(ids), want)
+    converted = dsjax.load_model(dst, dtype="float32")
+    np.testing.assert_array_equal(converted.logits(ids), want)
+    if mode == "dequantize":
+        assert converted.draft_vocab.tolist() == [2, 5, 9]
     if jax.device_count() >= 8:
         sharded = dsjax.load_model(dst, dtype="float32", mesh="data=2,expert=4")
         w3 = layer_block(sharded.params, sharded.config, 1).moe.w3

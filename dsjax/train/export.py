@@ -216,6 +216,8 @@ def main():
     cfg = load_config(args.config)
     model, vocab, meta = load_run(ckpt, cfg)
     provenance = {"checkpoint": str(ckpt), "step": meta["step"], "hparams": meta["hparams"]}
+    if "init_from" in meta:  # continued pretraining: the run it started from
+        provenance["init_from"] = meta["init_from"]
     log = ckpt.parent / "log.jsonl"
     if log.is_file():  # the run's own held-out evaluation at this step: what the shipped weights must reproduce
         evals = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("eval") and r["step"] == meta["step"]]
