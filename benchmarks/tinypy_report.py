@@ -2,10 +2,11 @@
 checkpoint (FP8 / MXFP4, read by the normal loader), and greedy / sampled continuations of
 Python prompts. Writes JSON (and a PNG of the curve when matplotlib is installed).
 
-    python benchmarks/tinypy_report.py --run /work/tinypy-run --out benchmarks/results/tinypy_report.json
+    python benchmarks/tinypy_report.py --run /work/tinypy-run --run /work/tinypy-run2 \
+        --out benchmarks/results/tinypy_report.json
 
---run: the pretraining run directory (its log.jsonl gives the curve); without it the curve is
-left out and only the shipped checkpoint is measured. Held-out text: the stdlib files the
+--run: the pretraining run directory (its log.jsonl gives the curve), repeated for a run
+continued with `pretrain --init-from` (the curves join); without it the curve is left out and only the shipped checkpoint is measured. Held-out text: the stdlib files the
 pinned list holds out (dsjax/train/data.py), packed into 256-token sequences, every one of
 them scored; each row's loss is the model's full-vocabulary next-token cross-entropy.
 MTP acceptance per draft position on held-out prompts is measured by benchmarks/spec_bench.py.
@@ -34,15 +35,20 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "def read_lines(p
 SEQ_LEN = 256
 
 
-def curve(run: Path) -> dict:
-    """log.jsonl -> the training curve: per logged step the losses, and the evaluations."""
-    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if not r.get("eval")]
-    evals = [r for r in rows if r.get("eval")]
-    return {"train": [{k: r[k] for k in ("step", "tokens", "loss", "lm", "mtp", "indexer", "lr", "grad_norm")}
-                      for r in train],
-            "eval": evals, "steps": train[-1]["step"], "tokens": train[-1]["tokens"],
-            "train_seconds": train[-1]["elapsed_s"]}
+def curve(runs: list[Path]) -> dict:
+    """log.jsonl of one run, or of a run and its continuations (`pretrain --init-from`) in
+    order -> one training curve: per logged step the losses, and the evaluations, steps /
+    tokens / seconds counted from the first run's start."""
+    train, evals, steps, tokens, seconds = [], [], 0, 0, 0.0
+    for run in runs:
+        rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+        part = [r for r in rows if not r.get("eval")]
+        train += [{**{k: r[k] for k in ("loss", "lm", "mtp", "indexer", "lr", "grad_norm")},
+                   "step": r["step"] + steps, "tokens": r["tokens"] + tokens, "run": str(run)} for r in part]
+        evals += [{**r, "step": r["step"] + steps, "run": str(run)} for r in rows if r.get("eval")]
+        steps, tokens, seconds = steps + part[-1]["step"], tokens + part[-1]["tokens"], seconds + part[-1]["elapsed_s"]
+    return {"train": train, "eval": evals, "steps": steps, "tokens": tokens, "train_seconds": seconds,
+            "runs": [str(r) for r in runs]}
 
 
 def held_out_loss(model, tokenizer, max_sequences: int) -> dict:
@@ -96,7 +102,8 @@ def plot(c: dict, path: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", default=None, help="pretraining run directory (log.jsonl)")
+    ap.add_argument("--run", action="append", default=[],
+                    help="pretraining run directory (log.jsonl); repeat for a run and its continuations, in order")
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled dsjax-tiny-py)")
     ap.add_argument("--max-sequences", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -112,19 +119,21 @@ def main():
     ckpt_files = Path(dsjax.weights.resolve(args.model or dsjax.weights.DEFAULT_MODEL))
     result["checkpoint_mib"] = sum(f.stat().st_size for f in ckpt_files.glob("*.safetensors")) / 2**20
     if args.run:
-        result["training"] = curve(Path(args.run))
+        result["training"] = curve([Path(r) for r in args.run])
     result["held_out"] = held_out_loss(model, tok, args.max_sequences)
     print(f"held-out loss {result['held_out']['loss']:.3f} (ppl {result['held_out']['perplexity']:.1f}) "
           f"over {result['held_out']['tokens']} tokens")
 
     samples = []
-    greedy = dsjax.generate(model, PROMPTS, args.new_tokens)
-    sampled = dsjax.generate(model, PROMPTS, args.new_tokens, temperature=0.7, top_p=0.95, seed=list(range(len(PROMPTS))))
+    greedy = dsjax.generate(model, PROMPTS, args.new_tokens, token_healing=True)  # as `dsjax generate` does
+    sampled = dsjax.generate(model, PROMPTS, args.new_tokens, temperature=0.7, top_p=0.95,
+                             seed=list(range(len(PROMPTS))), token_healing=True)
     for prompt, g, s in zip(PROMPTS, greedy, sampled):
         samples.append({"prompt": prompt, "greedy": g, "greedy_parses": parses(prompt, g),
                         "sampled_t0.7_p0.95": s, "sampled_parses": parses(prompt, s)})
         print(f"--- {prompt!r}\n[greedy]\n{prompt}{g}\n[sampled]\n{prompt}{s}")
     result["continuations"] = samples
+    result["token_healing"] = True
     result["parse_rate"] = {"greedy": float(np.mean([s["greedy_parses"] for s in samples])),
                             "sampled": float(np.mean([s["sampled_parses"] for s in samples]))}
     write_result(result, args.out)

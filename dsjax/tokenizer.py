@@ -15,7 +15,6 @@ token. Chat prompts are NOT built here: `deepseek-recipe` renders and encodes th
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import importlib.util
@@ -123,38 +122,32 @@ class Tokenizer:
         return TextStream(self._hf, skip_special_tokens)
 
     @functools.cached_property
-    def _by_bytes(self) -> tuple[list[bytes], list[int]]:
-        """Every ordinary token's bytes, sorted, and its id: the tokens extending a given
-        byte string are one contiguous run (built once per tokenizer)."""
+    def _pieces(self) -> dict[str, int]:
+        """Ordinary tokens by their byte-level spelling (one printable character per byte,
+        so one token's bytes begin with another's exactly when its spelling does)."""
         special = set(self._hf.get_added_tokens_decoder())
-        pairs = sorted((b, i) for i, b in ((i, _token_bytes(piece)) for piece, i in self._hf.get_vocab().items())
-                       if b is not None and i not in special)
-        return [b for b, _ in pairs], [i for _, i in pairs]
+        return {p: i for p, i in self._hf.get_vocab(with_added_tokens=False).items() if i not in special}
 
     def heal(self, ids: list[int]) -> Healing | None:
         """Token healing of a prompt that ends where a longer token could have gone on
-        (`def f(n):` ends in the token `):`, where code has `):\n`, one token, nearly
+        (`def f(n):` ends in the token `):`, where code has `):\\n`, one token, nearly
         always): the last token is backed off and the first new token is drawn from the
         tokens whose bytes begin with its bytes (it among them). None when nothing
         longer starts with it, or it is special or not whole UTF-8 text."""
         if len(ids) < 2 or int(ids[-1]) in self._hf.get_added_tokens_decoder():
             return None
-        head = _token_bytes(self._hf.id_to_token(int(ids[-1])) or "")
+        piece = self._hf.id_to_token(int(ids[-1])) or ""
+        head = _token_bytes(piece)
         try:
             removed = head.decode("utf-8") if head else None
         except UnicodeDecodeError:
             removed = None
         if removed is None:
             return None
-        keys, order = self._by_bytes
-        first = []
-        for k in range(bisect.bisect_left(keys, head), len(keys)):
-            if not keys[k].startswith(head):
-                break
-            first.append(order[k])
+        first = sorted(i for p, i in self._pieces.items() if p.startswith(piece))
         if len(first) < 2:
             return None
-        return Healing([int(i) for i in ids[:-1]], sorted(first), removed)
+        return Healing([int(i) for i in ids[:-1]], first, removed)
 
     @functools.cached_property
     def recipe(self):
