@@ -83,6 +83,12 @@ def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_inv
                 decode_steps: int = 4, prefill_chunk: int = 256) -> Engine | None:
     """One engine for every record (capacity: the longest prompt + max_tokens over all of
     them, so a resumed run has the same shapes); records it refuses become error lines."""
+    limit = model.config.max_position_embeddings
+    for r in checked.records:  # before sizing: one over-long record must not size every slot's cache
+        if len(r.prompt) + r.params.max_tokens > limit:
+            checked.errors[r.line] = error_line(r.line, r.id, f"prompt ({len(r.prompt)} tokens) + max_tokens "
+                                                f"({r.params.max_tokens}) exceeds the model's {limit} positions")
+    checked.records = [r for r in checked.records if r.line not in checked.errors]
     if not checked.records:
         return None
     longest = max(len(r.prompt) + r.params.max_tokens for r in checked.records)
@@ -131,11 +137,17 @@ def execute(engine: Engine, records: list[Record], on_result: Callable[[Record, 
 
 
 def as_items(records) -> list[tuple[int, Any, str | None]]:
-    """A list of dicts (or JSON strings) -> check's input, numbered from 1."""
+    """check's input from JSONL text (str / bytes: a whole file) or a list whose items are
+    dicts or JSON strings (one record each), numbered from 1."""
+    if isinstance(records, (str, bytes)):
+        return read_lines(records.encode() if isinstance(records, str) else records)
     items = []
     for n, rec in enumerate(records, 1):
         if isinstance(rec, (str, bytes)):
-            items += [(n, obj, err) for _, obj, err in read_lines(rec if isinstance(rec, bytes) else rec.encode())]
+            try:
+                items.append((n, json.loads(rec), None))
+            except ValueError as e:
+                items.append((n, None, f"not valid JSON: {e}"))
         else:
             items.append((n, rec, None))
     return items
@@ -144,7 +156,8 @@ def as_items(records) -> list[tuple[int, Any, str | None]]:
 def run(model: Model, records, *, max_new_tokens: int = 256, seed: int = 0, max_slots: int = 8,
         batch_invariant: bool | None = None, decode_steps: int = 4, on_error: str = "skip",
         tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False) -> list[dict]:
-    """Run a list of records (dicts as `dsjax batch` reads them, see dsjax.batch.records)
+    """Run records (a list of dicts as `dsjax batch` reads them, see dsjax.batch.records, or
+    of JSON strings; or the text of a JSONL file)
     and return one output dict per record, in input order: {"id", "seed", "text", "ids",
     "finish_reason", "usage", ...}, or {"id", "error": {"line", "message"}} for a record that
     cannot run (on_error="skip"; "fail": a ValueError listing every bad record, before
