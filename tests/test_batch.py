@@ -19,6 +19,8 @@ import dsjax
 import dsjax.batch
 from dsjax import cli
 from dsjax.batch.manifest import manifest_path
+from dsjax.batch.runner import context
+from dsjax.serving.protocol import CHAT, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS = ["--max-slots", "4", "--batch-invariant", "--max-new-tokens", "6"]
@@ -200,7 +202,7 @@ def test_malformed_lines_fail_runs_nothing(tmp_path, capsys):
 
 def test_verify_passes_then_flags_a_tampered_line(job, tmp_path, capsys):
     _, out = job
-    assert cli.main(["verify", str(out), "--quiet"]) == 0
+    assert cli.main(["verify", str(out), "--quiet", "--sample", "4", "--seed", "1"]) == 0
     tampered = tmp_path / "out.jsonl"
     lines = out.read_text().splitlines()
     row = json.loads(lines[5])
@@ -209,5 +211,37 @@ def test_verify_passes_then_flags_a_tampered_line(job, tmp_path, capsys):
     tampered.write_text("\n".join(lines) + "\n")
     manifest_path(tampered).write_bytes(manifest_path(out).read_bytes())
     capsys.readouterr()
-    assert cli.main(["verify", str(tampered), "--quiet"]) == 1
+    assert cli.main(["verify", str(tampered), "--quiet"]) == 1  # all ids
     assert capsys.readouterr().out.split() == [json.dumps(row["id"])]
+
+
+def test_openai_lines_equal_generate_on_the_served_prompt(model, tokenizer):
+    """OpenAI batch lines are converted as `dsjax serve` converts them (the oracle: the
+    serving protocol's prompt ids, then dsjax.generate with the record's seed)."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "thinking": {"type": "disabled"}, "max_tokens": 4,
+            "temperature": 0.8}
+    lines = [{"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "def f(n):", "max_tokens": 5, "temperature": 0}},
+             {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions", "body": chat}]
+    comp, msg = dsjax.batch.run(model, lines, max_slots=4, tokenizer=tokenizer)
+    (c,) = dsjax.generate(model, ["def f(n):"], 5, tokenizer=tokenizer, details=True)
+    assert comp["ids"] == c.ids and comp["text"] == c.text and comp["response"]["choices"][0]["text"] == c.text
+    seed = dsjax.batch.derived_seed(0, "m")
+    served = prepare(CHAT, {**chat, "model": model.config.name, "seed": seed}, context(model, tokenizer,
+                                                                                      model.config.name))
+    (m,) = dsjax.generate(model, [served.choices[0].prompt], 4, temperature=0.8, seed=seed, details=True)
+    assert msg["seed"] == seed and msg["ids"] == m.ids
+    assert msg["response"]["choices"][0]["message"]["content"] == msg["text"]
+    assert msg["usage"]["prompt_tokens"] == len(served.choices[0].prompt)
+
+
+def test_verify_refuses_another_environment(job, tmp_path, capsys):
+    _, out = job
+    copy = tmp_path / "out.jsonl"
+    copy.write_bytes(out.read_bytes())
+    manifest = json.loads(manifest_path(out).read_text())
+    manifest["environment"]["jax"] = "0.0.1"
+    manifest_path(copy).write_text(json.dumps(manifest))
+    assert cli.main(["verify", str(copy), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert 'jax: "0.0.1" -> ' in err and "cannot verify" in err, err
