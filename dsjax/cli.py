@@ -496,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     report("memory", "weight bytes per device by group on a mesh (abstract)", _cmd_memory).add_argument(
         "--mesh", default="expert=8", help="e.g. 'data=2,expert=4,tensor=2'")
+    from dsjax.batch.command import add_parsers  # dsjax batch, dsjax verify
+
+    add_parsers(sub, common, load=_load, setup_cache=_setup_cache, compiling=_compiling)
     return p
 
 

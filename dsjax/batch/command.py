@@ -1,0 +1,199 @@
+"""`dsjax batch` and `dsjax verify`: the parsers and the commands. dsjax/cli.py registers
+them (`add_parsers`) and hands over its helpers (loading with the command's flags, the
+compile cache), so this file holds only what is particular to batch jobs."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+
+from dsjax.batch.job import JobRefused, Output, encode, finished, key
+from dsjax.batch.manifest import (FORMAT, config_hash, differences, environment, manifest_path, model_name, read,
+                                  weights_fingerprint, write)
+from dsjax.batch.records import read_lines
+from dsjax.batch.runner import check, execute, make_engine
+from dsjax.tokenizer import load_tokenizer
+from dsjax.weights import DEFAULT_MODEL
+
+BATCH_HELP = """\
+Run every request of a JSONL file on one engine and write one JSON line per request.
+
+Input lines: OpenAI batch requests ({"custom_id", "method": "POST", "url": "/v1/chat/completions"
+or "/v1/completions", "body"}) or raw ones ({"id", "prompt": text | "prompt_ids": [...],
+"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", ...}). Output lines:
+{"id", "seed", "text", "ids", "finish_reason", "usage", ...} or {"id", "error": {"line", "message"}}.
+
+Crash-safe: each result is appended and fsync'd as it finishes; run the same command again
+after a crash and it skips finished ids; a different setting is refused (<output>.manifest.json
+records them). The finished output is in input order. Records without a seed get one from
+--seed and their id, so results do not depend on the order records run in. Only with
+--batch-invariant are they also bitwise independent of their batch neighbours: in the default
+mode a row's logits may differ in the last bits between batch sizes, which can flip a
+near-tie greedy token, so a resumed run may differ from an uninterrupted one."""
+
+
+def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
+    """`dsjax batch` and `dsjax verify` on the CLI's subparsers; load(args, say),
+    setup_cache(args), compiling(say, cache) are the CLI's own helpers."""
+    helpers = SimpleNamespace(load=load, setup_cache=setup_cache, compiling=compiling)
+    b = sub.add_parser("batch", parents=[common], help="run a JSONL file of requests (crash-safe, resumable)",
+                       description=BATCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--input", required=True, help="JSONL requests")
+    b.add_argument("--output", required=True, help="JSONL results (and <output>.manifest.json)")
+    b.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, bundled model or named config")
+    b.add_argument("--served-model-name", default=None, help="the model name OpenAI bodies may give (default: "
+                   "the --model's last path component)")
+    b.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    b.add_argument("--seed", type=int, default=0, help="run seed: records without a seed get one from it and their "
+                   "id (and the init seed for named configs)")
+    b.add_argument("--max-new-tokens", type=int, default=256, help="max_tokens of records that do not say")
+    b.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
+    b.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"])
+    b.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    b.add_argument("--decode-steps", type=int, default=4, help="decode steps per dispatch")
+    b.add_argument("--prefill-chunk", type=int, default=256)
+    b.add_argument("--batch-invariant", action="store_true", help="each record's logits bitwise independent of "
+                   "its batch (slower): an interrupted and resumed job then equals an uninterrupted one exactly")
+    b.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="bad input lines: write an error "
+                   "line and go on (skip), or stop before running anything (fail, exit status 1)")
+    b.set_defaults(func=functools.partial(batch, helpers=helpers))
+
+    v = sub.add_parser("verify", parents=[common], help="re-run a batch job's results and report ids that differ")
+    v.add_argument("output", help="a dsjax batch output (its manifest sits beside it)")
+    v.add_argument("--sample", type=int, default=0, metavar="N", help="re-run N random ids (default: all)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    v.set_defaults(func=functools.partial(verify, helpers=helpers))
+
+
+def _settings(args, model, input_sha: str, name: str) -> dict:
+    """Everything a result depends on that this job chooses (compared on resume and verify)."""
+    return {"model": model_name(args.model), "served_model_name": name, "config_hash": config_hash(model),
+            "weights": weights_fingerprint(model, args.model), "dtype": jnp.dtype(model.dtype).name,
+            "mesh": args.mesh or "", "kernels": model.options.kernels,
+            "batch_invariant": bool(args.batch_invariant or model.options.batch_invariant), "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "max_slots": args.max_slots, "decode_steps": args.decode_steps,
+            "prefill_chunk": args.prefill_chunk, "input_sha256": input_sha}
+
+
+def _prepare(args, say, helpers, data: bytes):
+    """Load the model and check every line: (model, checked, engine, current settings)."""
+    cache = helpers.setup_cache(args)
+    model = helpers.load(args, say)
+    name = args.served_model_name or Path(args.model).name
+    current = {"settings": _settings(args, model, hashlib.sha256(data).hexdigest(), name),
+               "environment": environment()}
+    checked = check(model, read_lines(data), tokenizer=load_tokenizer(args.model), name=name, seed=args.seed,
+                    max_new_tokens=args.max_new_tokens)
+    engine = make_engine(model, checked, max_slots=args.max_slots, batch_invariant=args.batch_invariant or None,
+                         decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk)
+    helpers.compiling(say, cache)
+    return checked, engine, current
+
+
+def _refused(e: JobRefused) -> int:
+    print(f"dsjax: error: {e}", file=sys.stderr)
+    return 1
+
+
+def batch(args, say, helpers) -> int:
+    try:
+        return _batch(args, say, helpers)
+    except JobRefused as e:
+        return _refused(e)
+
+
+def _batch(args, say, helpers) -> int:
+    inp, out = Path(args.input), Path(args.output)
+    if out.exists() and out.resolve() == inp.resolve():
+        raise JobRefused("--output is the --input file")
+    data = inp.read_bytes()
+    mpath = manifest_path(out)
+    recorded = read(mpath) if mpath.exists() else None
+    if recorded is None and out.exists() and out.stat().st_size:
+        raise JobRefused(f"{out} exists and has no manifest ({mpath.name}): it was not written by dsjax batch; "
+                         f"move it away or choose another --output")
+    t0 = time.perf_counter()
+    checked, engine, current = _prepare(args, say, helpers, data)
+    if recorded is not None:
+        diffs = differences(recorded, current)
+        if diffs:
+            raise JobRefused(f"{out} was made with other settings ({'; '.join(diffs)}); run with the same ones to "
+                             f"resume, or choose another --output")
+    messages = checked.error_messages()
+    for m in messages[:20]:
+        say(f"{inp}: {m}")
+    if messages and args.on_error == "fail":
+        raise JobRefused(f"{len(messages)} bad input line(s), nothing was run (--on-error skip writes an error line "
+                         f"for each and runs the rest): {messages[0]}")
+    output = Output(out)
+    done = output.recover()
+    manifest = {"format": FORMAT, "complete": False, "input": str(inp.resolve()), "output": str(out.resolve()),
+                "records": len(checked.lines), "errors": len(checked.errors), **current}
+    write(mpath, manifest)
+    todo = [r for r in checked.records if key(r.id) not in done]
+    say(f"{len(todo)} records to run ({len(checked.records) - len(todo)} finished before, "
+        f"{len(checked.errors)} with errors)")
+
+    def on_result(record, result):
+        line = encode(result)
+        output.append(line)
+        done[key(record.id)] = line
+
+    t = time.perf_counter()
+    tokens = execute(engine, todo, on_result, progress=False if args.quiet else None) if todo else 0
+    seconds = time.perf_counter() - t
+    output.finalize(checked, done)
+    write(mpath, {**manifest, "complete": True})
+    say(f"done: {len(checked.lines)} records ({len(todo)} run now, {len(checked.errors)} errors), {tokens} tokens "
+        f"in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tok/s; {time.perf_counter() - t0:.1f} s in all) "
+        f"-> {out}")
+    return 0
+
+
+def verify(args, say, helpers) -> int:
+    try:
+        return _verify(args, say, helpers)
+    except JobRefused as e:
+        return _refused(e)
+
+
+def _verify(args, say, helpers) -> int:
+    out = Path(args.output)
+    mpath = manifest_path(out)
+    if not mpath.exists():
+        raise JobRefused(f"no manifest {mpath}: only a dsjax batch output can be verified")
+    recorded = read(mpath)
+    s = recorded["settings"]
+    job = argparse.Namespace(**vars(args))  # the CLI's common flags, and the recorded job's own
+    job.__dict__.update(model=s["model"], served_model_name=s["served_model_name"], dtype=s["dtype"],
+                        seed=s["seed"], mesh=s["mesh"], kernels=s["kernels"], batch_invariant=s["batch_invariant"],
+                        max_new_tokens=s["max_new_tokens"], max_slots=s["max_slots"],
+                        decode_steps=s["decode_steps"], prefill_chunk=s["prefill_chunk"])
+    data = Path(recorded["input"]).read_bytes()
+    results = finished(out.read_bytes(), out)
+    checked, engine, current = _prepare(job, say, helpers, data)
+    diffs = differences(recorded, current)
+    if diffs:
+        raise JobRefused(f"cannot verify {out} here: {'; '.join(diffs)} (recorded -> here)")
+    in_input = {key(r.id): r for r in checked.records}
+    ids = [k for k in in_input if k in results] + [k for k in results if k not in in_input]
+    chosen = random.Random(args.seed).sample(ids, args.sample) if 0 < args.sample < len(ids) else ids
+    rerun = {}
+    todo = [in_input[k] for k in chosen if k in in_input]
+    if todo:
+        execute(engine, todo, lambda r, result: rerun.__setitem__(key(r.id), encode(result)),
+                progress=False if args.quiet else None)
+    differ = [k for k in chosen if rerun.get(k) != results[k]]
+    for k in differ:
+        print(k)
+    say(f"verified {len(chosen)} of {len(results)} results: {len(differ)} differ" +
+        (f" ({', '.join(differ[:10])})" if differ else ""))
+    return 1 if differ else 0

@@ -1,0 +1,247 @@
+"""Offline batch jobs (dsjax.batch, `dsjax batch`, `dsjax verify`) on the random `tiny` model.
+
+One record set and one engine shape (4 slots, batch-invariant, the same capacity) serve
+every test, so the in-process tests share compiled programs; subprocesses only for the
+SIGKILL test, over one compile cache of their own."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dsjax
+import dsjax.batch
+from dsjax import cli
+from dsjax.batch.manifest import manifest_path
+from dsjax.batch.runner import context
+from dsjax.serving.protocol import CHAT, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS = ["--max-slots", "4", "--batch-invariant", "--max-new-tokens", "6"]
+
+
+def _records(n: int = 12) -> list[dict]:
+    """Text and id prompts of different lengths; greedy, seeded and unseeded sampling."""
+    out = []
+    for i in range(n):
+        r = {"id": f"r{i}", "max_tokens": 3 + i % 4}
+        if i % 2:
+            r["prompt_ids"] = [0] + [100 + 7 * j for j in range(i + 1)]
+        else:
+            r["prompt"] = "def f(n):" + " x" * i
+        if i % 3 == 1:
+            r.update(temperature=0.8, top_p=0.9, seed=i)
+        elif i % 3 == 2:
+            r.update(temperature=0.7)  # no seed: derived from the run seed and the id
+        out.append(r)
+    return out
+
+
+RECORDS = _records()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = dsjax.load_model("tiny", dtype="float32")
+    return m.replace(options=m.options.replace(batch_invariant=True))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    return dsjax.load_tokenizer(model)
+
+
+@pytest.fixture(scope="module")
+def results(model, tokenizer):
+    return dsjax.batch.run(model, RECORDS, max_slots=4, max_new_tokens=6, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The uninterrupted job, through the CLI in this process: (input, output)."""
+    d = tmp_path_factory.mktemp("job")
+    inp, out = d / "in.jsonl", d / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    assert cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32",
+                     "--quiet", *SLOTS]) == 0
+    return inp, out
+
+
+def test_run_equals_generate_per_record(model, tokenizer, results):
+    """The oracle: dsjax.generate alone on each record, with its settings and its seed."""
+    assert [r["id"] for r in results] == [r["id"] for r in RECORDS]  # input order
+    for rec, res in zip(RECORDS[:6], results):  # text / ids x greedy / seeded / derived seed
+        prompt = rec.get("prompt", rec.get("prompt_ids"))
+        settings = {k: rec[k] for k in ("temperature", "top_p") if k in rec}
+        seed = rec.get("seed", dsjax.batch.derived_seed(0, rec["id"]))
+        assert res["seed"] == seed
+        (c,) = dsjax.generate(model, [prompt], rec["max_tokens"], seed=seed, tokenizer=tokenizer, details=True,
+                              **settings)
+        assert res["ids"] == c.ids, rec["id"]
+        assert res["text"] == c.text and res["finish_reason"] == c.finish_reason and res["usage"] == c.usage
+
+
+def test_cli_output_is_the_library_result(job, results):
+    _, out = job
+    assert [json.loads(line) for line in out.read_text().splitlines()] == results
+    manifest = json.loads(manifest_path(out).read_text())
+    assert manifest["complete"] and manifest["settings"]["batch_invariant"] and manifest["records"] == len(RECORDS)
+
+
+def _env(cache_dir) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "DSJAX_COMPILE_CACHE": str(cache_dir)}
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_equals_uninterrupted(job, tmp_path):
+    """Killed with SIGKILL after k finished lines (k random), 3 times, once with a torn last
+    line added: the resumed job's output is the uninterrupted one, byte for byte."""
+    inp, reference = job
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "dsjax.cli", "batch", "--input", str(inp), "--output", str(out), "--model", "tiny",
+           "--dtype", "float32", "--quiet", *SLOTS]
+    env = _env(tmp_path / "compile_cache")
+    rng = random.Random(16)
+    kills = 0
+    for attempt in range(6):
+        target = _lines(out) + rng.randint(1, 3)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and _lines(out) < target and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if proc.poll() is None and kills < 3:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            if kills == 2:  # a crash in the middle of a write
+                with open(out, "ab") as f:
+                    f.write(b'{"id": "r')
+            continue
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        break
+    assert kills >= 2  # the job was really interrupted
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(r["id"] for r in RECORDS) and len(set(ids)) == len(ids)
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_rerun_with_other_settings_is_refused(job, capsys):
+    inp, out = job
+    before = out.read_bytes()
+    rc = cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32",
+                   "--quiet", "--max-slots", "4", "--batch-invariant", "--max-new-tokens", "7", "--seed", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "seed: 0 -> 1" in err and "max_new_tokens: 6 -> 7" in err, err
+    assert out.read_bytes() == before
+
+
+def test_rerun_of_a_finished_job_changes_nothing(job, capsys):
+    inp, out = job
+    before = out.read_bytes()
+    assert cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32",
+                     *SLOTS]) == 0
+    assert "0 run now" in capsys.readouterr().err
+    assert out.read_bytes() == before
+
+
+BAD = [
+    "{not json",
+    json.dumps({"id": "np", "max_tokens": 3}),  # no prompt
+    json.dumps({"id": "bt", "prompt": "x", "temperature": -1}),  # bad parameter
+    json.dumps({"id": "long", "prompt_ids": [1] * 65536}),  # past the model's positions
+    json.dumps({"id": "r0", "prompt": "again"}),  # a repeated id
+]
+
+
+def _bad_input(path: Path) -> list[int]:
+    """RECORDS with BAD lines interleaved; returns the bad lines' numbers."""
+    lines, bad = [], []
+    for i, r in enumerate(RECORDS):
+        lines.append(json.dumps(r))
+        if i < len(BAD):
+            lines.append(BAD[i])
+            bad.append(len(lines))
+    path.write_text("\n".join(lines) + "\n")
+    return bad
+
+
+def test_malformed_lines_skip(model, tokenizer, results, tmp_path):
+    bad = _bad_input(tmp_path / "in.jsonl")
+    out = dsjax.batch.run(model, tmp_path.joinpath("in.jsonl").read_text(), max_slots=4, max_new_tokens=6,
+                          tokenizer=tokenizer)
+    errors = [o for o in out if "error" in o]
+    assert [e["error"]["line"] for e in errors] == bad
+    messages = [e["error"]["message"] for e in errors]
+    assert "not valid JSON" in messages[0] and "prompt" in messages[1] and "temperature" in messages[2]
+    assert "65536" in messages[3] and "line 1 and line 10" in messages[4], messages
+    assert [o for o in out if "error" not in o] == results  # nothing else lost or changed
+
+
+def test_malformed_lines_fail_runs_nothing(tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    bad = _bad_input(inp)
+    rc = cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32",
+                   "--on-error", "fail", *SLOTS])
+    err = capsys.readouterr().err
+    assert rc == 1 and "5 bad input line(s), nothing was run" in err
+    assert all(f"line {n}:" in err for n in bad), err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_verify_passes_then_flags_a_tampered_line(job, tmp_path, capsys):
+    _, out = job
+    assert cli.main(["verify", str(out), "--quiet", "--sample", "4", "--seed", "1"]) == 0
+    tampered = tmp_path / "out.jsonl"
+    lines = out.read_text().splitlines()
+    row = json.loads(lines[5])
+    row["ids"][-1] = (row["ids"][-1] + 1) % 1000
+    lines[5] = json.dumps(row, ensure_ascii=False)
+    tampered.write_text("\n".join(lines) + "\n")
+    manifest_path(tampered).write_bytes(manifest_path(out).read_bytes())
+    capsys.readouterr()
+    assert cli.main(["verify", str(tampered), "--quiet"]) == 1  # all ids
+    assert capsys.readouterr().out.split() == [json.dumps(row["id"])]
+
+
+def test_openai_lines_equal_generate_on_the_served_prompt(model, tokenizer):
+    """OpenAI batch lines are converted as `dsjax serve` converts them (the oracle: the
+    serving protocol's prompt ids, then dsjax.generate with the record's seed)."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "thinking": {"type": "disabled"}, "max_tokens": 4,
+            "temperature": 0.8}
+    lines = [{"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "def f(n):", "max_tokens": 5, "temperature": 0}},
+             {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions", "body": chat}]
+    comp, msg = dsjax.batch.run(model, lines, max_slots=4, tokenizer=tokenizer)
+    (c,) = dsjax.generate(model, ["def f(n):"], 5, tokenizer=tokenizer, details=True)
+    assert comp["ids"] == c.ids and comp["text"] == c.text and comp["response"]["choices"][0]["text"] == c.text
+    seed = dsjax.batch.derived_seed(0, "m")
+    served = prepare(CHAT, {**chat, "model": model.config.name, "seed": seed}, context(model, tokenizer,
+                                                                                      model.config.name))
+    (m,) = dsjax.generate(model, [served.choices[0].prompt], 4, temperature=0.8, seed=seed, details=True)
+    assert msg["seed"] == seed and msg["ids"] == m.ids
+    assert msg["response"]["choices"][0]["message"]["content"] == msg["text"]
+    assert msg["usage"]["prompt_tokens"] == len(served.choices[0].prompt)
+
+
+def test_verify_refuses_another_environment(job, tmp_path, capsys):
+    _, out = job
+    copy = tmp_path / "out.jsonl"
+    copy.write_bytes(out.read_bytes())
+    manifest = json.loads(manifest_path(out).read_text())
+    manifest["environment"]["jax"] = "0.0.1"
+    manifest_path(copy).write_text(json.dumps(manifest))
+    assert cli.main(["verify", str(copy), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert 'jax: "0.0.1" -> ' in err and "cannot verify" in err, err
