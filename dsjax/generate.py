@@ -192,9 +192,10 @@ class GenerationPlan:
                     engine.cancel(event.request_id)
                 if on_token is not None:
                     on_token(i, event, text)
-        return [self._completion(i, r) for i, r in enumerate(runs)]
+        return [self.completion(i, r) for i, r in enumerate(runs)]
 
-    def _completion(self, i: int, run: "TextRun") -> Completion:
+    def completion(self, i: int, run: "TextRun") -> Completion:
+        """Prompt i's Completion from its run's bookkeeping (also how `dsjax.batch` reports one)."""
         show_text = self.is_text[i] or self.tokenizer is not None
         return Completion(run.text if show_text else None, run.ids, self.prompts[i], run.finish_reason,
                           run.stop_hit if run.finish_reason == "stop" else None, run.logprobs)

@@ -24,7 +24,7 @@ RANKS = {
     "dsjax.engine": 6,
     "dsjax.api": 7,
     "dsjax.generate": 8, "dsjax.chat": 8,
-    "dsjax.cli": 9, "dsjax.serving": 9, "dsjax.batch": 9, "dsjax.train": 9, "dsjax": 9,
+    "dsjax.cli": 9, "dsjax.testing": 9, "dsjax.serving": 9, "dsjax.batch": 9, "dsjax.train": 9, "dsjax": 9,
 }
 # Below the model, a mechanism file sees only these.
 LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.pallas_kernels", "dsjax.layers")

@@ -77,7 +77,7 @@ class Record:
     def result(self, finish_reason: str | None) -> dict:
         """The output line (a dict): id, seed, text, ids, finish_reason, usage (+ logprobs, stop, response)."""
         if self._plan is not None:
-            c = self._plan._completion(0, self._run)
+            c = self._plan.completion(0, self._run)
             return {"id": self.id, "seed": self.seed, **c.to_dict()}
         translator = self._job.choices[0].translator
         translator.finish(finish_reason)
