@@ -24,6 +24,9 @@ import time
 import traceback
 from pathlib import Path
 
+from dsjax.cli_reports import cmd_cache as _cmd_cache
+from dsjax.cli_reports import cmd_memory as _cmd_memory
+from dsjax.cli_reports import cmd_params as _cmd_params
 from dsjax.weights import DEFAULT_MODEL, resolve
 
 SIDE_FILES = ("draft_vocab.json", "tokenizer.json", "tokenizer_config.json", "training.json")
@@ -235,17 +238,6 @@ def _cmd_info(args, say) -> int:
     return 0
 
 
-def _cmd_params(args, say) -> int:
-    import jax.numpy as jnp
-
-    from dsjax.config import load_config
-    from dsjax.param_count import count_params, format_counts
-
-    counts = count_params(load_config(args.config), jnp.dtype(args.dtype))
-    print(json.dumps(counts, indent=2) if args.json else format_counts(counts))
-    return 0
-
-
 def _cmd_convert(args, say) -> int:
     import dsjax
     from dsjax.checkpoint import orbax_io
@@ -266,66 +258,6 @@ def _cmd_convert(args, say) -> int:
             shutil.copy2(src / side, Path(args.dst) / side)
     print(f"read {args.src} in {loaded:.1f} s; wrote orbax checkpoint {args.dst} in "
           f"{time.perf_counter() - t - loaded:.1f} s")
-    return 0
-
-
-def _cmd_memory(args, say) -> int:
-    import jax
-    import jax.numpy as jnp
-
-    from dsjax.api import check_mesh_fits
-    from dsjax.config import load_config
-    from dsjax.model import model_specs
-    from dsjax.sharding.rules import bytes_per_device, parse_mesh_spec
-
-    cfg = load_config(args.config)
-    sizes = parse_mesh_spec(args.mesh)
-    check_mesh_fits(cfg, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # load_model's own check
-    report = bytes_per_device(model_specs(cfg, jnp.dtype(args.dtype)), sizes)
-    if args.json:
-        print(json.dumps({"config": cfg.name, "mesh": sizes, "bytes_per_device": report,
-                          "total_per_device": sum(report.values())}, indent=2))
-        return 0
-    print(f"{cfg.name} on mesh {sizes} ({args.dtype}): weight bytes per device")
-    for k, v in sorted(report.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:22s}{v / 2**30:10.2f} GiB")
-    print(f"  {'total':22s}{sum(report.values()) / 2**30:10.2f} GiB")
-    return 0
-
-
-def _context_lengths(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        try:
-            n = int(part)
-        except ValueError:
-            n = None
-        if n is None or n < 1:
-            raise UsageError(f"--context: context lengths must be positive integers, got {part.strip()!r} "
-                             f"(e.g. --context 8192,131072)")
-        out.append(n)
-    return out
-
-
-def _cmd_cache(args, say) -> int:
-    import jax.numpy as jnp
-
-    from dsjax.config import load_config
-    from dsjax.model.cache import cache_bytes
-
-    contexts = _context_lengths(args.context)
-    cfg = load_config(args.config)
-    rows = [cache_bytes(cfg, c, jnp.dtype(args.dtype)) for c in contexts]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    print(f"{cfg.name}: decode cache per sequence ({args.dtype})")
-    print(f"{'context':>10} {'per sequence':>14} {'per token':>11} {'compressed/token':>17} {'analytic min':>13} "
-          f"{'full KV/token':>14}")
-    for r in rows:
-        print(f"{r['capacity']:>10} {r['bytes_per_sequence'] / 2**20:>11.1f} MiB {r['bytes_per_token']:>9.0f} B "
-              f"{r['compressed_bytes_per_token']:>15.0f} B {r['analytic_min_bytes_per_token']:>11.0f} B "
-              f"{r['full_kv_bytes_per_token']:>12.0f} B")
     return 0
 
 
