@@ -262,8 +262,6 @@ def _cmd_convert(args, say) -> int:
 
 
 def _cmd_serve(args, say) -> int:
-    from pathlib import Path
-
     from dsjax.serving.protocol import Limits
     from dsjax.serving.server import build, run
 
