@@ -61,7 +61,8 @@ def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
     b.add_argument("--decode-steps", type=int, default=4, help="decode steps per dispatch")
     b.add_argument("--prefill-chunk", type=int, default=256)
     b.add_argument("--batch-invariant", action="store_true", help="each record's logits bitwise independent of "
-                   "its batch (slower): an interrupted and resumed job then equals an uninterrupted one exactly")
+                   "its batch (a little slower): an interrupted and resumed job then equals an uninterrupted one "
+                   "exactly, at any --max-slots")
     b.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="bad input lines: write an error "
                    "line and go on (skip), or stop before running anything (fail, exit status 1)")
     b.set_defaults(func=functools.partial(batch, helpers=helpers))

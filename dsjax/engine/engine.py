@@ -46,6 +46,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, fill_masks, mask_words, pack_mask
 from dsjax.engine.limits import check_cache_fits, check_engine_args
 from dsjax.model.cache import batch_axes, min_ring
+from dsjax.model.decoder import INVARIANT_ROWS
 from dsjax.engine.policy import SpeculationPolicy, check_draft_vocab, check_speculation
 from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, spec_decode_step, spec_prefill_step, start_decoding)
@@ -111,13 +112,15 @@ class Engine:
         self.max_slots, self.capacity, self.prefill_chunk = max_slots, capacity, prefill_chunk
         self.batch_invariant, self.max_logprobs, self.overlap = batch_invariant, max_logprobs, overlap
         self.decode_steps = decode_steps  # tokens per slot per decode dispatch (fewer host round trips)
-        if self.mesh is not None:
-            shards = model.batch_shards()
-            if max_slots % shards:
-                raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's batch shards ({shards})")
-            if batch_invariant:
-                raise ValueError("batch_invariant mode runs each slot alone; it is not supported on a mesh")
-        self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, max_slots)
+        shards = 1 if self.mesh is None else model.batch_shards()
+        if max_slots % shards:
+            raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's batch shards ({shards})")
+        # rows of the device state: max_slots, rounded up in batch-invariant mode to whole
+        # tiles of INVARIANT_ROWS (`forward`); the spare rows are never admitted to
+        self.rows = -(-max_slots // INVARIANT_ROWS) * INVARIANT_ROWS if batch_invariant else max_slots
+        if self.mesh is not None and batch_invariant:
+            raise ValueError("batch_invariant mode is not supported on a mesh yet (see README 'Batch invariance')")
+        self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, self.rows)
         check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=min_ring(cfg) - 1,
                           unsupported={"a mesh": self.mesh is not None, "batch_invariant": batch_invariant,
                                        "max_logprobs > 0": max_logprobs > 0, "decode_steps > 1": decode_steps > 1})
@@ -125,15 +128,15 @@ class Engine:
         self.draft_vocab = self._check_draft_vocab(draft_vocab)  # sorted ids [|D|] or None (full vocabulary)
         self._draft = (gather_draft_vocab(model.params, self.draft_vocab)  # the programs' argument
                        if num_draft_tokens and self.draft_vocab is not None else None)
-        check_cache_fits(model, max_slots, capacity, device_memory_bytes)
-        cache, slots, self.spec = init_state(cfg=cfg, batch=max_slots, capacity=capacity, dtype=model.dtype,
+        check_cache_fits(model, self.rows, capacity, device_memory_bytes)
+        cache, slots, self.spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                              num_draft_tokens=num_draft_tokens)
         self.cache, self.slots = self._place(cache), self._place(slots)
         self._cancelled: set[int] = set()  # slots cancelled while decoding: stopped by the next decode step
-        self._none_cancelled = self._place(jax.device_put(np.zeros(max_slots, bool)))
+        self._none_cancelled = self._place(jax.device_put(np.zeros(self.rows, bool)))
         self.requests: dict[str, Request] = {}  # by id: the latest request of each id
         self.waiting: collections.deque[Request] = collections.deque()
-        self.slot_owner: list[Request | None] = [None] * max_slots
+        self.slot_owner: list[Request | None] = [None] * self.rows
         self._pending: collections.deque[tuple[StepOutput, dict[int, Request]]] = collections.deque()  # on device
         self._outbox: collections.deque[tuple[Request, StepOutput, int, int]] = collections.deque()  # read back
         self._ids = itertools.count()
@@ -279,7 +282,7 @@ class Engine:
 
     @property
     def free_slots(self) -> list[int]:
-        return [i for i, owner in enumerate(self.slot_owner) if owner is None]
+        return [i for i, owner in enumerate(self.slot_owner[: self.max_slots]) if owner is None]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self._pending or self._outbox or any(o is not None for o in self.slot_owner))
@@ -313,7 +316,7 @@ class Engine:
             what = f"decode, context {bucket}" + (f", {k} drafts" if self.num_draft_tokens else "")
             steps.append((what, functools.partial(self._decode_call, bucket, k, sampled)))
         if constrained:  # slot 0 starts decoding, and the next step's cancel stops it
-            ones = np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1, np.int32)
+            ones = np.full((self.rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
 
             def start():
                 self.slots = start_decoding(self.slots, np.int32(0), np.int32(0))
@@ -333,7 +336,7 @@ class Engine:
     # ------------------------------------------------------------------ device calls
     def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, first_mask, bucket: int,
                       sampled: bool) -> StepOutput:
-        """One prompt chunk: rows [1, C] for `slot` (one device), or [max_slots, C] (a mesh);
+        """One prompt chunk: rows [1, C] for `slot` (one device), or [rows, C] (a mesh);
         `admits` (an `Admission`) says which rows start a prompt, `first_mask` (packed
         [rows, words] uint32) which first tokens a row whose prompt ends here may take."""
         params, slot = self.model.params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
@@ -353,10 +356,10 @@ class Engine:
         return out
 
     def _take_cancelled(self):
-        """Rows cancelled since the last decode step [max_slots] (the next one stops them first)."""
+        """Rows cancelled since the last decode step [rows] (the next one stops them first)."""
         if not self._cancelled:
             return self._none_cancelled
-        cancelled = self._place(np.isin(np.arange(self.max_slots), list(self._cancelled)))
+        cancelled = self._place(np.isin(np.arange(self.rows), list(self._cancelled)))
         self._cancelled.clear()
         return cancelled
 
@@ -375,7 +378,7 @@ class Engine:
     def _split_decode_call(self, bucket: int, masks, before_sample: Callable[[], None] | None = None) -> StepOutput:
         """A decode step in two dispatches: the forward, then (after `before_sample()` and
         `masks()`, which the host runs while the device runs the forward) the sampling
-        under the packed masks [max_slots, words] int32."""
+        under the packed masks [rows, words] int32."""
         self.cache, self.slots, logits, positions = decode_forward(
             self.model.params, self.cache, self.slots, self._take_cancelled(), cfg=self.cfg, opts=self.opts,
             ctx_bucket=bucket)
@@ -416,7 +419,7 @@ class Engine:
         """Zeroed (tokens, following tokens, n_valid, is_last, admission) and an all-ones
         first-token mask for one prefill call: one row per slot under a mesh, else the one
         row of the slot being prefilled."""
-        rows = self.max_slots if self.mesh is not None else 1
+        rows = self.rows if self.mesh is not None else 1
         return np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, np.int32), \
             np.zeros(rows, bool), admission([None] * rows), \
             np.full((rows, mask_words(self.cfg.vocab_size)), 0xFFFFFFFF, np.uint32)
@@ -461,9 +464,9 @@ class Engine:
                 r.state, r.dispatched = "decoding", r.prefilled
 
     def _masks(self, decoding: list[Request]) -> np.ndarray:
-        """Packed allowed tokens [max_slots, words] int32 of the next step: all ones but for
+        """Packed allowed tokens [rows, words] int32 of the next step: all ones but for
         constrained rows (a new array each step: the device may still read the last one)."""
-        masks = np.full((self.max_slots, mask_words(self.cfg.vocab_size)), -1, np.int32)
+        masks = np.full((self.rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
         fill_masks([(r.slot, r.constraint) for r in decoding if r.constraint is not None and not r.done], masks)
         return masks
 

@@ -241,11 +241,7 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
     return streams, found if states is None else states
 
 
-def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
-    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
-    if last_only:
-        streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
-    return logits_of(params, streams, cfg), cache
+INVARIANT_ROWS = 8  # rows per batch-invariant tile (see `forward`)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "last_only"), donate_argnames=("cache",))
@@ -260,18 +256,32 @@ def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cac
     level). ctx_bucket (static, required with a cache) bounds the compressed entries read:
     every entry a query can see must lie below ctx_bucket / ratio.
     last_only: logits [B, 1, V] at each row's last valid position only.
-    opts.batch_invariant (cached path): each row runs as its own batch-1 computation
-    (`lax.map`), so its results are bitwise independent of the other rows."""
+    opts.batch_invariant (cached path): B rows (a multiple of INVARIANT_ROWS) run as tiles of
+    INVARIANT_ROWS, each its own forward of the same shape; one row (a prefill) runs alone.
+    XLA:CPU picks how a reduction or product sums by the operand shapes, so a fixed shape
+    makes a row's results depend on its own tokens only, not on the batch size, its slot
+    or its neighbours (see README "Batch invariance")."""
     if cache is not None and ctx_bucket is None:
         raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
-    if cache is None or not opts.batch_invariant:
+    b = tokens.shape[0]
+    if cache is None or not opts.batch_invariant or b == 1:
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
-    n_valid = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if n_valid is None else n_valid
+    if b % INVARIANT_ROWS:
+        raise ValueError(f"batch_invariant: {b} rows are not a multiple of {INVARIANT_ROWS} (INVARIANT_ROWS)")
+    n_valid = jnp.full((b,), tokens.shape[1], jnp.int32) if n_valid is None else n_valid
 
-    def one(cache, i):  # row i as its own batch-1 forward, along each cache leaf's batch axis
-        logits, row = _forward_rows(params, jax.lax.dynamic_slice_in_dim(tokens, i, 1), cfg, take_rows(cache, i),
-                                    opts, jax.lax.dynamic_slice_in_dim(n_valid, i, 1), ctx_bucket, last_only)
-        return put_rows(cache, row, i), logits[0]
+    def tile(cache, i):  # rows i..i+INVARIANT_ROWS as their own forward, along each cache leaf's batch axis
+        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, i, INVARIANT_ROWS)  # noqa: E731
+        logits, part = _forward_rows(params, rows(tokens), cfg, take_rows(cache, i, INVARIANT_ROWS), opts,
+                                     rows(n_valid), ctx_bucket, last_only)
+        return put_rows(cache, part, i), logits
 
-    cache, logits = jax.lax.scan(one, cache, jnp.arange(tokens.shape[0]))
-    return logits, cache
+    cache, logits = jax.lax.scan(tile, cache, jnp.arange(0, b, INVARIANT_ROWS))
+    return logits.reshape(b, *logits.shape[2:]), cache
+
+
+def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
+    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
+    if last_only:
+        streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
+    return logits_of(params, streams, cfg), cache
