@@ -179,15 +179,15 @@ def _on_ray(args, data: bytes, capacity: int, todo, output: Output, done: dict, 
     """Run the records still to do on args.ray replicas (each with this job's engine shape),
     appending each result as it comes back. Returns the tokens made."""
     objs = {n: obj for n, obj, _ in read_lines(data)}
-    predictor = dict(model=model_name(args.model), dtype=args.dtype, seed=args.seed, mesh=args.mesh, kernels=args.kernels,
-                     name=args.served_model_name or Path(args.model).name, max_new_tokens=args.max_new_tokens,
+    predictor = dict(model=model_name(args.model), dtype=args.dtype, seed=args.seed, mesh=args.mesh,
+                     kernels=args.kernels, name=args.served_model_name or Path(args.model).name, max_new_tokens=args.max_new_tokens,
                      max_slots=args.max_slots, batch_invariant=args.batch_invariant or None,
                      decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, capacity=capacity)
     say(f"dispatching to {args.ray} Ray replica(s) ...")
     tokens = 0
     lines = [(r.line, json.dumps(objs[r.line])) for r in todo]
     for _, rid, text in dispatch(lines, replicas=args.ray, batch_size=args.ray_batch_size or 4 * args.max_slots,
-                                 predictor=predictor, num_gpus=args.ray_gpus):
+                                 predictor=predictor, num_gpus=args.ray_gpus, quiet=args.quiet):
         result = json.loads(text)
         if "error" in result:  # the driver checked every record with the same code: a replica differs
             raise RuntimeError(f"a Ray replica refused record {rid}: {result['error']['message']}")

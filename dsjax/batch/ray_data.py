@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 from typing import Any, Iterator
@@ -111,17 +112,19 @@ def require_ray():
 
 
 @contextlib.contextmanager
-def ray_cluster(replicas: int = 1):
+def ray_cluster(replicas: int = 1, quiet: bool = False):
     """The Ray cluster this process is connected to; else the one at RAY_ADDRESS; else a
     local one, shut down on exit."""
     ray = require_ray()
     if ray.is_initialized():
         yield ray
         return
+    settings = dict(include_dashboard=False, log_to_driver=False,
+                    logging_level=logging.ERROR if quiet else logging.INFO)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(include_dashboard=False, log_to_driver=False)  # ray.init reads RAY_ADDRESS itself
+        ray.init(**settings)  # ray.init reads RAY_ADDRESS itself
     else:  # logical CPUs: each replica holds one, and Ray Data's own tasks need one more
-        ray.init(num_cpus=max(os.cpu_count() or 1, replicas + 1), include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=max(os.cpu_count() or 1, replicas + 1), **settings)
     try:
         yield ray
     finally:
@@ -129,14 +132,32 @@ def ray_cluster(replicas: int = 1):
 
 
 def dispatch(lines: list[tuple[int, str]], *, replicas: int, batch_size: int, predictor: dict,
-             num_cpus: float = 1, num_gpus: float = 0) -> Iterator[tuple[int, str, str]]:
+             num_cpus: float = 1, num_gpus: float = 0, quiet: bool = False) -> Iterator[tuple[int, str, str]]:
     """Run (line number, JSON line) pairs on `replicas` RayPredictor actors, `batch_size`
     lines a batch; yields (line, id JSON, output JSON) as batches finish (any order).
-    `predictor`: RayPredictor's keyword arguments."""
-    with ray_cluster(replicas) as ray:
+    `predictor`: RayPredictor's keyword arguments. quiet: Ray's progress and INFO logs off."""
+    with ray_cluster(replicas, quiet) as ray, _quiet(ray, quiet):
         ds = ray.data.from_items([{"line": n, "text": text} for n, text in lines])
         ds = ds.map_batches(RayPredictor, fn_constructor_kwargs=predictor, concurrency=replicas,
                             batch_size=batch_size, batch_format="pyarrow", num_cpus=num_cpus, num_gpus=num_gpus)
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             yield from zip(*(batch.column(c).to_pylist() for c in ("line", "id", "output")))
 
+
+@contextlib.contextmanager
+def _quiet(ray, quiet: bool):
+    if not quiet:
+        yield
+        return
+    ctx = ray.data.DataContext.get_current()
+    loggers = [logging.getLogger(n) for n in ("ray", "ray.data")]
+    before = ctx.enable_progress_bars, [lg.level for lg in loggers]
+    ctx.enable_progress_bars = False
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ctx.enable_progress_bars = before[0]
+        for lg, level in zip(loggers, before[1]):
+            lg.setLevel(level)
