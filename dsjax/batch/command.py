@@ -180,9 +180,10 @@ def _on_ray(args, data: bytes, capacity: int, todo, output: Output, done: dict, 
     appending each result as it comes back. Returns the tokens made."""
     objs = {n: obj for n, obj, _ in read_lines(data)}
     predictor = dict(model=model_name(args.model), dtype=args.dtype, seed=args.seed, mesh=args.mesh,
-                     kernels=args.kernels, name=args.served_model_name or Path(args.model).name, max_new_tokens=args.max_new_tokens,
-                     max_slots=args.max_slots, batch_invariant=args.batch_invariant or None,
-                     decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, capacity=capacity)
+                     kernels=args.kernels, name=args.served_model_name or Path(args.model).name,
+                     max_new_tokens=args.max_new_tokens, max_slots=args.max_slots,
+                     batch_invariant=args.batch_invariant or None, decode_steps=args.decode_steps,
+                     prefill_chunk=args.prefill_chunk, capacity=capacity)
     say(f"dispatching to {args.ray} Ray replica(s) ...")
     tokens = 0
     lines = [(r.line, json.dumps(objs[r.line])) for r in todo]
