@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import json
 import random
 import sys
 import time
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from dsjax.batch.job import JobRefused, Output, encode, finished, key
 from dsjax.batch.manifest import (FORMAT, config_hash, differences, environment, manifest_path, model_name, read,
                                   weights_fingerprint, write)
+from dsjax.batch.ray_data import dispatch, require_ray
 from dsjax.batch.records import read_lines
 from dsjax.batch.runner import check, execute, make_engine
 from dsjax.tokenizer import load_tokenizer
@@ -65,6 +67,11 @@ def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
                    "exactly, at any --max-slots")
     b.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="bad input lines: write an error "
                    "line and go on (skip), or stop before running anything (fail, exit status 1)")
+    b.add_argument("--ray", type=int, default=0, metavar="N", help="run on N model replicas with Ray Data (pip "
+                   "install 'dsjax[ray]'): the cluster at RAY_ADDRESS, else a local one; same output file")
+    b.add_argument("--ray-batch-size", type=int, default=0, metavar="B", help="records per Ray batch (default: "
+                   "4 x --max-slots); a crash loses at most the batches running")
+    b.add_argument("--ray-gpus", type=float, default=0, metavar="G", help="GPUs each replica reserves")
     b.set_defaults(func=functools.partial(batch, helpers=helpers))
 
     v = sub.add_parser("verify", parents=[common], help="re-run a batch job's results and report ids that differ")
@@ -115,6 +122,13 @@ def _batch(args, say, helpers) -> int:
     inp, out = Path(args.input), Path(args.output)
     if out.exists() and out.resolve() == inp.resolve():
         raise JobRefused("--output is the --input file")
+    if args.ray < 0 or args.ray_batch_size < 0:
+        raise JobRefused("--ray and --ray-batch-size must be >= 0")
+    if args.ray:
+        try:
+            require_ray()
+        except ImportError as e:
+            raise JobRefused(f"--ray: {e}") from None
     data = inp.read_bytes()
     mpath = manifest_path(out)
     recorded = read(mpath) if mpath.exists() else None
@@ -149,7 +163,10 @@ def _batch(args, say, helpers) -> int:
         done[key(record.id)] = line
 
     t = time.perf_counter()
-    tokens = execute(engine, todo, on_result, progress=False if args.quiet else None) if todo else 0
+    if args.ray and todo:
+        tokens = _on_ray(args, data, engine.capacity, todo, output, done, say)
+    else:
+        tokens = execute(engine, todo, on_result, progress=False if args.quiet else None) if todo else 0
     seconds = time.perf_counter() - t
     output.finalize(checked, done)
     write(mpath, {**manifest, "complete": True})
@@ -157,6 +174,30 @@ def _batch(args, say, helpers) -> int:
         f"in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tok/s; {time.perf_counter() - t0:.1f} s in all) "
         f"-> {out}")
     return 0
+
+
+def _on_ray(args, data: bytes, capacity: int, todo, output: Output, done: dict, say) -> int:
+    """Run the records still to do on args.ray replicas (each with this job's engine shape),
+    appending each result as it comes back. Returns the tokens made."""
+    objs = {n: obj for n, obj, _ in read_lines(data)}
+    predictor = dict(model=model_name(args.model), dtype=args.dtype, seed=args.seed, mesh=args.mesh,
+                     kernels=args.kernels, name=args.served_model_name or Path(args.model).name,
+                     max_new_tokens=args.max_new_tokens, max_slots=args.max_slots,
+                     batch_invariant=args.batch_invariant or None, decode_steps=args.decode_steps,
+                     prefill_chunk=args.prefill_chunk, capacity=capacity)
+    say(f"dispatching to {args.ray} Ray replica(s) ...")
+    tokens = 0
+    lines = [(r.line, json.dumps(objs[r.line])) for r in todo]
+    for _, rid, text in dispatch(lines, replicas=args.ray, batch_size=args.ray_batch_size or 4 * args.max_slots,
+                                 predictor=predictor, num_gpus=args.ray_gpus, quiet=args.quiet):
+        result = json.loads(text)
+        if "error" in result:  # the driver checked every record with the same code: a replica differs
+            raise RuntimeError(f"a Ray replica refused record {rid}: {result['error']['message']}")
+        line = text.encode()
+        output.append(line)
+        done[key(result["id"])] = line
+        tokens += len(result["ids"])
+    return tokens
 
 
 def verify(args, say, helpers) -> int:

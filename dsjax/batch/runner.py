@@ -80,9 +80,10 @@ def check(model: Model, items: list[tuple[int, Any, str | None]], *, tokenizer: 
 
 
 def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_invariant: bool | None = None,
-                decode_steps: int = 4, prefill_chunk: int = 256) -> Engine | None:
+                decode_steps: int = 4, prefill_chunk: int = 256, capacity: int | None = None) -> Engine | None:
     """One engine for every record (capacity: the longest prompt + max_tokens over all of
-    them, so a resumed run has the same shapes); records it refuses become error lines."""
+    them, so a resumed run has the same shapes; or `capacity`, the whole job's, when these
+    records are one part of it); records it refuses become error lines."""
     limit = model.config.max_position_embeddings
     for r in checked.records:  # before sizing: one over-long record must not size every slot's cache
         if len(r.prompt) + r.params.max_tokens > limit:
@@ -91,8 +92,9 @@ def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_inv
     checked.records = [r for r in checked.records if r.line not in checked.errors]
     if not checked.records:
         return None
-    longest = max(len(r.prompt) + r.params.max_tokens for r in checked.records)
-    capacity = min(bucket_capacity(longest, model.config), max_capacity(model.config))
+    if capacity is None:
+        longest = max(len(r.prompt) + r.params.max_tokens for r in checked.records)
+        capacity = min(bucket_capacity(longest, model.config), max_capacity(model.config))
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     batch_invariant=batch_invariant, decode_steps=decode_steps,
                     max_logprobs=max(r.params.logprobs for r in checked.records))
@@ -162,13 +164,24 @@ def run(model: Model, records, *, max_new_tokens: int = 256, seed: int = 0, max_
     "finish_reason", "usage", ...}, or {"id", "error": {"line", "message"}} for a record that
     cannot run (on_error="skip"; "fail": a ValueError listing every bad record, before
     anything runs). max_new_tokens / seed: defaults for records that do not say."""
+    return run_items(model, as_items(records), max_new_tokens=max_new_tokens, seed=seed, max_slots=max_slots,
+                     batch_invariant=batch_invariant, decode_steps=decode_steps, on_error=on_error,
+                     tokenizer=tokenizer, name=name, progress=progress)
+
+
+def run_items(model: Model, items: list[tuple[int, Any, str | None]], *, max_new_tokens: int = 256, seed: int = 0,
+              max_slots: int = 8, batch_invariant: bool | None = None, decode_steps: int = 4,
+              prefill_chunk: int = 256, capacity: int | None = None, on_error: str = "skip",
+              tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False) -> list[dict]:
+    """`run` over check's items (line numbers given: one part of a larger job, as a Ray
+    replica runs it; `capacity`: the whole job's engine capacity). Output dicts by line."""
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
     tokenizer = tokenizer or load_tokenizer(model)
-    checked = check(model, as_items(records), tokenizer=tokenizer, name=name or model.config.name, seed=seed,
+    checked = check(model, items, tokenizer=tokenizer, name=name or model.config.name, seed=seed,
                     max_new_tokens=max_new_tokens)
     engine = make_engine(model, checked, max_slots=max_slots, batch_invariant=batch_invariant,
-                         decode_steps=decode_steps)
+                         decode_steps=decode_steps, prefill_chunk=prefill_chunk, capacity=capacity)
     if checked.errors and on_error == "fail":
         raise ValueError("bad records: " + "; ".join(checked.error_messages()))
     out = dict(checked.errors)
