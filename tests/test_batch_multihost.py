@@ -1,6 +1,7 @@
 """`dsjax batch` as one jax.distributed job of 2 processes x 4 CPU devices (gloo), its mesh
 spanning both: the output file must equal a one-process run's on the same mesh (8 fake
-devices, this test process), error lines in place, and only process 0 writes."""
+devices, this test process), error lines in place, and only process 0 writes. A mesh must
+span both processes; what process 0 reads reaches process 1 as is."""
 
 import json
 import os
@@ -46,12 +47,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _env() -> dict:
+    """A process of 4 CPU devices running this checkout's dsjax."""
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def _launch(inp: Path, outs: list[Path], extra: list[str]) -> list[subprocess.Popen]:
     """`python -m dsjax batch` twice, as processes 0 and 1 of one job (each its own --output,
     so a write by process 1 would show)."""
     port = _port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = _env()
     procs = []
     for i, out in enumerate(outs):
         with open(f"{out}.stderr", "w") as err:  # a file, not a pipe: nothing blocks on a full pipe
@@ -99,3 +105,24 @@ def test_mesh_must_span_every_process(tmp_path, mesh, message):
     job = [a for a in JOB if a not in ("--mesh", "data=2,expert=4")] + (["--mesh", mesh] if mesh else [])
     for status, err in _wait(_launch(inp, outs, job), outs):
         assert status != 0 and message in err, err[-3000:]
+
+
+BROADCAST = """
+import json, sys
+from dsjax.sharding.distributed import broadcast_bytes, broadcast_json, initialize, is_lead
+assert initialize(sys.argv[1], 2, int(sys.argv[2]))
+lead = is_lead()
+got = [broadcast_bytes(b if lead else None) for b in (b"", b"\\x00\\xff" * 70001, "\\u00e9".encode())]
+print(json.dumps([g.hex() if len(g) < 10 else len(g) for g in got] + [broadcast_json(["a", 1] if lead else 7)]))
+"""
+
+
+def test_broadcast_from_process_zero():
+    """What process 0 read (the input, a resumed job's finished ids) reaches process 1 as is."""
+    port = _port()
+    env = _env()
+    procs = [subprocess.Popen([sys.executable, "-c", BROADCAST, f"127.0.0.1:{port}", str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [json.loads(o.strip().splitlines()[-1]) for o in outs] == [["", 140002, "c3a9", ["a", 1]]] * 2
