@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 
 from dsjax.batch.job import JobRefused, Output, encode, finished, key
@@ -22,6 +23,7 @@ from dsjax.batch.manifest import (FORMAT, config_hash, differences, environment,
 from dsjax.batch.ray_data import dispatch, require_ray
 from dsjax.batch.records import read_lines
 from dsjax.batch.runner import check, execute, make_engine
+from dsjax.sharding.distributed import barrier, broadcast_bytes, broadcast_json, initialize, is_lead
 from dsjax.tokenizer import load_tokenizer
 from dsjax.weights import DEFAULT_MODEL
 
@@ -39,7 +41,12 @@ records them). The finished output is in input order. Records without a seed get
 --seed and their id, so results do not depend on the order records run in. Only with
 --batch-invariant are they also bitwise independent of their batch neighbours: in the default
 mode a row's logits may differ in the last bits between batch sizes, which can flip a
-near-tie greedy token, so a resumed run may differ from an uninterrupted one."""
+near-tie greedy token, so a resumed run may differ from an uninterrupted one.
+
+Many hosts (a model too large for one): start the same command once per process with
+--coordinator/--num-processes/--process-id (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID) and a --mesh over every process's devices. Process 0 reads the input and
+writes the output and manifest; the output equals a one-process run's on the same mesh."""
 
 
 def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
@@ -72,6 +79,10 @@ def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
     b.add_argument("--ray-batch-size", type=int, default=0, metavar="B", help="records per Ray batch (default: "
                    "4 x --max-slots); a crash loses at most the batches running")
     b.add_argument("--ray-gpus", type=float, default=0, metavar="G", help="GPUs each replica reserves")
+    b.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (jax.distributed); "
+                   "default: $JAX_COORDINATOR_ADDRESS")
+    b.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    b.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (0 writes)")
     b.set_defaults(func=functools.partial(batch, helpers=helpers))
 
     v = sub.add_parser("verify", parents=[common], help="re-run a batch job's results and report ids that differ")
@@ -118,58 +129,106 @@ def batch(args, say, helpers) -> int:
         return _refused(e)
 
 
+def _on_lead(fn):
+    """fn() on process 0, which alone holds the output; its refusal is raised on every
+    process (the others must stop exactly when it does, or they wait for it forever).
+    Returns fn()'s value on process 0, None on the others."""
+    if jax.process_count() == 1:
+        return fn()
+    value, refused = None, None
+    if is_lead():
+        try:
+            value = fn()
+        except (JobRefused, OSError) as e:
+            refused = str(e)
+    refused = broadcast_json(refused)
+    if refused is not None:
+        raise JobRefused(refused)
+    return value
+
+
 def _batch(args, say, helpers) -> int:
+    """One process, or one of several (SPMD over a mesh spanning them all). Several: every
+    process runs the same scheduler over the whole input - the same records admitted in the
+    same order, the tokens read back gathered to every process - so all dispatch the same
+    programs on the same host data, each feeding only its own devices' shards of it.
+    Process 0 reads the input and the output (a resumed job's finished ids) and hands both
+    to the others; it alone writes the output and manifest."""
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    if jax.process_count() > 1 and not args.mesh:
+        raise JobRefused(f"a {jax.process_count()}-process job needs a --mesh over all {jax.device_count()} devices, "
+                         f"e.g. --mesh data={jax.process_count()},expert={jax.local_device_count()}")
+    lead = is_lead()
+    if not lead:
+        say = _quiet
     inp, out = Path(args.input), Path(args.output)
-    if out.exists() and out.resolve() == inp.resolve():
-        raise JobRefused("--output is the --input file")
     if args.ray < 0 or args.ray_batch_size < 0:
         raise JobRefused("--ray and --ray-batch-size must be >= 0")
+    if args.ray and jax.process_count() > 1:
+        raise JobRefused("--ray runs replicas of one-process engines; it cannot be combined with a multi-process job")
     if args.ray:
         try:
             require_ray()
         except ImportError as e:
             raise JobRefused(f"--ray: {e}") from None
-    data = inp.read_bytes()
     mpath = manifest_path(out)
-    recorded = read(mpath) if mpath.exists() else None
-    if recorded is None and out.exists() and out.stat().st_size:
-        raise JobRefused(f"{out} exists and has no manifest ({mpath.name}): it was not written by dsjax batch; "
-                         f"move it away or choose another --output")
+
+    def open_job():
+        if out.exists() and out.resolve() == inp.resolve():
+            raise JobRefused("--output is the --input file")
+        data = inp.read_bytes()
+        recorded = read(mpath) if mpath.exists() else None
+        if recorded is None and out.exists() and out.stat().st_size:
+            raise JobRefused(f"{out} exists and has no manifest ({mpath.name}): it was not written by dsjax batch; "
+                             f"move it away or choose another --output")
+        return data, recorded
+
+    data, recorded = _on_lead(open_job) or (None, None)
+    data = broadcast_bytes(data)
     t0 = time.perf_counter()
     checked, engine, current = _prepare(args, say, helpers, data)
-    if recorded is not None:
-        diffs = differences(recorded, current)
-        if diffs:
-            raise JobRefused(f"{out} was made with other settings ({'; '.join(diffs)}); run with the same ones to "
-                             f"resume, or choose another --output")
     messages = checked.error_messages()
-    for m in messages[:20]:
-        say(f"{inp}: {m}")
-    if messages and args.on_error == "fail":
-        raise JobRefused(f"{len(messages)} bad input line(s), nothing was run (--on-error skip writes an error line "
-                         f"for each and runs the rest): {messages[0]}")
-    output = Output(out)
-    done = output.recover()
-    manifest = {"format": FORMAT, "complete": False, "input": str(inp.resolve()), "output": str(out.resolve()),
-                "records": len(checked.lines), "errors": len(checked.errors), **current}
-    write(mpath, manifest)
-    todo = [r for r in checked.records if key(r.id) not in done]
+
+    def resume():
+        if recorded is not None:
+            diffs = differences(recorded, current)
+            if diffs:
+                raise JobRefused(f"{out} was made with other settings ({'; '.join(diffs)}); run with the same ones "
+                                 f"to resume, or choose another --output")
+        for m in messages[:20]:
+            say(f"{inp}: {m}")
+        if messages and args.on_error == "fail":
+            raise JobRefused(f"{len(messages)} bad input line(s), nothing was run (--on-error skip writes an error "
+                             f"line for each and runs the rest): {messages[0]}")
+        output = Output(out)
+        done = output.recover()
+        manifest = {"format": FORMAT, "complete": False, "input": str(inp.resolve()), "output": str(out.resolve()),
+                    "records": len(checked.lines), "errors": len(checked.errors), **current}
+        write(mpath, manifest)
+        return output, done, manifest
+
+    output, done, manifest = _on_lead(resume) or (None, {}, None)
+    finished_ids = set(broadcast_json(sorted(done)))
+    todo = [r for r in checked.records if key(r.id) not in finished_ids]
     say(f"{len(todo)} records to run ({len(checked.records) - len(todo)} finished before, "
         f"{len(checked.errors)} with errors)")
 
     def on_result(record, result):
-        line = encode(result)
-        output.append(line)
-        done[key(record.id)] = line
+        if lead:
+            line = encode(result)
+            output.append(line)
+            done[key(record.id)] = line
 
     t = time.perf_counter()
     if args.ray and todo:
         tokens = _on_ray(args, data, engine.capacity, todo, output, done, say)
     else:
-        tokens = execute(engine, todo, on_result, progress=False if args.quiet else None) if todo else 0
+        tokens = execute(engine, todo, on_result, progress=False if args.quiet or not lead else None) if todo else 0
     seconds = time.perf_counter() - t
-    output.finalize(checked, done)
-    write(mpath, {**manifest, "complete": True})
+    if lead:
+        output.finalize(checked, done)
+        write(mpath, {**manifest, "complete": True})
+    barrier("dsjax batch: output written")
     say(f"done: {len(checked.lines)} records ({len(todo)} run now, {len(checked.errors)} errors), {tokens} tokens "
         f"in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tok/s; {time.perf_counter() - t0:.1f} s in all) "
         f"-> {out}")
@@ -198,6 +257,10 @@ def _on_ray(args, data: bytes, capacity: int, todo, output: Output, done: dict, 
         done[key(result["id"])] = line
         tokens += len(result["ids"])
     return tokens
+
+
+def _quiet(message: str) -> None:
+    """say() on processes other than 0: their progress is process 0's."""
 
 
 def verify(args, say, helpers) -> int:

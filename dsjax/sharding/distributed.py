@@ -19,7 +19,9 @@ On CPU (tests, 2 local processes x 4 fake devices) the collectives run over gloo
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import jax
 import numpy as np
@@ -56,3 +58,34 @@ def to_host(tree):
         return np.asarray(x)
 
     return jax.tree.map(one, tree)
+
+
+def is_lead() -> bool:
+    """The process that owns files (a batch job's output and manifest): process 0."""
+    return jax.process_index() == 0
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """Process 0's bytes on every process (the others pass None). One process: data as is."""
+    if jax.process_count() == 1:
+        return data
+    lead = is_lead()
+    size = np.frombuffer(struct.pack("<Q", len(data) if lead else 0), np.uint8)
+    size = struct.unpack("<Q", np.asarray(multihost_utils.broadcast_one_to_all(size)).tobytes())[0]
+    # one byte more: a zero-length array does not travel
+    buf = np.frombuffer(data + b"\0", np.uint8) if lead else np.zeros(size + 1, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes()[:size]
+
+
+def broadcast_json(obj):
+    """Process 0's JSON-able value on every process (the others pass anything)."""
+    if jax.process_count() == 1:
+        return obj
+    return json.loads(broadcast_bytes(json.dumps(obj).encode() if is_lead() else None))
+
+
+
+def barrier(name: str) -> None:
+    """Wait until every process gets here (one process: nothing to wait for)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

@@ -91,6 +91,9 @@ def make_mesh(spec: str | dict[str, int] = "", devices=None) -> jax.sharding.Mes
     if n > len(devices):
         raise ValueError(f"mesh {sizes} needs {n} devices, {len(devices)} are available "
                          f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} fakes them)")
+    if jax.process_count() > 1 and n != len(devices):  # a process without a device in the mesh cannot take part
+        raise ValueError(f"mesh {sizes} needs {n} devices, but a {jax.process_count()}-process job's mesh must span "
+                         f"all {len(devices)} of its devices ({jax.local_device_count()} on each process)")
     devices = devices[:n]
     shape = tuple(sizes[a] for a in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Explicit,) * len(MESH_AXES), devices=devices)
