@@ -160,6 +160,19 @@ def test_rerun_with_other_settings_is_refused(job, capsys):
     assert out.read_bytes() == before
 
 
+def test_batch_invariant_job_resumes_at_another_batch_size(job, tmp_path, capsys):
+    """In batch-invariant mode max_slots is no setting a result depends on: a job cut after
+    3 lines resumes at 16 slots and ends byte for byte as the uninterrupted 4-slot job."""
+    inp, ref = job
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"".join(ref.read_bytes().splitlines(keepends=True)[:3]))
+    manifest_path(out).write_text(manifest_path(ref).read_text())
+    assert cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32",
+                     "--max-slots", "16", "--batch-invariant", "--max-new-tokens", "6"]) == 0
+    assert f"{len(RECORDS) - 3} records to run (3 finished before" in capsys.readouterr().err
+    assert out.read_bytes() == ref.read_bytes()
+
+
 def test_rerun_of_a_finished_job_changes_nothing(job, capsys):
     inp, out = job
     before = out.read_bytes()

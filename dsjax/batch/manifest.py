@@ -6,7 +6,8 @@
      "environment": {"dsjax", "jax", "jaxlib", "backend", "devices"}}
 
 A resumed run, and `dsjax verify`, compare "settings" and "environment" with their own and
-refuse on any difference, naming the fields: each may change a token. The file is replaced
+refuse on any difference, naming the fields: each may change a token (but for max_slots
+in batch-invariant mode, where a job may resume at another batch size). The file is replaced
 atomically (tmp + fsync + os.replace), so it is always one whole version.
 """
 
@@ -101,12 +102,14 @@ def model_name(name_or_path: str) -> str:
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """`field: recorded -> current` for every setting or environment field that differs."""
+    """`field: recorded -> current` for every setting or environment field that differs;
+    max_slots only outside batch-invariant mode (in it, results do not depend on it)."""
     out = []
     for part in ("settings", "environment"):
         a, b = recorded.get(part, {}), current.get(part, {})
+        invariant = part == "settings" and a.get("batch_invariant") is True and b.get("batch_invariant") is True
         for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
+            if a.get(k) != b.get(k) and not (invariant and k == "max_slots"):
                 out.append(f"{k}: {json.dumps(a.get(k))} -> {json.dumps(b.get(k))}")
     return out
 
