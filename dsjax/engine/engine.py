@@ -93,6 +93,11 @@ class Engine:
     read from a checkpoint's draft_vocab.json) if it has one, else the full vocabulary;
     False: the full vocabulary; a list / array of ids: those.
 
+    batch_invariant: a request's logits are bitwise independent of the batch (decode runs
+    tiles of INVARIANT_ROWS rows of one fixed shape, `forward`); the device state then has
+    max_slots rounded up to whole tiles (`rows`), and one context bucket, the capacity.
+    Not on a mesh, not with speculation (README "Batch invariance").
+
     Arguments are checked here, and the cache is checked to fit before it is allocated:
     in `device_memory_bytes` per device if given, else in what the device reports free
     (the weights already loaded deducted)."""
