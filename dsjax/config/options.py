@@ -20,9 +20,9 @@ class RuntimeOptions:
     "mosaic_gpu" (the Mosaic GPU kernels; GPU interpret mode off the GPU).
     moe_capacity_factor: cap expert-parallel send buffers at ceil(tokens * k / ep * factor)
     and drop assignments past it; None (default) = dropless.
-    batch_invariant: decode runs in tiles of a fixed number of rows (one program shape at
-    any batch size), so a request's logits are bitwise independent of its neighbours and
-    its slot (README "Batch invariance").
+    batch_invariant: every cached forward runs tiles of a fixed number of rows (one program
+    shape at any batch size or mesh layout), so a request's logits are bitwise independent
+    of its neighbours, its slot and the mesh (README "Batch invariance").
     quantized: how FP8 / MXFP4 checkpoint weights were loaded ("dequantize" | "resident");
     recorded by `load_model`, read by reports."""
 

@@ -93,10 +93,13 @@ class Engine:
     read from a checkpoint's draft_vocab.json) if it has one, else the full vocabulary;
     False: the full vocabulary; a list / array of ids: those.
 
-    batch_invariant: a request's logits are bitwise independent of the batch (decode runs
-    tiles of INVARIANT_ROWS rows of one fixed shape, `forward`); the device state then has
-    max_slots rounded up to whole tiles (`rows`), and one context bucket, the capacity.
-    Not on a mesh, not with speculation (README "Batch invariance").
+    batch_invariant: a request's logits are bitwise independent of the batch and of the
+    mesh layout: every forward runs tiles of INVARIANT_ROWS rows of one fixed shape (decode:
+    a scan over tiles, or on a mesh one tile per device; prefill: the slot's tile, one
+    chunk width per call), the MoE sums in expert order over fixed row tiles, and there is
+    one context bucket, the capacity. The device state has max_slots rounded up to whole
+    tiles (`rows`; on a mesh one tile per batch shard). Not with speculation (README
+    "Batch invariance").
 
     Arguments are checked here, and the cache is checked to fit before it is allocated:
     in `device_memory_bytes` per device if given, else in what the device reports free
@@ -123,8 +126,14 @@ class Engine:
         # rows of the device state: max_slots, rounded up in batch-invariant mode to whole
         # tiles of INVARIANT_ROWS (`forward`); the spare rows are never admitted to
         self.rows = -(-max_slots // INVARIANT_ROWS) * INVARIANT_ROWS if batch_invariant else max_slots
-        if self.mesh is not None and batch_invariant:
-            raise ValueError("batch_invariant mode is not supported on a mesh yet (see README 'Batch invariance')")
+        if self.mesh is not None and batch_invariant:  # each device holds one tile
+            if max_slots > INVARIANT_ROWS * shards:
+                raise ValueError(f"batch_invariant on a mesh: max_slots={max_slots} is over {INVARIANT_ROWS} slots on "
+                                 f"each of its {shards} batch shards")
+            self.rows = INVARIANT_ROWS * shards
+        # one device, batch-invariant: a prompt chunk is prefilled in its slot's tile of rows
+        # (the shape a mesh device prefills), not as one row
+        self._prefill_rows = INVARIANT_ROWS if batch_invariant and self.mesh is None else 1
         self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, self.rows)
         check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=min_ring(cfg) - 1,
                           unsupported={"a mesh": self.mesh is not None, "batch_invariant": batch_invariant,
@@ -424,17 +433,30 @@ class Engine:
         """Zeroed (tokens, following tokens, n_valid, is_last, admission) and an all-ones
         first-token mask for one prefill call: one row per slot under a mesh, else the one
         row of the slot being prefilled."""
-        rows = self.rows if self.mesh is not None else 1
+        rows = self.rows if self.mesh is not None else self._prefill_rows
         return np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, np.int32), \
             np.zeros(rows, bool), admission([None] * rows), \
             np.full((rows, mask_words(self.cfg.vocab_size)), 0xFFFFFFFF, np.uint32)
+
+    def _prefill_groups(self, reqs) -> list[list[Request]]:
+        """The requests each prefill call takes: all (a mesh) or one (one device); in
+        batch-invariant mode those of one chunk width (and one tile, on one device), so a
+        chunk always runs at its own width, in a call of one shape."""
+        if not self.batch_invariant:
+            return [list(reqs)] if self.mesh is not None else [[r] for r in reqs]
+        groups = {}
+        for r in reqs:
+            width = chunk_length(len(r.next_chunk(self.prefill_chunk)), self.prefill_chunk)
+            groups.setdefault((width, 0 if self.mesh is not None else r.slot // INVARIANT_ROWS), []).append(r)
+        return list(groups.values())
 
     def _prefill(self, *reqs: Request) -> None:
         """One prompt chunk for each of `reqs`: all in one call over every row under a mesh
         (one row of a batch-sharded cache cannot be sliced out), else one call per request
         (one row's cost, not the batch's)."""
-        for group in [reqs] if self.mesh is not None else [[r] for r in reqs]:
-            rows = [r.slot for r in group] if self.mesh is not None else [0]
+        for group in self._prefill_groups(reqs):
+            n = self.rows if self.mesh is not None else self._prefill_rows
+            rows = [r.slot % n for r in group]
             chunks = [r.next_chunk(self.prefill_chunk) for r in group]
             width = chunk_length(max(len(c) for c in chunks), self.prefill_chunk)
             tokens, following, n_valid, is_last, _, first_mask = self._chunk_arrays(width)
@@ -446,7 +468,7 @@ class Engine:
                 is_last[row] = r.prefilled + len(chunk) == len(r.prompt)
                 if r.first_mask is not None:
                     first_mask[row] = r.first_mask
-            out = self._prefill_call(group[0].slot, tokens, following, n_valid, is_last, admits, first_mask,
+            out = self._prefill_call(group[0].slot // n * n, tokens, following, n_valid, is_last, admits, first_mask,
                                      self._prefill_bucket(max(r.prefilled for r in group), width),
                                      any(r.params.temperature > 0 for r in group))
             owners = {}

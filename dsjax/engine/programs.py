@@ -133,8 +133,8 @@ def start_decoding(slots: Slots, slot, token) -> Slots:
     return slots.replace(active=put(slots.active, True), last_token=put(slots.last_token, token))
 
 
-def _row(tree, i):
-    return take_rows(tree, i)  # along each leaf's batch axis (a cache's layer states: axis 1)
+def _row(tree, i, n: int = 1):
+    return take_rows(tree, i, n)  # along each leaf's batch axis (a cache's layer states: axis 1)
 
 
 def _set_row(tree, row, i):
@@ -172,7 +172,8 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
                  opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     """prefill_rows for one slot's row (tokens [1, C], n_valid [1], is_last [1], admission
     rows [1], first_mask [1, W]): the cost of one row, not of the whole batch."""
-    row_cache, row_slots, out = _prefill(params, _row(cache, slot), _row(slots, slot), tokens, n_valid, is_last,
+    n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
+    row_cache, row_slots, out = _prefill(params, _row(cache, slot, n), _row(slots, slot, n), tokens, n_valid, is_last,
                                          admission, first_mask, cfg, opts, ctx_bucket, n_logprobs)
     return _set_row(cache, row_cache, slot), _set_row(slots, row_slots, slot), out
 

@@ -126,7 +126,8 @@ def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
 
 
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
-                   path: str | None = None, *, kernels: str = "reference", layer: jax.Array | None = None) -> jax.Array:
+                   path: str | None = None, *, kernels: str = "reference", layer: jax.Array | None = None,
+                   rows: int | None = None) -> jax.Array:
     """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32. Exact paths
     (see `moe_path`): per-assignment weight gather, or assignments sorted by expert through
     the grouped matmul (`kernels` picks its implementation).
@@ -143,7 +144,8 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
-    y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels, layer=layer)
+    y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels, layer=layer,
+                    rows=rows)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[order // k].add(y)
 
@@ -161,7 +163,7 @@ def _moe_in_specs(p: MoE, ep: int) -> MoE:
 
 
 def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig, ep: int,
-                     capacity_factor: float | None, *, kernels: str = "reference") -> jax.Array:
+                     capacity_factor: float | None, *, kernels: str = "reference", rows: int | None = None) -> jax.Array:
     """Per device (inside shard_map): x [T, D] local tokens, idx/weights [T, K] global
     expert ids; p.w1/w3/w2 hold this device's E / ep experts. -> [T, D] fp32."""
     t, k = idx.shape
@@ -171,7 +173,8 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     cap = a if capacity_factor is None else max(1, math.ceil(a / ep * capacity_factor))
     flat_e = idx.reshape(-1)
     dest = flat_e // local_n
-    order = jnp.argsort(dest, stable=True)
+    order = jnp.argsort(flat_e, stable=True)  # by device, and by expert within: a token's outputs are summed
+    # in ascending expert order, as `routed_experts` sums them, on any expert-parallel layout
     counts = jnp.bincount(dest, length=ep)
     rank = jnp.arange(a) - (jnp.cumsum(counts) - counts)[dest[order]]  # position in its send block
     slot = jnp.where(rank < cap, dest[order] * cap + rank, ep * cap)  # ep * cap: dropped
@@ -184,7 +187,7 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     by_expert = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_n + 1)[:local_n].astype(jnp.int32)
     w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
-    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels)
+    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, rows=rows)
     y = jnp.zeros((ep * cap, d), jnp.float32).at[by_expert].set(y_sorted).astype(x.dtype)
     back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
     per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
@@ -193,23 +196,25 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
 
 
 def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
-                           kernels: str = "reference", capacity_factor: float | None = None) -> jax.Array:
+                           kernels: str = "reference", capacity_factor: float | None = None,
+                           rows: int | None = None) -> jax.Array:
     """x [T, D] and token_ids [T] batch-sharded under the current mesh -> routed-expert
     output [T, D] fp32, same sharding."""
     mesh = current_mesh()
     ep = mesh.shape["expert"]
     if cfg.n_routed_experts % ep:
         raise ValueError(f"{cfg.n_routed_experts} routed experts cannot be split over expert={ep} devices")
-    rows = P(present_axes(RULES.mesh_axes("batch"), mesh))
-    in_specs = (_moe_in_specs(p, ep), P(*rows, None), rows)
+    batch = P(present_axes(RULES.mesh_axes("batch"), mesh))
+    in_specs = (_moe_in_specs(p, ep), P(*batch, None), batch)
 
     def local(p, x, ids):
         weights, idx = route(p, x, ids, cfg)
         if ep == 1:
-            return routed_experts(p, x, weights, idx, cfg, kernels=kernels)
-        return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels=kernels)
+            return routed_experts(p, x, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
+                                  rows=rows)
+        return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels=kernels, rows=rows)
 
-    return jax.shard_map(local, in_specs=in_specs, out_specs=P(*rows, None))(_routed_only(p), x, token_ids)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=P(*batch, None))(_routed_only(p), x, token_ids)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -219,19 +224,23 @@ def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *, kernels: str = "reference",
-                capacity_factor: float | None = None, layer: jax.Array | None = None) -> jax.Array:
+                capacity_factor: float | None = None, layer: jax.Array | None = None,
+                rows: int | None = None) -> jax.Array:
     """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
     run expert-parallel (`routed_experts_sharded`; `capacity_factor` caps its send buffers).
     `kernels` picks the grouped matmul's implementation (dsjax/pallas_kernels/dispatch.py).
     layer: the routed-expert weights w1 / w3 / w2 are stacked over a scanned layer run and
-    this is layer `layer` of them (the other weights are this layer's own)."""
+    this is layer `layer` of them (the other weights are this layer's own).
+    rows (batch-invariant mode): the grouped path at any token count, in tiles of this many
+    rows, so a token's expert products do not depend on the others."""
     flat = reshape(x, (-1, x.shape[-1]))
     if current_mesh() is not None:
         p = expert_layer(p, layer)
         routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, kernels=kernels,
-                                        capacity_factor=capacity_factor)
+                                        capacity_factor=capacity_factor, rows=rows)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
-        routed = routed_experts(p, flat, weights, idx, cfg, kernels=kernels, layer=layer)
+        routed = routed_experts(p, flat, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
+                                layer=layer, rows=rows)
     routed = routed.astype(x.dtype)
     return reshape(routed + shared_expert(p, flat, cfg), x.shape)

@@ -32,7 +32,7 @@ from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
 from dsjax.model.cache import Cache, put_rows, take_rows
 from dsjax.params import ParamSpec, stack_specs
-from dsjax.sharding.rules import spec
+from dsjax.sharding.rules import axis_size, current_mesh, spec
 
 DEFAULT_OPTIONS = RuntimeOptions()
 
@@ -114,7 +114,7 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     pre, post, comb = hc_mixes(p.ffn_hc, streams, cfg)
     h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
-                    layer=expert_layer)
+                    layer=expert_layer, rows=INVARIANT_ROWS if opts.batch_invariant else None)
     return expand(y, streams, post, comb), state
 
 
@@ -257,13 +257,20 @@ def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cac
     every entry a query can see must lie below ctx_bucket / ratio.
     last_only: logits [B, 1, V] at each row's last valid position only.
     opts.batch_invariant (cached path): B rows (a multiple of INVARIANT_ROWS) run as tiles of
-    INVARIANT_ROWS, each its own forward of the same shape; one row (a prefill) runs alone.
+    INVARIANT_ROWS, each its own forward of the same shape; on a mesh each device holds
+    exactly one tile (B = INVARIANT_ROWS x batch shards), whose per-device program is the
+    same; the MoE takes its grouped path in fixed row tiles.
     XLA:CPU picks how a reduction or product sums by the operand shapes, so a fixed shape
     makes a row's results depend on its own tokens only, not on the batch size, its slot
     or its neighbours (see README "Batch invariance")."""
     if cache is not None and ctx_bucket is None:
         raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
     b = tokens.shape[0]
+    if cache is not None and opts.batch_invariant and current_mesh() is not None:  # each device: one tile
+        if b != INVARIANT_ROWS * axis_size("batch"):
+            raise ValueError(f"batch_invariant on a mesh: {b} rows, not {INVARIANT_ROWS} on each of the "
+                             f"{axis_size('batch')} batch shards")
+        return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
     if cache is None or not opts.batch_invariant or b == 1:
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
     if b % INVARIANT_ROWS:

@@ -251,22 +251,23 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
     return scatter_tiles(y[:, :d].reshape(n_tiles, rows, d), first, used, m)
 
 
-def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = "reference", layer=None):
+def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = "reference", layer=None,
+                rows: int | None = None):
     """THE dispatch (dispatch.py's rule), same contract as `reference`: "reference" runs
     ragged_dot, or the tile loop on CPU; "pallas": the Mosaic GPU kernels on Hopper+, else
     the generic kernel (interpreted on CPU); "mosaic_gpu": the Mosaic GPU kernels (GPU
     interpret mode off the GPU). layer: w1 / w3 / w2 are stacked over a layer run
-    ([R, E, ...]) and this is layer `layer` of them."""
+    ([R, E, ...]) and this is layer `layer` of them. rows: the tile loop's / generic
+    kernel's rows per tile (default `row_tile`; batch-invariant mode fixes it, so a row's
+    products do not change with how many rows run)."""
+    rows = rows or row_tile(x_sorted.shape[0], group_sizes.shape[0])
     kind, interpret = kernel_choice(impl)
     if layer is not None and not (kind not in ("mosaic_gpu", "pallas") and jax.default_backend() == "cpu"):
         w1, w3, w2, layer = w1[layer], w3[layer], w2[layer], None
     if layer is not None:
-        return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=row_tile(x_sorted.shape[0],
-                                                                                        group_sizes.shape[0]),
-                         layer=layer)
+        return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, layer=layer)
     if kind == "mosaic_gpu":
         return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret)
-    rows = row_tile(x_sorted.shape[0], group_sizes.shape[0])
     if kind == "pallas":
         return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret)
     if jax.default_backend() == "cpu":
