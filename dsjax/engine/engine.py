@@ -131,9 +131,9 @@ class Engine:
                 raise ValueError(f"batch_invariant on a mesh: max_slots={max_slots} is over {INVARIANT_ROWS} slots on "
                                  f"each of its {shards} batch shards")
             self.rows = INVARIANT_ROWS * shards
-        # one device, batch-invariant: a prompt chunk is prefilled in its slot's tile of rows
-        # (the shape a mesh device prefills), not as one row
-        self._prefill_rows = INVARIANT_ROWS if batch_invariant and self.mesh is None else 1
+        # rows of a prefill call: every row (a mesh), else the slot's own row, or in
+        # batch-invariant mode its tile (the shape a mesh device prefills)
+        self._prefill_rows = self.rows if self.mesh is not None else INVARIANT_ROWS if batch_invariant else 1
         self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, self.rows)
         check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=min_ring(cfg) - 1,
                           unsupported={"a mesh": self.mesh is not None, "batch_invariant": batch_invariant,
@@ -431,9 +431,8 @@ class Engine:
 
     def _chunk_arrays(self, width: int):
         """Zeroed (tokens, following tokens, n_valid, is_last, admission) and an all-ones
-        first-token mask for one prefill call: one row per slot under a mesh, else the one
-        row of the slot being prefilled."""
-        rows = self.rows if self.mesh is not None else self._prefill_rows
+        first-token mask for one prefill call of `_prefill_rows` rows."""
+        rows = self._prefill_rows
         return np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, np.int32), \
             np.zeros(rows, bool), admission([None] * rows), \
             np.full((rows, mask_words(self.cfg.vocab_size)), 0xFFFFFFFF, np.uint32)
@@ -451,11 +450,11 @@ class Engine:
         return list(groups.values())
 
     def _prefill(self, *reqs: Request) -> None:
-        """One prompt chunk for each of `reqs`: all in one call over every row under a mesh
-        (one row of a batch-sharded cache cannot be sliced out), else one call per request
-        (one row's cost, not the batch's)."""
+        """One prompt chunk for each of `reqs`, in the calls `_prefill_groups` makes: over
+        every row under a mesh (one row of a batch-sharded cache cannot be sliced out), else
+        over the request's row (one row's cost, not the batch's) or its tile."""
+        n = self._prefill_rows
         for group in self._prefill_groups(reqs):
-            n = self.rows if self.mesh is not None else self._prefill_rows
             rows = [r.slot % n for r in group]
             chunks = [r.next_chunk(self.prefill_chunk) for r in group]
             width = chunk_length(max(len(c) for c in chunks), self.prefill_chunk)

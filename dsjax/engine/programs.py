@@ -170,8 +170,9 @@ def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid:
 def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
                  is_last: jax.Array, admission: Admission, first_mask: jax.Array, *, cfg: ModelConfig,
                  opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
-    """prefill_rows for one slot's row (tokens [1, C], n_valid [1], is_last [1], admission
-    rows [1], first_mask [1, W]): the cost of one row, not of the whole batch."""
+    """prefill_rows for the n rows from `slot` on (tokens [n, C], n_valid [n], is_last [n],
+    admission rows [n], first_mask [n, W]; n = 1, or a batch-invariant tile): the cost of
+    those rows, not of the whole batch."""
     n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
     row_cache, row_slots, out = _prefill(params, _row(cache, slot, n), _row(slots, slot, n), tokens, n_valid, is_last,
                                          admission, first_mask, cfg, opts, ctx_bucket, n_logprobs)

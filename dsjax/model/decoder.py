@@ -271,7 +271,7 @@ def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cac
             raise ValueError(f"batch_invariant on a mesh: {b} rows, not {INVARIANT_ROWS} on each of the "
                              f"{axis_size('batch')} batch shards")
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
-    if cache is None or not opts.batch_invariant or b == 1:
+    if cache is None or not opts.batch_invariant:
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
     if b % INVARIANT_ROWS:
         raise ValueError(f"batch_invariant: {b} rows are not a multiple of {INVARIANT_ROWS} (INVARIANT_ROWS)")
