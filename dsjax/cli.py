@@ -342,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ids", action="store_true", help="print prompt and new token ids as JSON")
     g.add_argument("--num-draft-tokens", type=int, default=0,
                    help="speculative decoding: MTP drafts verified per step (0 = off)")
-    g.add_argument("--spec-policy", default="confidence", choices=["confidence", "fixed"],
-                   help="how many drafts each step verifies: from the drafter's confidence, or all")
+    g.add_argument("--spec-policy", default=None, choices=["confidence", "fixed"],
+                   help="how many drafts each step verifies: from the drafter's confidence (default), or all "
+                        "(the only choice for a batch-invariant model)")
     g.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (jax.distributed)")
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")

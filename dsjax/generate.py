@@ -158,7 +158,7 @@ class GenerationPlan:
     tokenizer: Tokenizer | None
     max_new_tokens: int
     num_draft_tokens: int = 0
-    spec_policy: str = "confidence"
+    spec_policy: str | None = None
     healed: list[Healing | None] | None = None  # per prompt: its token healing (text prompts, when asked)
 
     def engine(self, model: Model) -> Engine | None:
@@ -279,7 +279,7 @@ def sampling_params(n: int, max_new_tokens: int = 32, temperature=0.0, top_p=1.0
 
 
 def plan(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-         num_draft_tokens: int = 0, spec_policy: str = "confidence", *, min_p=0.0, repetition_penalty=1.0,
+         num_draft_tokens: int = 0, spec_policy: str | None = None, *, min_p=0.0, repetition_penalty=1.0,
          presence_penalty=0.0, frequency_penalty=0.0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
          logprobs: int = 0, tokenizer: Tokenizer | None = None, token_healing: bool = False) -> GenerationPlan:
     """Check and encode `generate`'s arguments (see there) into a GenerationPlan."""
@@ -301,7 +301,7 @@ def plan(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p
 
 
 def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-             num_draft_tokens: int = 0, spec_policy: str = "confidence", *, min_p=0.0, repetition_penalty=1.0,
+             num_draft_tokens: int = 0, spec_policy: str | None = None, *, min_p=0.0, repetition_penalty=1.0,
              presence_penalty=0.0, frequency_penalty=0.0, stop: str | Sequence[str] | None = None,
              stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, logprobs: int = 0,
              tokenizer: Tokenizer | None = None, token_healing: bool = False, details: bool = False,
@@ -328,7 +328,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, t
     the text would. The completion's text leaves the backed-off text out; its ids and
     prompt_ids are what the model saw and made. Id prompts are never healed.
     num_draft_tokens > 0: speculative decoding with the model's MTP layer (greedy output is
-    unchanged; sampled output keeps its distribution), spec_policy "confidence" | "fixed".
+    unchanged; sampled output keeps its distribution), spec_policy "confidence" | "fixed" (None:
+    "confidence", but "fixed" in batch-invariant mode).
     on_token(prompt index, TokenEvent, new text): called as each token arrives (streaming)."""
     p = plan(model, prompts, max_new_tokens, temperature, top_p, top_k, seed, num_draft_tokens, spec_policy,
              min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,

@@ -323,8 +323,8 @@ def test_sampled_speculation_matches_target_distribution(small_vocab, rng, ids):
             assert np.isin(np.asarray(spec.drafts.tokens), ids).all()
             np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
             assert not q[..., np.setdiff1d(np.arange(cfg.vocab_size), ids)].any()
-        cache, spec, slots, produced, count, *_ = step(model.params, model.mtp, cache, spec, slots, vocab=vocab)
-        produced, count = np.asarray(produced), np.asarray(count)
+        cache, spec, slots, v = step(model.params, model.mtp, cache, spec, slots, vocab=vocab)
+        produced, count = np.asarray(v.tokens), np.asarray(v.count)
         for i in range(n):
             tokens[i] += produced[i, : count[i]].tolist()
     assert all(len(t) >= 2 for t in tokens)
@@ -430,6 +430,46 @@ def test_caches_after_accept_reject_equal_plain_decoding(small_vocab, rng):
     np.testing.assert_allclose(spec_engine.spec.mtp.window[:1], want.window, atol=2e-5, rtol=2e-5)
 
 
+# ----------------------------------------------------------------------------- batch invariance
+def test_batch_invariant_speculation_and_its_logprobs(small_vocab, rng):
+    """Batch-invariant mode with speculation (2 drafts, the fixed policy), sampled requests:
+    at 1, 4 and 16 slots (one and two 8-row tiles) and in shuffled order, every request's
+    tokens and logprobs (chosen and top-2) are bitwise the same, while drafts were both
+    accepted and rejected; and the logprobs are the target's: a full-sequence forward over
+    prompt + output gives them to float rounding."""
+    prompts = _prompts(rng, 6, (16, 32, 16, 48, 32, 16, 16))  # whole 16-token chunks: one prefill width
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, logprobs=2, seed=i, temperature=0.9)
+              for i in range(len(prompts))]
+
+    def run(order, slots):
+        engine = Engine(small_vocab, max_slots=slots, capacity=128, prefill_chunk=16, max_logprobs=2,
+                        batch_invariant=True, num_draft_tokens=2)
+        ids = {engine.add_request(prompts[i], params[i]): i for i in order}
+        out = {i: [] for i in order}
+        for e in engine.run():
+            out[ids[e.request_id]].append((e.token, e.logprob, e.top_logprobs))
+        return out, engine.spec_metrics()
+
+    order = list(range(len(prompts)))
+    want, spec = run(order, 4)
+    assert 0 < spec["drafts_accepted"] < spec["drafts_proposed"]
+    shuffled = list(np.random.default_rng(7).permutation(order))
+    for slots, o in ((1, order), (16, shuffled), (4, shuffled)):
+        assert run(o, slots)[0] == want, slots
+
+    seqs = [prompts[i] + [t for t, _, _ in want[i]] for i in order]
+    width = max(map(len, seqs))
+    logp = jax.nn.log_softmax(small_vocab.logits([s + [0] * (width - len(s)) for s in seqs]), axis=-1)
+    for i, seq in zip(order, seqs):
+        n = len(prompts[i])
+        at = np.asarray(logp[i, n - 1: len(seq) - 1])  # the distribution each output token came from
+        got = [(lp, top) for _, lp, top in want[i]]
+        np.testing.assert_allclose([lp for lp, _ in got], at[np.arange(len(got)), seq[n:]], atol=1e-5)
+        for (_, top), row in zip(got, at):
+            assert [t for t, _ in top] == np.argsort(-row, kind="stable")[:2].tolist()
+            np.testing.assert_allclose([v for _, v in top], np.sort(row)[::-1][:2], atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- errors
 def test_speculation_refuses_what_it_cannot_do(tiny, small_vocab):
     no_mtp = dsjax.Model(tiny.config, tiny.params, F32, None, None)
@@ -437,8 +477,8 @@ def test_speculation_refuses_what_it_cannot_do(tiny, small_vocab):
         Engine(no_mtp, num_draft_tokens=2, capacity=128)
     with pytest.raises(ValueError, match="smallest cache ring"):
         Engine(tiny, num_draft_tokens=min_ring(tiny.config), capacity=128)
-    with pytest.raises(ValueError, match="batch_invariant"):
-        Engine(tiny, num_draft_tokens=2, capacity=128, batch_invariant=True)
+    with pytest.raises(ValueError, match=r"spec_policy='confidence' in batch-invariant mode \(use 'fixed'\)"):
+        Engine(tiny, num_draft_tokens=2, capacity=128, batch_invariant=True, spec_policy="confidence")
     with pytest.raises(ValueError, match="spec_policy"):
         Engine(tiny, num_draft_tokens=2, capacity=128, spec_policy="sometimes")
     with pytest.raises(ValueError, match="verify_costs"):

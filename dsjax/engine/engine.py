@@ -79,10 +79,10 @@ class Engine:
 
     num_draft_tokens > 0: speculative decoding with the model's MTP layer. Each decode step
     verifies up to that many drafts per slot in one target forward (lossless: the output
-    distribution is the target's). spec_policy "fixed" verifies all of them; "confidence"
-    lets each row verify the k maximising its expected tokens (from the drafter's
-    confidences) per unit of measured verify cost, and the step verifies the largest k any
-    row asked for (known one step late, as outputs are read while the next step runs).
+    distribution is the target's). spec_policy "fixed" (the default in batch-invariant
+    mode) verifies all of them; "confidence" (the default otherwise) lets each row verify
+    the k maximising its expected tokens (from the drafter's confidences) per unit of
+    measured verify cost, and the step verifies the largest k any row asked for (known one step late, as outputs are read while the next step runs).
     The cost curve is measured at warmup() or the first step(); pass verify_costs (K + 1
     relative costs of verifying k = 0..K drafts) to pin it, e.g. for reproducible runs: the
     output distribution never depends on it, but sampled tokens follow the k chosen.
@@ -98,8 +98,8 @@ class Engine:
     a scan over tiles, or on a mesh one tile per device; prefill: the slot's tile, one
     chunk width per call), the MoE sums in expert order over fixed row tiles, and there is
     one context bucket, the capacity. The device state has max_slots rounded up to whole
-    tiles (`rows`; on a mesh one tile per batch shard). Not with speculation (README
-    "Batch invariance").
+    tiles (`rows`; on a mesh one tile per batch shard). With speculation (one device):
+    the fixed policy, each verify step in tiles too (README "Batch invariance").
 
     Arguments are checked here, and the cache is checked to fit before it is allocated:
     in `device_memory_bytes` per device if given, else in what the device reports free
@@ -107,7 +107,7 @@ class Engine:
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
-                 num_draft_tokens: int = 0, spec_policy: str = "confidence", verify_costs: list[float] | None = None,
+                 num_draft_tokens: int = 0, spec_policy: str | None = None, verify_costs: list[float] | None = None,
                  draft_vocab=None, device_memory_bytes: int | None = None):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
@@ -134,10 +134,13 @@ class Engine:
         # rows of a prefill call: every row (a mesh), else the slot's own row, or in
         # batch-invariant mode its tile (the shape a mesh device prefills)
         self._prefill_rows = self.rows if self.mesh is not None else INVARIANT_ROWS if batch_invariant else 1
+        spec_policy = spec_policy or ("fixed" if batch_invariant else "confidence")
         self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, self.rows)
         check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=min_ring(cfg) - 1,
-                          unsupported={"a mesh": self.mesh is not None, "batch_invariant": batch_invariant,
-                                       "max_logprobs > 0": max_logprobs > 0, "decode_steps > 1": decode_steps > 1})
+                          unsupported={"a mesh": self.mesh is not None, "decode_steps > 1": decode_steps > 1,
+                                       # a step's verify length is the batch's, from measured timings
+                                       "spec_policy='confidence' in batch-invariant mode (use 'fixed')":
+                                           batch_invariant and spec_policy == "confidence"})
         self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
         self.draft_vocab = self._check_draft_vocab(draft_vocab)  # sorted ids [|D|] or None (full vocabulary)
         self._draft = (gather_draft_vocab(model.params, self.draft_vocab)  # the programs' argument
@@ -198,7 +201,8 @@ class Engine:
         def verify(k: int):
             self.cache, idle[0], idle[1], out = spec_decode_step(
                 self.model.params, self.model.mtp, self.cache, *idle, self._none_cancelled, placeholder, self._draft,
-                k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=self._bucket(1), sampled=False)
+                k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=self._bucket(1), sampled=False,
+                n_logprobs=self.max_logprobs)
             return self.cache, out
 
         self.policy.measure_costs(verify)
@@ -350,7 +354,8 @@ class Engine:
     # ------------------------------------------------------------------ device calls
     def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, first_mask, bucket: int,
                       sampled: bool) -> StepOutput:
-        """One prompt chunk: rows [1, C] for `slot` (one device), or [rows, C] (a mesh);
+        """One prompt chunk: rows [n, C] from `slot` on (`_prefill_rows`: 1, a batch-invariant
+        tile, or every row on a mesh);
         `admits` (an `Admission`) says which rows start a prompt, `first_mask` (packed
         [rows, words] uint32) which first tokens a row whose prompt ends here may take."""
         params, slot = self.model.params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
@@ -358,7 +363,7 @@ class Engine:
             self.cache, self.spec, self.slots, out = spec_prefill_step(
                 params, self.model.mtp, self.cache, self.spec, self.slots, slot, tokens, following, n_valid, is_last,
                 admits, first_mask, self.policy.schedule, self._draft, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
-                sampled=sampled)
+                sampled=sampled, n_logprobs=self.max_logprobs)
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
                 params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits, first_mask)),
@@ -386,7 +391,8 @@ class Engine:
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
                 self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.policy.schedule,
-                self._draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled)
+                self._draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled,
+                n_logprobs=self.max_logprobs)
         return out
 
     def _split_decode_call(self, bucket: int, masks, before_sample: Callable[[], None] | None = None) -> StepOutput:

@@ -27,8 +27,8 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import sample_tokens, top_logprobs
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
 from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
-from dsjax.model.cache import Cache, init_cache, put_rows, take_rows
-from dsjax.model.decoder import forward
+from dsjax.model.cache import Cache, init_cache, over_tiles, put_rows, take_rows
+from dsjax.model.decoder import INVARIANT_ROWS, forward
 from dsjax.sharding.rules import per_row, rows
 
 
@@ -179,47 +179,67 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
     return _set_row(cache, row_cache, slot), _set_row(slots, row_slots, slot), out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled"),
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
                       next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission,
                       first_mask: jax.Array, schedule, vocab: DraftVocab | None, *, cfg: ModelConfig,
-                      opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
-    """prefill_step for speculative engines: the chunk also goes through the MTP ring, and
-    a prompt's last chunk drafts the first speculation after the sampled first token.
-    sampled=False: the request is greedy (drafts by argmax, no draft distributions).
-    vocab: the drafter's reduced vocabulary (None: the full one)."""
-    row_cache = _row(cache, slot)
-    row_slots, length = take_prompt_chunk(_row(slots, slot), row_cache.length, tokens, n_valid, admission)
+                      opts: RuntimeOptions, ctx_bucket: int, sampled: bool, n_logprobs: int):
+    """prefill_step for speculative engines (the n rows from `slot` on, tokens [n, C]): the
+    chunk also goes through the MTP ring, and a prompt's last chunk drafts the first
+    speculation after the sampled first token. sampled=False: the rows are greedy (drafts by
+    argmax, no draft distributions). vocab: the drafter's reduced vocabulary (None: the
+    full one)."""
+    n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
+    row_cache = _row(cache, slot, n)
+    row_slots, length = take_prompt_chunk(_row(slots, slot, n), row_cache.length, tokens, n_valid, admission)
     row_cache = row_cache.replace(length=length)
 
     def emit(logits, length, last):
-        state, out = sample_and_emit(row_slots, logits, length, last, first_mask, n_logprobs=0)
+        state, out = sample_and_emit(row_slots, logits, length, last, first_mask, n_logprobs=n_logprobs)
         return out.tokens, state.sampling, (state, out)
 
     row_cache, row_spec, (row_slots, out) = prefill_chunk(
-        params, mtp, row_cache, _row(spec, slot), tokens, next_tokens, n_valid, is_last, emit,
+        params, mtp, row_cache, _row(spec, slot, n), tokens, next_tokens, n_valid, is_last, emit,
         cfg=cfg, ctx_bucket=ctx_bucket, schedule=schedule, sampled=sampled, vocab=vocab, opts=opts)
     return (_set_row(cache, row_cache, slot), _set_row(spec, row_spec, slot), _set_row(slots, row_slots, slot),
             _one_step(out))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled"),
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled", "n_logprobs"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, cancelled: jax.Array,
                      schedule: Schedule | None, vocab: DraftVocab | None, *, k: int, cfg: ModelConfig,
-                     opts: RuntimeOptions, ctx_bucket: int, sampled: bool):
+                     opts: RuntimeOptions, ctx_bucket: int, sampled: bool, n_logprobs: int = 0):
     """One verify step over k drafts for every slot; outputs stacked [k+1, B] like
-    decode_step's, with the drafts checked / accepted per row (and, for the confidence
-    policy's calibration, the drafter's confidence in each). Rows `cancelled` [B] stop
-    first. sampled=False: every decoding row is greedy (argmax on the logits; no
-    distributions formed). vocab: the drafter's reduced vocabulary (None: the full one)."""
-    slots = _stop_cancelled(slots, cancelled)
-    judged = spec.drafts.confidence[:, :k] if schedule is not None else None
-    cache, spec, slots, tokens, count, finished, checked, accepted = verify(
-        params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket, schedule=schedule, sampled=sampled,
-        vocab=vocab, opts=opts)
-    j = jnp.arange(k + 1)[:, None]
-    out = StepOutput(tokens.T, j < count[None], finished[None] & (j == count[None] - 1), None, None, None,
-                     checked, accepted, spec.limit, judged)
+    decode_step's (with logprobs of each emitted token when n_logprobs > 0), with the drafts
+    checked / accepted per row (and, for the confidence policy's calibration, the
+    drafter's confidence in each). Rows `cancelled` [B] stop first. sampled=False: every
+    decoding row is greedy (argmax on the logits; no distributions formed). vocab: the
+    drafter's reduced vocabulary (None: the full one). Batch-invariant mode: the whole step
+    runs in tiles of INVARIANT_ROWS rows (`over_tiles`), as `forward` does."""
+
+    def step(state, cancelled):
+        cache, spec, slots = state
+        slots = _stop_cancelled(slots, cancelled)
+        judged = spec.drafts.confidence[:, :k] if schedule is not None else None
+        cache, spec, slots, v = verify(params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket,
+                                       schedule=schedule, sampled=sampled, vocab=vocab, opts=opts)
+        logprob = top_values = top_ids = None
+        if n_logprobs:  # of every position; the host reads those emitted
+            b = v.tokens.shape[0]
+            flat = top_logprobs(v.logits.reshape(b * (k + 1), -1), v.tokens.reshape(-1), n_logprobs)
+            logprob, top_values, top_ids = (a.reshape(b, k + 1, *a.shape[1:]) for a in flat)
+        j = jnp.arange(k + 1)[None]
+        out = StepOutput(v.tokens, j < v.count[:, None], v.finished[:, None] & (j == v.count[:, None] - 1), logprob,
+                         top_values, top_ids, v.checked, v.accepted, spec.limit, judged)
+        return (cache, spec, slots), out
+
+    if opts.batch_invariant:
+        (cache, spec, slots), out = over_tiles(step, (cache, spec, slots), cancelled, INVARIANT_ROWS)
+    else:
+        (cache, spec, slots), out = step((cache, spec, slots), cancelled)
+    per_position = lambda a: None if a is None else jnp.swapaxes(a, 0, 1)  # noqa: E731  [B, k+1, ...] -> [k+1, B, ...]
+    out = out.replace(**{f: per_position(getattr(out, f)) for f in ("tokens", "emitted", "finished", "logprob",
+                                                                     "top_values", "top_ids")})
     return cache, spec, slots, out

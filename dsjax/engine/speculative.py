@@ -268,6 +268,19 @@ def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Dra
 
 
 # ----------------------------------------------------------------------------- steps
+@struct.dataclass
+class Verified:
+    """What a verify step produced, per row: the tokens it emits (the first `count`) and
+    the target's logits at each position they were chosen from."""
+
+    tokens: jax.Array  # [B, k+1] int32: a accepted drafts, then the next token
+    count: jax.Array  # [B] tokens emitted (a + 1 for active rows, fewer at a stop)
+    finished: jax.Array  # [B] bool
+    checked: jax.Array  # [B] drafts verified (the row's limit)
+    accepted: jax.Array  # [B] drafts accepted (a)
+    logits: jax.Array  # [B, k+1, V] fp32: the target's, tokens[:, i] was chosen from logits[:, i]
+
+
 def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
            cfg: ModelConfig, ctx_bucket: int, schedule: Schedule | None, sampled: bool = True,
            vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
@@ -276,7 +289,7 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     kept positions, commit them to the MTP ring and draft anew. sampled=False: a batch of
     greedy rows only (no distributions formed: argmax on the logits). vocab: the drafter's
     reduced vocabulary for the next drafts (None: full); verification always uses the full head.
-    -> (cache, spec, slots, tokens [B, k+1], count [B], finished [B], checked [B], accepted [B])."""
+    -> (cache, spec, slots, Verified)."""
     start, active = cache.length, slots.active
     drafts = spec.drafts
     tokens = jnp.concatenate([slots.last_token[:, None], drafts.tokens[:, :k]], axis=1)  # [B, k+1]
@@ -300,7 +313,7 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
                                       slots.sampling, drafts, cfg, sampled=sampled, confidence=schedule is not None,
                                       vocab=vocab, opts=opts)
     spec = update_speculation(spec, mtp_state, new, active, schedule)
-    return cache, spec, slots, produced, count, finished, limit, a
+    return cache, spec, slots, Verified(produced, count, finished, limit, a, logits)
 
 
 def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, tokens: jax.Array,

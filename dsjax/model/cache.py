@@ -48,6 +48,24 @@ def put_rows(tree, rows, i):
                         tree, rows, batch_axes(tree))
 
 
+def over_tiles(fn, state, inputs, n: int):
+    """fn(state rows, input rows) -> (state rows, outputs) over the batch in tiles of n rows:
+    a `lax.scan` whose body is fn at one shape, whatever the batch size (so a row's results
+    do not depend on it: batch-invariant mode). state: a batch-major tree (`batch_axes`);
+    inputs and outputs: trees of arrays with the batch first. Always a scan, one tile too,
+    so that every batch size runs the same compiled body."""
+    b = jax.tree.leaves(inputs)[0].shape[0]
+    if b % n:
+        raise ValueError(f"batch_invariant: {b} rows are not a multiple of {n} (INVARIANT_ROWS)")
+
+    def tile(state, i):
+        part, out = fn(take_rows(state, i, n), jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i, n), inputs))
+        return put_rows(state, part, i), out
+
+    state, out = jax.lax.scan(tile, state, jnp.arange(0, b, n))
+    return state, jax.tree.map(lambda a: a.reshape(b, *a.shape[2:]), out)
+
+
 def _stack_shapes(tree, n: int):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), tree)
 

@@ -30,7 +30,7 @@ from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse,
 from dsjax.layers.linear import linear
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
-from dsjax.model.cache import Cache, put_rows, take_rows
+from dsjax.model.cache import Cache, over_tiles
 from dsjax.params import ParamSpec, stack_specs
 from dsjax.sharding.rules import axis_size, current_mesh, spec
 
@@ -273,18 +273,14 @@ def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cac
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
     if cache is None or not opts.batch_invariant:
         return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
-    if b % INVARIANT_ROWS:
-        raise ValueError(f"batch_invariant: {b} rows are not a multiple of {INVARIANT_ROWS} (INVARIANT_ROWS)")
     n_valid = jnp.full((b,), tokens.shape[1], jnp.int32) if n_valid is None else n_valid
 
-    def tile(cache, i):  # rows i..i+INVARIANT_ROWS as their own forward, along each cache leaf's batch axis
-        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, i, INVARIANT_ROWS)  # noqa: E731
-        logits, part = _forward_rows(params, rows(tokens), cfg, take_rows(cache, i, INVARIANT_ROWS), opts,
-                                     rows(n_valid), ctx_bucket, last_only)
-        return put_rows(cache, part, i), logits
+    def tile(cache, x):
+        logits, cache = _forward_rows(params, x[0], cfg, cache, opts, x[1], ctx_bucket, last_only)
+        return cache, logits
 
-    cache, logits = jax.lax.scan(tile, cache, jnp.arange(0, b, INVARIANT_ROWS))
-    return logits.reshape(b, *logits.shape[2:]), cache
+    cache, logits = over_tiles(tile, cache, (tokens, n_valid), INVARIANT_ROWS)
+    return logits, cache
 
 
 def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
