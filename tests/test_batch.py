@@ -180,6 +180,27 @@ def test_batch_invariant_job_resumes_at_another_batch_size(job, tmp_path, capsys
     assert out.read_bytes() == ref.read_bytes()
 
 
+def test_speculative_job_is_lossless_and_recorded(results, tmp_path, capsys):
+    """--num-draft-tokens: greedy records come out as the plain job's (verification is
+    lossless); the manifest records K and the one decode step per dispatch it runs; resuming
+    with another K is refused, naming it."""
+    greedy = [r for r in RECORDS if "temperature" not in r]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in greedy))
+    cmd = ["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32", "--quiet",
+           "--max-slots", "4", "--max-new-tokens", "6", "--num-draft-tokens"]
+    assert cli.main([*cmd, "1"]) == 0
+    plain = {r["id"]: r for r in results}
+    fields = lambda r: (r["id"], r["ids"], r["text"], r["finish_reason"])  # noqa: E731
+    assert [fields(json.loads(line)) for line in out.read_text().splitlines()] == [fields(plain[r["id"]])
+                                                                                  for r in greedy]
+    settings = json.loads(manifest_path(out).read_text())["settings"]
+    assert settings["num_draft_tokens"] == 1 and settings["decode_steps"] == 1
+    capsys.readouterr()
+    assert cli.main([*cmd, "2"]) == 1
+    assert "num_draft_tokens: 1 -> 2" in capsys.readouterr().err
+
+
 def test_rerun_of_a_finished_job_changes_nothing(job, capsys):
     inp, out = job
     before = out.read_bytes()

@@ -22,7 +22,7 @@ from dsjax.batch.manifest import (FORMAT, config_hash, differences, environment,
                                   weights_fingerprint, write)
 from dsjax.batch.ray_data import dispatch, require_ray
 from dsjax.batch.records import read_lines
-from dsjax.batch.runner import check, execute, make_engine
+from dsjax.batch.runner import check, effective_decode_steps, execute, make_engine
 from dsjax.sharding.distributed import barrier, broadcast_bytes, broadcast_json, initialize, is_lead
 from dsjax.tokenizer import load_tokenizer
 from dsjax.weights import DEFAULT_MODEL
@@ -69,6 +69,8 @@ def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
     b.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
     b.add_argument("--decode-steps", type=int, default=4, help="decode steps per dispatch")
     b.add_argument("--prefill-chunk", type=int, default=256)
+    b.add_argument("--num-draft-tokens", type=int, default=0, metavar="K", help="speculative decoding: MTP drafts "
+                   "verified per step (0 = off; the checkpoint needs its MTP layer)")
     b.add_argument("--batch-invariant", action="store_true", help="each record's logits bitwise independent of "
                    "its batch (a little slower): an interrupted and resumed job then equals an uninterrupted one "
                    "exactly, at any --max-slots")
@@ -98,21 +100,24 @@ def _settings(args, model, input_sha: str, name: str) -> dict:
             "weights": weights_fingerprint(model, args.model), "dtype": jnp.dtype(model.dtype).name,
             "mesh": args.mesh or "", "kernels": model.options.kernels,
             "batch_invariant": bool(args.batch_invariant or model.options.batch_invariant), "seed": args.seed,
-            "max_new_tokens": args.max_new_tokens, "max_slots": args.max_slots, "decode_steps": args.decode_steps,
-            "prefill_chunk": args.prefill_chunk, "input_sha256": input_sha}
+            "max_new_tokens": args.max_new_tokens, "max_slots": args.max_slots,
+            "decode_steps": effective_decode_steps(args.decode_steps, args.num_draft_tokens),
+            "prefill_chunk": args.prefill_chunk, "input_sha256": input_sha,
+            **({"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens else {})}  # absent: 0
 
 
 def _prepare(args, say, helpers, data: bytes):
     """Load the model and check every line: (model, checked, engine, current settings)."""
     cache = helpers.setup_cache(args)
-    model = helpers.load(args, say)
+    model = helpers.load(args, say, **({"mtp": True} if args.num_draft_tokens else {}))
     name = args.served_model_name or Path(args.model).name
     current = {"settings": _settings(args, model, hashlib.sha256(data).hexdigest(), name),
                "environment": environment()}
     checked = check(model, read_lines(data), tokenizer=load_tokenizer(args.model), name=name, seed=args.seed,
                     max_new_tokens=args.max_new_tokens)
     engine = make_engine(model, checked, max_slots=args.max_slots, batch_invariant=args.batch_invariant or None,
-                         decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk)
+                         decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
+                         num_draft_tokens=args.num_draft_tokens)
     helpers.compiling(say, cache)
     return checked, engine, current
 
@@ -243,7 +248,7 @@ def _on_ray(args, data: bytes, capacity: int, todo, output: Output, done: dict, 
                      kernels=args.kernels, name=args.served_model_name or Path(args.model).name,
                      max_new_tokens=args.max_new_tokens, max_slots=args.max_slots,
                      batch_invariant=args.batch_invariant or None, decode_steps=args.decode_steps,
-                     prefill_chunk=args.prefill_chunk, capacity=capacity)
+                     num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, capacity=capacity)
     say(f"dispatching to {args.ray} Ray replica(s) ...")
     tokens = 0
     lines = [(r.line, json.dumps(objs[r.line])) for r in todo]
@@ -281,7 +286,8 @@ def _verify(args, say, helpers) -> int:
     job.__dict__.update(model=s["model"], served_model_name=s["served_model_name"], dtype=s["dtype"],
                         seed=s["seed"], mesh=s["mesh"], kernels=s["kernels"], batch_invariant=s["batch_invariant"],
                         max_new_tokens=s["max_new_tokens"], max_slots=s["max_slots"],
-                        decode_steps=s["decode_steps"], prefill_chunk=s["prefill_chunk"])
+                        decode_steps=s["decode_steps"], prefill_chunk=s["prefill_chunk"],
+                        num_draft_tokens=s.get("num_draft_tokens", 0))
     data = Path(recorded["input"]).read_bytes()
     results = finished(out.read_bytes(), out)
     checked, engine, current = _prepare(job, say, helpers, data)

@@ -2,7 +2,8 @@
 
     {"format": "dsjax-batch/1", "complete": false, "input": "/abs/in.jsonl", "records": 16, ...,
      "settings": {"model", "config_hash", "weights", "dtype", "mesh", "kernels", "batch_invariant",
-                  "seed", "max_new_tokens", "max_slots", "decode_steps", "prefill_chunk", "input_sha256"},
+                  "seed", "max_new_tokens", "max_slots", "decode_steps", "prefill_chunk", "input_sha256",
+                  "num_draft_tokens" (only when speculating)},
      "environment": {"dsjax", "jax", "jaxlib", "backend", "devices"}}
 
 A resumed run, and `dsjax verify`, compare "settings" and "environment" with their own and

@@ -80,10 +80,12 @@ def check(model: Model, items: list[tuple[int, Any, str | None]], *, tokenizer: 
 
 
 def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_invariant: bool | None = None,
-                decode_steps: int = 4, prefill_chunk: int = 256, capacity: int | None = None) -> Engine | None:
+                decode_steps: int = 4, prefill_chunk: int = 256, capacity: int | None = None,
+                num_draft_tokens: int = 0) -> Engine | None:
     """One engine for every record (capacity: the longest prompt + max_tokens over all of
     them, so a resumed run has the same shapes; or `capacity`, the whole job's, when these
-    records are one part of it); records it refuses become error lines."""
+    records are one part of it); records it refuses become error lines. num_draft_tokens >
+    0: speculative decoding with the model's MTP layer (one decode step per dispatch)."""
     limit = model.config.max_position_embeddings
     for r in checked.records:  # before sizing: one over-long record must not size every slot's cache
         if len(r.prompt) + r.params.max_tokens > limit:
@@ -93,10 +95,11 @@ def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_inv
     if not checked.records:
         return None
     if capacity is None:
-        longest = max(len(r.prompt) + r.params.max_tokens for r in checked.records)
+        longest = max(len(r.prompt) + r.params.max_tokens for r in checked.records) + num_draft_tokens
         capacity = min(bucket_capacity(longest, model.config), max_capacity(model.config))
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
-                    batch_invariant=batch_invariant, decode_steps=decode_steps,
+                    batch_invariant=batch_invariant, num_draft_tokens=num_draft_tokens,
+                    decode_steps=effective_decode_steps(decode_steps, num_draft_tokens),
                     max_logprobs=max(r.params.logprobs for r in checked.records))
     kept = []
     for r in checked.records:
@@ -107,6 +110,11 @@ def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_inv
             checked.errors[r.line] = error_line(r.line, r.id, str(e))
     checked.records = kept
     return engine
+
+
+def effective_decode_steps(decode_steps: int, num_draft_tokens: int) -> int:
+    """A speculative engine dispatches one verify step at a time."""
+    return 1 if num_draft_tokens else decode_steps
 
 
 def execute(engine: Engine, records: list[Record], on_result: Callable[[Record, dict], None], *,
@@ -156,22 +164,24 @@ def as_items(records) -> list[tuple[int, Any, str | None]]:
 
 
 def run(model: Model, records, *, max_new_tokens: int = 256, seed: int = 0, max_slots: int = 8,
-        batch_invariant: bool | None = None, decode_steps: int = 4, on_error: str = "skip",
+        batch_invariant: bool | None = None, decode_steps: int = 4, num_draft_tokens: int = 0, on_error: str = "skip",
         tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False) -> list[dict]:
     """Run records (a list of dicts as `dsjax batch` reads them, see dsjax.batch.records, or
     of JSON strings; or the text of a JSONL file)
     and return one output dict per record, in input order: {"id", "seed", "text", "ids",
     "finish_reason", "usage", ...}, or {"id", "error": {"line", "message"}} for a record that
     cannot run (on_error="skip"; "fail": a ValueError listing every bad record, before
-    anything runs). max_new_tokens / seed: defaults for records that do not say."""
+    anything runs). max_new_tokens / seed: defaults for records that do not say.
+    num_draft_tokens > 0: speculative decoding (the model needs its MTP layer)."""
     return run_items(model, as_items(records), max_new_tokens=max_new_tokens, seed=seed, max_slots=max_slots,
-                     batch_invariant=batch_invariant, decode_steps=decode_steps, on_error=on_error,
+                     batch_invariant=batch_invariant, decode_steps=decode_steps, num_draft_tokens=num_draft_tokens,
+                     on_error=on_error,
                      tokenizer=tokenizer, name=name, progress=progress)
 
 
 def run_items(model: Model, items: list[tuple[int, Any, str | None]], *, max_new_tokens: int = 256, seed: int = 0,
               max_slots: int = 8, batch_invariant: bool | None = None, decode_steps: int = 4,
-              prefill_chunk: int = 256, capacity: int | None = None, on_error: str = "skip",
+              num_draft_tokens: int = 0, prefill_chunk: int = 256, capacity: int | None = None, on_error: str = "skip",
               tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False) -> list[dict]:
     """`run` over check's items (line numbers given: one part of a larger job, as a Ray
     replica runs it; `capacity`: the whole job's engine capacity). Output dicts by line."""
@@ -181,7 +191,8 @@ def run_items(model: Model, items: list[tuple[int, Any, str | None]], *, max_new
     checked = check(model, items, tokenizer=tokenizer, name=name or model.config.name, seed=seed,
                     max_new_tokens=max_new_tokens)
     engine = make_engine(model, checked, max_slots=max_slots, batch_invariant=batch_invariant,
-                         decode_steps=decode_steps, prefill_chunk=prefill_chunk, capacity=capacity)
+                         decode_steps=decode_steps, prefill_chunk=prefill_chunk, capacity=capacity,
+                         num_draft_tokens=num_draft_tokens)
     if checked.errors and on_error == "fail":
         raise ValueError("bad records: " + "; ".join(checked.error_messages()))
     out = dict(checked.errors)

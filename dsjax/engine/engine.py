@@ -82,7 +82,8 @@ class Engine:
     distribution is the target's). spec_policy "fixed" (the default in batch-invariant
     mode) verifies all of them; "confidence" (the default otherwise) lets each row verify
     the k maximising its expected tokens (from the drafter's confidences) per unit of
-    measured verify cost, and the step verifies the largest k any row asked for (known one step late, as outputs are read while the next step runs).
+    measured verify cost, and the step verifies the largest k any row asked for (known one
+    step late, as outputs are read while the next step runs).
     The cost curve is measured at warmup() or the first step(); pass verify_costs (K + 1
     relative costs of verifying k = 0..K drafts) to pin it, e.g. for reproducible runs: the
     output distribution never depends on it, but sampled tokens follow the k chosen.
