@@ -1,0 +1,171 @@
+"""Where one decode step's time goes, per op group, at batch 1 and 8 (issue: CPU decode speed).
+
+    python benchmarks/decode_profile.py [--config bench-78m] [--batches 1 8] [--context 128]
+
+Each op group runs as its own jitted program on the live state of an engine that has
+prefilled `--context` tokens per row, timed alone (median of `--repeats` calls, each
+blocked on): the embedding, per layer the mHC mixing (both sublayers: mixes, collapse,
+norm, expand), attention by kind (sliding / CSA with its Lightning Indexer / HCA), the MoE
+(router, routed and shared experts), the head (collapse, norm, vocabulary projection) and
+the sampler. Beside them: the whole decode program (`decode_step`, what the engine
+dispatches; XLA fuses across the groups, so the groups' sum is not its time) and the
+engine's wall time per step (the program plus host work: scheduling, reading tokens
+back). Calling a group alone adds a dispatch (~tens of microseconds) to each.
+
+bench-78m is the issue's model: `small` cut to hidden 256 and 6 layers (sliding x2,
+CSA / HCA alternating), 16 experts top-2, vocabulary 129280: 78 M parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from results_io import write_result  # noqa: E402
+from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
+
+import dsjax
+from dsjax.config import CSA, HCA, SLIDING
+from dsjax.engine.engine import Engine
+from dsjax.engine.programs import decode_step
+from dsjax.engine.sampler import SamplingParams, sample_tokens
+from dsjax.layers.attention import attention_extend
+from dsjax.layers.hyper_connection import collapse, expand, hc_mixes
+from dsjax.layers.moe import moe_forward
+from dsjax.layers.norms import rms_norm
+from dsjax.model.decoder import embed_streams, layer_block, layer_slot, logits_of
+from dsjax.params import init_params
+from dsjax.model import model_specs
+
+KIND = {SLIDING: "attention_sliding", CSA: "attention_csa_with_indexer", HCA: "attention_hca"}
+
+
+def bench_config():
+    small = dsjax.load_config("small")
+    return small.replace(name="bench-78m", hidden_size=256, num_hidden_layers=6,
+                         layer_types=small.layer_types[:6], mlp_layer_types=small.mlp_layer_types[:6])
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def layer_state(cache, cfg, i):
+    k, j, r = layer_slot(cfg, i)
+    return jax.tree.map(lambda a: a[r], cache.layers[k][j])
+
+
+def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> dict:
+    cfg, params = model.config, model.params
+    capacity = -(-(context + 64) // 128) * 128  # room for the decode steps; a multiple of the HCA ratio
+    engine = Engine(model, max_slots=batch, capacity=capacity, prefill_chunk=context)
+    rng = np.random.default_rng(batch)
+    for _ in range(batch):
+        engine.add_request(rng.integers(3, cfg.vocab_size, context).tolist(),
+                           SamplingParams(max_tokens=capacity - context, ignore_eos=True))
+    while any(r.state != "decoding" for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):  # a few decode steps: the step programs compiled, outputs flowing
+        engine.step()
+
+    # the engine's wall time per decode step (program + host work)
+    steps = 16
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    jax.block_until_ready(engine.cache)
+    engine_step = (time.perf_counter() - t) / steps
+
+    cache, slots = engine.cache, engine.slots
+    bucket = engine._bucket(int(np.max(np.asarray(cache.length))) + 1)
+    cancelled = jnp.zeros(engine.rows, bool)
+    times = []
+    for _ in range(repeats + 1):  # the program the engine dispatches, on fresh copies (it donates its state)
+        c, s = jax.block_until_ready((jax.tree.map(jnp.copy, cache), jax.tree.map(jnp.copy, slots)))
+        t = time.perf_counter()
+        jax.block_until_ready(decode_step(params, c, s, cancelled, cfg=cfg, opts=engine.opts, ctx_bucket=bucket,
+                                          n_logprobs=0))
+        times.append(time.perf_counter() - t)
+    groups: dict[str, float] = {"whole_decode_program": float(np.median(times[1:]))}
+
+    tokens = slots.last_token[:, None]
+    start, n_valid = cache.length, jnp.ones((engine.rows,), jnp.int32)
+    # weights are arguments, never closed over (XLA would fold them as constants)
+    groups["embedding"] = median_seconds(jax.jit(lambda p, t: embed_streams(p, t, cfg)), params, tokens,
+                                         repeats=repeats)
+    streams = embed_streams(params, tokens, cfg)
+    x = streams[:, :, 0]
+
+    def mhc(block, streams, y):
+        for hc, norm in ((block.attn_hc, block.attn_norm), (block.ffn_hc, block.ffn_norm)):
+            pre, post, comb = hc_mixes(hc, streams, cfg)
+            h = rms_norm(collapse(streams, pre), norm, cfg.rms_norm_eps)
+            streams = expand(y + 0 * h, streams, post, comb)
+        return streams
+
+    for layer in cfg.layers:
+        block = layer_block(params, cfg, layer.index)
+        state = layer_state(cache, cfg, layer.index)
+        n_entries = bucket // layer.compress_ratio if layer.compress_ratio else 0
+        attend = jax.jit(lambda p, st, h, at, n, layer=layer, e=n_entries: attention_extend(p, st, h, at, n, layer,
+                                                                                             cfg, e)[0])
+        moe = jax.jit(lambda p, h, t: moe_forward(p, h, t, cfg))
+        for name, seconds in (("mhc", median_seconds(jax.jit(mhc), block, streams, x, repeats=repeats)),
+                              (KIND[layer.attention], median_seconds(attend, block.attn, state, x, start, n_valid,
+                                                                     repeats=repeats)),
+                              ("moe", median_seconds(moe, block.moe, x, tokens, repeats=repeats))):
+            groups[name] = groups.get(name, 0.0) + seconds
+    groups["head"] = median_seconds(jax.jit(lambda p, s: logits_of(p, s, cfg)), params, streams, repeats=repeats)
+    logits = logits_of(params, streams, cfg)[:, 0]
+    groups["sampler"] = median_seconds(jax.jit(lambda lg, s, p: sample_tokens(lg, s, p)), logits, slots.sampling,
+                                       start, repeats=repeats)
+    parts = sum(v for k, v in groups.items() if k != "whole_decode_program")
+    need = decode_step_bytes(cfg, batch=batch, context=context + 8)
+    roofline = batch * bandwidth / need["total"]
+    return {"batch": batch, "engine_step_s": engine_step, "tokens_per_s": batch / engine_step,
+            "step_bytes": need, "roofline_tokens_per_s": roofline,
+            "fraction_of_roofline": batch / engine_step / roofline,
+            "host_overhead_s": engine_step - groups["whole_decode_program"],
+            "groups_s": groups, "groups_sum_s": parts,
+            "groups_share_of_sum": {k: v / parts for k, v in groups.items() if k != "whole_decode_program"}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="bench-78m", help="bench-78m (the issue's model) or a named config")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=128, help="tokens in each row's cache")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", default="benchmarks/results/decode_profile_cpu.json")
+    args = ap.parse_args()
+    cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
+    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
+    bandwidth = memory_bandwidth()
+    print(f"read bandwidth: {bandwidth['best'] / 1e9:.1f} GB/s (XLA sum {bandwidth['xla'] / 1e9:.1f}, numpy 1 thread "
+          f"{bandwidth['numpy_1_thread'] / 1e9:.1f}, threaded {bandwidth['numpy_threads'] / 1e9:.1f})")
+    runs = [profile(model, b, args.context, args.repeats, bandwidth["best"]) for b in args.batches]
+    for r in runs:
+        print(f"batch {r['batch']}: {r['tokens_per_s']:.1f} tok/s ({r['fraction_of_roofline']:.0%} of the roofline "
+              f"{r['roofline_tokens_per_s']:.0f}: {r['step_bytes']['total'] / 1e6:.0f} MB a step), engine step "
+              f"{r['engine_step_s'] * 1e3:.2f} ms, program {r['groups_s']['whole_decode_program'] * 1e3:.2f} ms, "
+              f"host {r['host_overhead_s'] * 1e3:.2f} ms")
+        for k, v in sorted(r["groups_s"].items(), key=lambda kv: -kv[1]):
+            print(f"  {k:28s} {v * 1e3:8.3f} ms")
+    write_result({"config": cfg.name, "dtype": "float32", "context": args.context, "jax": jax.__version__,
+                  "read_bandwidth_bytes_per_s": bandwidth,
+                  "device": str(jax.devices()[0]), "platform": platform.platform(), "runs": runs}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The memory roofline of decoding on this machine: how fast memory reads, and how many bytes
+one decode step must read, so a measured tokens/s can be put as a fraction of the best a
+memory-bound step could do.
+
+    bandwidth = memory_bandwidth()                     # bytes/s, the best of threaded reductions
+    need = decode_step_bytes(cfg, batch=1, context=128, dtype=jnp.float32)
+    roofline_tokens_per_s = batch * bandwidth / need
+
+A step reads every weight once but the routed experts (only those its tokens pick: the
+expected number of distinct experts among batch x top-k uniform picks) and the embedding
+(one row per token), plus each row's cache (counted whole: an upper bound, small beside the
+weights at short contexts).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax.config import ModelConfig
+from dsjax.model import model_specs
+from dsjax.model.cache import cache_shapes
+from dsjax.params import spec_leaves, weight_group
+
+
+def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict:
+    """Read bandwidth in bytes/s by three readers of one fp32 array (> the caches): a jitted
+    XLA sum, and numpy sums over 1 and over os.cpu_count() slices in threads (numpy releases
+    the GIL). -> {"xla", "numpy_1_thread", "numpy_threads", "best"}."""
+    import os
+
+    a = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+    x = jnp.asarray(a)
+    xla_sum = jax.jit(jnp.sum)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return nbytes / min(times)
+
+    def threaded():
+        parts = np.array_split(a, os.cpu_count() or 1)
+        threads = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    out = {"xla": best(lambda: jax.block_until_ready(xla_sum(x))), "numpy_1_thread": best(lambda: np.sum(a)),
+           "numpy_threads": best(threaded)}
+    out["best"] = max(out.values())
+    return out
+
+
+def decode_step_bytes(cfg: ModelConfig, *, batch: int, context: int, dtype=jnp.float32) -> dict:
+    """Bytes one decode step reads at `batch` rows of `context` cached tokens, by group."""
+    groups: dict[str, float] = {}
+    for path, spec in spec_leaves(model_specs(cfg, dtype)):
+        group = weight_group(path)
+        groups[group] = groups.get(group, 0.0) + float(spec.nbytes)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    groups["routed_experts"] = groups.get("routed_experts", 0.0) * (1 - (1 - k / e) ** batch)  # distinct experts hit
+    groups["embed"] = groups.get("embed", 0.0) / cfg.vocab_size * batch  # one row per token
+    if cfg.tie_word_embeddings:  # the head reads the whole matrix
+        groups["lm_head"] = cfg.vocab_size * cfg.hidden_size * jnp.dtype(dtype).itemsize
+    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+    capacity = -(-context // ratio) * ratio
+    groups["cache"] = sum(float(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+                          for s in jax.tree.leaves(cache_shapes(cfg, batch, capacity, dtype)))
+    return {"total": sum(groups.values()), "by_group": groups}
