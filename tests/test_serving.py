@@ -351,8 +351,8 @@ def test_queue_full_is_429_and_the_server_recovers(guarded):
         resp.close()
         c.close()
     wait_idle(guarded)
-    ok = httpx.post(srv.url + "/v1/chat/completions", headers=headers,
-                    json={**body, "stream": False, "max_tokens": 2})
+    ok = httpx.post(srv.url + "/v1/chat/completions", headers=headers,  # greedy: a sampled EOS could end it early
+                    json={**body, "stream": False, "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
