@@ -19,6 +19,7 @@ CSA / HCA alternating), 16 experts top-2, vocabulary 129280: 78 M parameters.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 
@@ -147,7 +148,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=128, help="tokens in each row's cache")
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--out", default="benchmarks/results/decode_profile_cpu.json")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "decode_profile_cpu.json"))
     args = ap.parse_args()
     cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
     model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
