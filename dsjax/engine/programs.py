@@ -133,14 +133,6 @@ def start_decoding(slots: Slots, slot, token) -> Slots:
     return slots.replace(active=put(slots.active, True), last_token=put(slots.last_token, token))
 
 
-def _row(tree, i, n: int = 1):
-    return take_rows(tree, i, n)  # along each leaf's batch axis (a cache's layer states: axis 1)
-
-
-def _set_row(tree, row, i):
-    return put_rows(tree, row, i)
-
-
 def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, first_mask,
              cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
@@ -174,9 +166,9 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
     admission rows [n], first_mask [n, W]; n = 1, or a batch-invariant tile): the cost of
     those rows, not of the whole batch."""
     n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
-    row_cache, row_slots, out = _prefill(params, _row(cache, slot, n), _row(slots, slot, n), tokens, n_valid, is_last,
-                                         admission, first_mask, cfg, opts, ctx_bucket, n_logprobs)
-    return _set_row(cache, row_cache, slot), _set_row(slots, row_slots, slot), out
+    row_cache, row_slots, out = _prefill(params, take_rows(cache, slot, n), take_rows(slots, slot, n), tokens,
+                                         n_valid, is_last, admission, first_mask, cfg, opts, ctx_bucket, n_logprobs)
+    return put_rows(cache, row_cache, slot), put_rows(slots, row_slots, slot), out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
@@ -191,8 +183,8 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
     argmax, no draft distributions). vocab: the drafter's reduced vocabulary (None: the
     full one)."""
     n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
-    row_cache = _row(cache, slot, n)
-    row_slots, length = take_prompt_chunk(_row(slots, slot, n), row_cache.length, tokens, n_valid, admission)
+    row_cache = take_rows(cache, slot, n)
+    row_slots, length = take_prompt_chunk(take_rows(slots, slot, n), row_cache.length, tokens, n_valid, admission)
     row_cache = row_cache.replace(length=length)
 
     def emit(logits, length, last):
@@ -200,9 +192,9 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
         return out.tokens, state.sampling, (state, out)
 
     row_cache, row_spec, (row_slots, out) = prefill_chunk(
-        params, mtp, row_cache, _row(spec, slot, n), tokens, next_tokens, n_valid, is_last, emit,
+        params, mtp, row_cache, take_rows(spec, slot, n), tokens, next_tokens, n_valid, is_last, emit,
         cfg=cfg, ctx_bucket=ctx_bucket, schedule=schedule, sampled=sampled, vocab=vocab, opts=opts)
-    return (_set_row(cache, row_cache, slot), _set_row(spec, row_spec, slot), _set_row(slots, row_slots, slot),
+    return (put_rows(cache, row_cache, slot), put_rows(spec, row_spec, slot), put_rows(slots, row_slots, slot),
             _one_step(out))
 
 
