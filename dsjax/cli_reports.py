@@ -24,20 +24,25 @@ def cmd_memory(args, say) -> int:
     from dsjax.api import check_mesh_fits
     from dsjax.config import load_config
     from dsjax.model import model_specs
+    from dsjax.model.v41 import engram_table_values, v41_model_specs
     from dsjax.sharding.rules import bytes_per_device, parse_mesh_spec
 
     cfg = load_config(args.config)
     sizes = parse_mesh_spec(args.mesh)
     check_mesh_fits(cfg, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # load_model's own check
-    report = bytes_per_device(model_specs(cfg, jnp.dtype(args.dtype)), sizes)
+    specs = (model_specs if cfg.v41 is None else v41_model_specs)(cfg, jnp.dtype(args.dtype))
+    report = bytes_per_device(specs, sizes)
+    host = engram_table_values(cfg) * 264 // 256  # e4m3 values + one e8m0 scale per 32 (spec §5.5)
     if args.json:
         print(json.dumps({"config": cfg.name, "mesh": sizes, "bytes_per_device": report,
-                          "total_per_device": sum(report.values())}, indent=2))
+                          "total_per_device": sum(report.values()), "engram_host_bytes": host}, indent=2))
         return 0
     print(f"{cfg.name} on mesh {sizes} ({args.dtype}): weight bytes per device")
     for k, v in sorted(report.items(), key=lambda kv: -kv[1]):
         print(f"  {k:22s}{v / 2**30:10.2f} GiB")
     print(f"  {'total':22s}{sum(report.values()) / 2**30:10.2f} GiB")
+    if host:
+        print(f"  Engram tables stay in host memory (FP8 + E8M0, read by row): {host / 2**30:.2f} GiB per host")
     return 0
 
 
@@ -74,4 +79,7 @@ def cmd_cache(args, say) -> int:
         print(f"{r['capacity']:>10} {r['bytes_per_sequence'] / 2**20:>11.1f} MiB {r['bytes_per_token']:>9.0f} B "
               f"{r['compressed_bytes_per_token']:>15.0f} B {r['analytic_min_bytes_per_token']:>11.0f} B "
               f"{r['full_kv_bytes_per_token']:>12.0f} B")
+    if "compact_bytes_per_token" in rows[0]:
+        print(f"compressed entries stored as the reference's formats (FP4 latents with E4M3 scales per 16, FP4 "
+              f"index keys with E8M0 scales per 32): {rows[0]['compact_bytes_per_token']:.0f} B per token")
     return 0

@@ -9,6 +9,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig
 from dsjax.model import model_specs, mtp_specs
+from dsjax.model.v41 import dspark_config, dspark_specs, engram_table_values, v41_model_specs
 from dsjax.params import spec_leaves, weight_group
 
 
@@ -36,8 +37,13 @@ def count_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     at num_experts_per_tok / n_routed_experts (the hash tables are integer buffers, not
     parameters). `active` counts the whole embedding matrix; `active_excluding_embedding`
     counts the one row a token reads."""
-    main = _tally(model_specs(cfg, dtype), cfg)
-    mtp = _tally(mtp_specs(cfg, dtype), cfg, cfg.num_nextn_predict_layers)
+    if cfg.v41 is None:
+        main = _tally(model_specs(cfg, dtype), cfg)
+        mtp = _tally(mtp_specs(cfg, dtype), cfg, cfg.num_nextn_predict_layers)
+    else:  # V4.1: DSpark's stages are the drafter (already stacked); Engram's tables live on the host
+        main = _tally(v41_model_specs(cfg, dtype), cfg)
+        drafter = dspark_specs(cfg, dtype)
+        mtp = _tally(drafter, dspark_config(cfg)) if drafter is not None else _tally((), cfg)
     by_dtype = defaultdict(int)
     for part in (main, mtp):
         for k, v in part["by_dtype"].items():
@@ -53,6 +59,7 @@ def count_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
         "bytes_by_dtype_with_mtp": dict(by_dtype),
         "bytes_with_mtp": sum(by_dtype.values()),
         "integer_buffer_bytes": main["buffers"],
+        "engram_tables": engram_table_values(cfg),
     }
 
 
@@ -69,4 +76,6 @@ def format_counts(c: dict) -> str:
     for k, v in sorted(c["bytes_by_dtype_with_mtp"].items()):
         lines.append(f"    {k:22s}{v / 2**30:10.2f} GiB")
     lines.append(f"  integer buffers (hash tables) {c['integer_buffer_bytes'] / 2**20:.1f} MiB")
+    if c.get("engram_tables"):
+        lines.append(f"  Engram tables (host memory) {c['engram_tables'] / g:10.3f} B")
     return "\n".join(lines)

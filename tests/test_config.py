@@ -87,7 +87,7 @@ def test_bad_file_is_named(tmp_path):
     p.write_text("{not json")
     with pytest.raises(ConfigError, match="broken.json"):
         load_config(p)
-    with pytest.raises(FileNotFoundError, match="named configs: dsjax-tiny-py, small, tiny, v4-flash, v4-pro"):
+    with pytest.raises(FileNotFoundError, match="named configs: dsjax-tiny-py, small, tiny, tiny-v41, v4-flash, v4-pro, v41-flash"):
         load_config("v5-ultra")
 
 

@@ -42,80 +42,284 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sharing:
+    """V4.1's cross-layer sharing for one compressed layer: the layers whose state it reads
+    (its own index where it owns that part). Spec deepseek-v41.md §1.2."""
+
+    kv_from: int  # whose compressed KV it attends (own: a KV source, with a compressor)
+    topk_from: int  # whose top-k entry list it uses (own: an index source, with an indexer)
+    index_keys_from: int  # whose index keys its indexer scores (own: it has wk / k_norm)
+    candidates_from: int | None = None  # a restricted index source: the candidate source masking its scores
+    publishes_candidates: bool = False  # the candidate source (V4.1: layer 20)
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """What one decoder layer is. V4.1's cross-layer sharing extends this, not the blocks."""
+    """What one decoder layer is. V4 layers own all their state; a V4.1 compressed layer
+    carries `sharing` (what it reads from earlier layers) and `engram` (an Engram update of
+    the streams runs before the block)."""
 
     index: int
     attention: str  # SLIDING | CSA | HCA
     compress_ratio: int  # 0 for window-only layers
     mlp: str  # HASH_MOE | TOPK_MOE
+    sharing: Sharing | None = None
+    engram: bool = False
 
     @property
     def rope(self) -> str:
         return "main" if self.attention == SLIDING else "compress"
 
     @property
-    def overlap(self) -> bool:  # CSA pools overlapping windows (2m slots, stride m)
-        return self.attention == CSA
+    def overlap(self) -> bool:  # V4's CSA pools overlapping windows (2m slots, stride m); V4.1 never overlaps
+        return self.attention == CSA and self.sharing is None
 
     @property
     def has_indexer(self) -> bool:
+        if self.sharing is not None:
+            return self.sharing.topk_from == self.index
         return self.attention == CSA
+
+    @property
+    def has_compressor(self) -> bool:
+        return self.compress_ratio > 0 and (self.sharing is None or self.sharing.kv_from == self.index)
+
+    @property
+    def has_index_keys(self) -> bool:
+        """Owns index-key weights (V4: its indexer's own compressor; V4.1: wk / k_norm on the
+        KV source's latents)."""
+        if self.sharing is not None:
+            return self.has_indexer and self.sharing.index_keys_from == self.index
+        return self.has_indexer
+
+    @property
+    def role(self) -> tuple:
+        """What the layer does with shared state, independent of where it sits: layers of the
+        same kind and role have the same weights and cache shapes."""
+        s = self.sharing
+        if s is None:
+            return ()
+        return (s.kv_from == self.index, s.topk_from == self.index, s.index_keys_from == self.index,
+                s.candidates_from is not None, s.publishes_candidates)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerRun:
-    """`repeats` consecutive copies of a period of layers (`layers`: the first copy's
-    specs). The decoder stores each period position's weights and cache with a leading
-    [repeats] axis and `lax.scan`s over it, so a program holds one period, not every layer."""
+    """`repeats` consecutive copies of a period of layers. Period position j is `inner[j]`
+    consecutive alike layers (`layers[j]`: the first copy's first one), so V4.1's
+    [KV source, 5 consumers] is a period of two positions, inner (1, 5). The decoder stores
+    each position's weights and cache with a leading [repeats * inner[j]] axis (repeat-major)
+    and `lax.scan`s over it, so a program holds one body per position, not every layer."""
 
     layers: tuple[LayerSpec, ...]
     repeats: int
+    inner: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.inner:
+            object.__setattr__(self, "inner", (1,) * len(self.layers))
 
     @property
     def first(self) -> int:
         return self.layers[0].index
 
-    def layer(self, r: int, j: int) -> LayerSpec:
-        """The spec of repeat r, period position j (its own index)."""
-        spec = self.layers[j]
-        return dataclasses.replace(spec, index=self.first + r * len(self.layers) + j)
+    @property
+    def period(self) -> int:
+        """Layers in one copy of the period."""
+        return sum(self.inner)
+
+    def __len__(self) -> int:
+        return self.period * self.repeats
+
+    def _offset(self, j: int) -> int:
+        return sum(self.inner[:j])
+
+    def index_of(self, r: int, j: int, i: int = 0) -> int:
+        """The layer index of repeat r, period position j, inner copy i."""
+        return self.first + r * self.period + self._offset(j) + i
+
+    def layer(self, r: int, j: int, i: int = 0) -> LayerSpec:
+        """The spec of repeat r, period position j, inner copy i (with its own index and the
+        sharing indices of that copy: an in-period source moves with the copy, a source in an
+        earlier run does not)."""
+        spec, index = self.layers[j], self.index_of(r, j, i)
+        if spec.sharing is None:
+            return dataclasses.replace(spec, index=index)
+
+        def moved(src):
+            return src + r * self.period if src is not None and src >= self.first else src
+        s = spec.sharing
+        return dataclasses.replace(spec, index=index, sharing=dataclasses.replace(
+            s, kv_from=moved(s.kv_from), topk_from=moved(s.topk_from), index_keys_from=moved(s.index_keys_from),
+            candidates_from=moved(s.candidates_from)))
+
+    def slot(self, index: int) -> tuple[int, int] | None:
+        """(period position j, position along its stacked axis) of layer `index`, or None."""
+        offset = index - self.first
+        if not 0 <= offset < len(self):
+            return None
+        r, within = divmod(offset, self.period)
+        for j, n in enumerate(self.inner):
+            if within < n:
+                return j, r * n + within
+            within -= n
+        raise AssertionError("unreachable")
 
     @property
     def indices(self) -> tuple[tuple[int, ...], ...]:
-        """Per period position j, the layer indices it stacks (over the repeats)."""
-        return tuple(tuple(self.first + r * len(self.layers) + j for r in range(self.repeats))
+        """Per period position j, the layer indices it stacks (repeat-major)."""
+        return tuple(tuple(self.index_of(r, j, i) for r in range(self.repeats) for i in range(self.inner[j]))
                      for j in range(len(self.layers)))
 
 
 def _kind(layer: LayerSpec):
-    return layer.attention, layer.mlp
+    return layer.attention, layer.mlp, layer.compress_ratio, layer.role
 
 
-def layer_runs(layers: tuple[LayerSpec, ...], max_period: int = 4) -> tuple[LayerRun, ...]:
-    """Greedy: at each position the period p in 1..max_period whose repetition covers the
-    most layers with repeats >= 2 (ties: the shorter period); else a single layer. Layers
-    are alike when their (attention, mlp) kinds are, which makes their weights and cache
-    states the same shapes.
-    V4.1's cross-layer sharing (a layer reading an earlier layer's compressed KV / top-k)
-    will constrain this: a layer and the layer it reads must then fall in the same period
-    position pattern (or the shared state must be carried through the scan), so the
-    grouping has to take the sharing edges as an input beside the kinds."""
-    runs, i, n = [], 0, len(layers)
+def _units(layers: tuple[LayerSpec, ...], merge: bool) -> list[tuple[LayerSpec, int]]:
+    """Consecutive alike layers reading the same sources as (first spec, count) (merge=False:
+    every layer its own). An Engram layer always starts a unit."""
+    units: list[tuple[LayerSpec, int]] = []
+    for layer in layers:
+        prev = units[-1][0] if units else None
+        if (merge and prev is not None and not layer.engram and _kind(prev) == _kind(layer)
+                and layer.sharing is not None and not layer.has_compressor and not layer.has_indexer
+                and layer.sharing == prev.sharing):
+            units[-1] = (prev, units[-1][1] + 1)
+        else:
+            units.append((layer, 1))
+    return units
+
+
+def _unit_key(unit: tuple[LayerSpec, int], copy_start: int, run_start: int):
+    """What must match between copies of a period: kind, inner count, Engram, and each
+    source as an offset within the copy, or an absolute layer before the run (None: the
+    source lies in an earlier copy of the same run, which a scan cannot pass)."""
+    spec, count = unit
+    sources = ()
+    if spec.sharing is not None:
+        s = spec.sharing
+        for src in (s.kv_from, s.topk_from, s.index_keys_from, s.candidates_from):
+            if src is None or src == spec.index:
+                sources += ("own" if src is not None else None,)
+            elif src >= copy_start:
+                sources += (("in-copy", src - copy_start),)
+            elif src < run_start:
+                sources += (("before", src),)
+            else:
+                return None
+    return _kind(spec), count, spec.engram, sources
+
+
+def layer_runs(layers: tuple[LayerSpec, ...], max_period: int = 4, merge_alike: bool = False) -> tuple[LayerRun, ...]:
+    """Greedy over units (merge_alike: runs of consecutive alike layers reading the same
+    sources, each a period position with an inner count; else single layers): at each
+    position the period p in 1..max_period whose repetition covers the most layers with
+    repeats >= 2 (ties: the shorter period); else a single unit. Copies must match in kind
+    (attention, mlp, ratio, sharing role: same weights and cache shapes) and in where their
+    shared state comes from (earlier in the same copy, or a layer before the run: what the
+    scanned decoder can pass). An Engram layer never sits inside a repeated period."""
+    units = _units(layers, merge_alike)
+    starts = [u[0].index for u in units]
+
+    def keys(i, p, run_start):
+        out = [_unit_key(u, starts[i], run_start) for u in units[i:i + p]]
+        return None if None in out or any(u[0].engram for u in units[i:i + p]) else out
+
+    runs, i, n = [], 0, len(units)
     while i < n:
         best_p, best_r = 1, 1
         for p in range(1, max_period + 1):
-            kinds = [_kind(l) for l in layers[i:i + p]]
-            if len(kinds) < p:
+            if i + p > n:
                 break
+            kinds = keys(i, p, starts[i])
             r = 1
-            while i + (r + 1) * p <= n and [_kind(l) for l in layers[i + r * p:i + (r + 1) * p]] == kinds:
+            while kinds is not None and i + (r + 1) * p <= n and keys(i + r * p, p, starts[i]) == kinds:
                 r += 1
-            if r >= 2 and r * p > best_p * best_r:
+            covered = r * sum(u[1] for u in units[i:i + p])
+            if r >= 2 and covered > best_r * sum(u[1] for u in units[i:i + best_p]):
                 best_p, best_r = p, r
-        runs.append(LayerRun(tuple(layers[i:i + best_p]), best_r))
+        period = units[i:i + best_p]
+        runs.append(LayerRun(tuple(u[0] for u in period), best_r, tuple(u[1] for u in period)))
         i += best_p * best_r
+    _check_sharing(tuple(runs), layers)
     return tuple(runs)
+
+
+def _check_sharing(runs: tuple[LayerRun, ...], layers: tuple[LayerSpec, ...]) -> None:
+    """Every stacked copy of a period position is exactly the layer it stands for."""
+    for run in runs:
+        for r in range(run.repeats):
+            for j in range(len(run.layers)):
+                for i in range(run.inner[j]):
+                    spec = run.layer(r, j, i)
+                    if spec != layers[spec.index]:
+                        raise ConfigError(f"layer {spec.index}'s sharing cannot be scanned in the layer plan "
+                                          f"(planned as {spec}, is {layers[spec.index]})")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngramConfig:
+    """V4.1's Engram n-gram memory (spec deepseek-v41.md §5); names as in DeepSeek's flat
+    config without the `engram_` prefix."""
+
+    layer_ids: tuple[int, ...] = (1, 14)
+    num_embeddings: tuple[int, ...] = (384006168, 384016682)  # table rows per Engram layer
+    max_ngram_size: int = 4  # n-grams 2..max
+    vocab_size: int = 16000000  # where the bucket-prime search starts
+    n_heads: int = 8
+    head_dim: int = 256
+    pad_id: int = 2
+    compressed_vocab_size: int = 99092
+
+    @property
+    def n_hash(self) -> int:
+        """Hash columns per token and layer: (max_ngram_size - 1) * n_heads."""
+        return (self.max_ngram_size - 1) * self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+    """V4.1's DSpark draft head (spec deepseek-v41.md §6); its stages are the config's
+    `num_nextn_predict_layers`."""
+
+    block_size: int = 5
+    noise_token_id: int = 128799
+    target_layer_ids: tuple[int, ...] = (37, 38, 39)  # block inputs tapped for main_hidden
+    markov_rank: int = 256
+    n_routed_experts: int = 128
+    n_activated_experts: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class V41Config:
+    """What DeepSeek-V4.1 adds to the V4 schema: per-layer compress ratios (no overlap), the
+    KV / index sources other layers read, layer 20's candidate blocks, Engram and DSpark
+    (spec deepseek-v41.md §1). `ModelConfig.layers` turns these into each layer's `Sharing`."""
+
+    compress_ratios: tuple[int, ...]  # per backbone layer
+    kv_source_layers: tuple[int, ...]
+    index_source_layers: tuple[int, ...]
+    candidate_source_layer: int | None = None
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    gate_temp: float = 1.0
+    image_token_id: int | None = None
+    engram: EngramConfig | None = None
+    dspark: DSparkConfig | None = None
+
+    def sharing(self, i: int) -> Sharing | None:
+        """Layer i's sources: the most recent KV / index source at or before it; an index
+        source that owns no latents scores the most recent KV source's keys; index sources
+        after the candidate source that own no latents are restricted to its candidates."""
+        if not self.compress_ratios[i]:
+            return None
+        kv = max(k for k in self.kv_source_layers if k <= i)
+        topk = max(k for k in self.index_source_layers if k <= i)
+        cand = self.candidate_source_layer
+        restricted = i in self.index_source_layers and i not in self.kv_source_layers and cand is not None and cand < i
+        return Sharing(kv_from=kv, topk_from=topk, index_keys_from=i if i in self.kv_source_layers else kv,
+                       candidates_from=cand if restricted else None, publishes_candidates=i == cand)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +367,7 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_ids: tuple[int, ...] = (1,)
     pad_token_id: int | None = None
+    v41: V41Config | None = None  # DeepSeek-V4.1's additions (None: a V4 model)
     name: str = "custom"
 
     def __post_init__(self):
@@ -170,7 +375,15 @@ class ModelConfig:
 
     # ----------------------------------------------------------------- derived
     @property
+    def model_type(self) -> str:
+        return "deepseek_v4" if self.v41 is None else "deepseek_v41"
+
+    @property
     def layers(self) -> tuple[LayerSpec, ...]:
+        if self.v41 is not None:
+            v, engram = self.v41, self.v41.engram.layer_ids if self.v41.engram else ()
+            return tuple(LayerSpec(i, a, v.compress_ratios[i], m, v.sharing(i), i in engram)
+                         for i, (a, m) in enumerate(zip(self.layer_types, self.mlp_layer_types)))
         ratio = {SLIDING: 0, CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}
         return tuple(
             LayerSpec(i, a, ratio[a], m)
@@ -179,8 +392,9 @@ class ModelConfig:
 
     @property
     def layer_runs(self) -> tuple[LayerRun, ...]:
-        """The layer plan the decoder stores and scans (see `layer_runs`)."""
-        return layer_runs(self.layers)
+        """The layer plan the decoder stores and scans (see `layer_runs`; V4.1 merges its
+        runs of alike consumers into one period position each)."""
+        return layer_runs(self.layers, max_period=4 if self.v41 is None else 6, merge_alike=self.v41 is not None)
 
     @property
     def mtp_layer(self) -> LayerSpec:
@@ -251,6 +465,63 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(f"field 'rope_{kind}.theta': expected > 0, got {r.theta}")
         if r.scaling == "yarn" and (r.factor <= 0 or r.original_max_position_embeddings <= 0):
             raise ConfigError(f"field 'rope_{kind}': yarn needs factor > 0 and original_max_position_embeddings > 0")
+    if c.v41 is not None:
+        _validate_v41(c, c.v41)
     for tid in (c.bos_token_id, *c.eos_token_ids):
         if not isinstance(tid, int) or not 0 <= tid < c.vocab_size:
             raise ConfigError(f"field 'bos_token_id/eos_token_id': token id {tid!r} outside [0, {c.vocab_size})")
+
+
+def _validate_v41(c: ModelConfig, v: V41Config) -> None:
+    n = c.num_hidden_layers
+    ratios = v.compress_ratios
+    if len(ratios) != n or any(not isinstance(r, int) or r < 0 for r in ratios):
+        raise ConfigError(f"field 'compress_ratios': expected {n} ints >= 0 (one per backbone layer), got {ratios}")
+    want = tuple(CSA if r else SLIDING for r in ratios)
+    if c.layer_types != want or set(c.mlp_layer_types) != {TOPK_MOE}:
+        raise ConfigError("fields 'layer_types' / 'mlp_layer_types' of a V4.1 config follow compress_ratios "
+                          "(0: sliding window, > 0: compressed sparse) and are all top-k MoE")
+    for name, layers in (("kv_source_layers", v.kv_source_layers), ("index_source_layers", v.index_source_layers)):
+        bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < n or not ratios[i]]
+        if bad or list(layers) != sorted(set(layers)):
+            raise ConfigError(f"field '{name}': expected increasing layer ids of compressed layers "
+                              f"(compress_ratios > 0), got {list(layers)}")
+    for i, r in enumerate(ratios):
+        if not r:
+            continue
+        kv = [k for k in v.kv_source_layers if k <= i]
+        if not kv or ratios[kv[-1]] != r:
+            raise ConfigError(f"field 'kv_source_layers': compressed layer {i} (ratio {r}) needs a KV source of "
+                              f"ratio {r} at or before it, got {list(v.kv_source_layers)}")
+        if not any(k <= i for k in v.index_source_layers):
+            raise ConfigError(f"field 'index_source_layers': compressed layer {i} needs an index source at or "
+                              f"before it, got {list(v.index_source_layers)}")
+    cand = v.candidate_source_layer
+    if cand is not None and (cand not in v.kv_source_layers or cand not in v.index_source_layers):
+        raise ConfigError(f"field 'candidate_source_layer': must be both a KV and an index source, got {cand}")
+    for name in ("candidate_topk_blocks", "candidate_block_size"):
+        val = getattr(v, name)
+        if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+            raise ConfigError(f"field '{name}': expected a positive int, got {val!r}")
+    if not v.gate_temp > 0:
+        raise ConfigError(f"field 'gate_temp': expected > 0, got {v.gate_temp}")
+    e = v.engram
+    if e is not None:
+        if any(not 0 <= i < n for i in e.layer_ids) or len(e.num_embeddings) != len(e.layer_ids):
+            raise ConfigError(f"fields 'engram_layer_ids' / 'engram_num_embeddings': expected one table size per "
+                              f"Engram layer in [0, {n}), got {list(e.layer_ids)} / {list(e.num_embeddings)}")
+        for name in ("max_ngram_size", "vocab_size", "n_heads", "head_dim", "compressed_vocab_size"):
+            val = getattr(e, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= (1 if name == "max_ngram_size" else 0):
+                raise ConfigError(f"field 'engram_{name}': expected a positive int, got {val!r}")
+    d = v.dspark
+    if d is not None:
+        if any(not 0 <= i < n for i in d.target_layer_ids):
+            raise ConfigError(f"field 'dspark_target_layer_ids': expected layer ids in [0, {n}), "
+                              f"got {list(d.target_layer_ids)}")
+        if not 0 < d.n_activated_experts <= d.n_routed_experts:
+            raise ConfigError(f"field 'dspark_n_activated_experts': expected 1..dspark_n_routed_experts "
+                              f"({d.n_routed_experts}), got {d.n_activated_experts}")
+        if not 0 <= d.noise_token_id < c.vocab_size:
+            raise ConfigError(f"field 'dspark_noise_token_id': expected a token id < {c.vocab_size}, "
+                              f"got {d.noise_token_id}")

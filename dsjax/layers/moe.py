@@ -60,6 +60,7 @@ class MoE:
     shared_w2: jax.Array  # [D, Is]
     router_bias: jax.Array | None = None  # [E] fp32, top-k layers (e_score_correction_bias)
     tid2eid: jax.Array | None = None  # [vocab, K] int32, hash layers
+    router_bias_vl: jax.Array | None = None  # [E] fp32, V4.1: the selection bias of image-span tokens
 
 
 def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
@@ -77,6 +78,7 @@ def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
         router_bias=None if is_hash else ParamSpec((e,), jnp.float32, (None,), init="zeros"),
         tid2eid=ParamSpec((cfg.vocab_size, k), jnp.int32, (None, None), init="expert_table", high=e)
         if is_hash else None,
+        router_bias_vl=ParamSpec((e,), jnp.float32, (None,), init="zeros") if cfg.v41 is not None else None,
     )
 
 

@@ -19,12 +19,14 @@ from flax import struct
 from dsjax.config import ModelConfig
 from dsjax.layers.attention import AttentionState, attention_state_shapes
 from dsjax.layers.compressor import CompressorState
+from dsjax.layers.shared_attention import SharedAttentionState, shared_attention_state_shapes
 
 
 @struct.dataclass
 class Cache:
     length: jax.Array  # [B] int32: tokens already in the cache per sequence
-    layers: tuple[tuple[AttentionState, ...], ...]  # per layer run, per period position: [R, B, ...] leaves
+    layers: tuple[tuple[AttentionState | SharedAttentionState, ...], ...]  # per run, per period position:
+    #                                                      [R, B, ...] leaves (V4.1: [R * inner, B, ...])
 
     def batch_axes(self) -> "Cache":
         """Per leaf, which axis is the batch (same structure as the cache)."""
@@ -72,9 +74,13 @@ def _stack_shapes(tree, n: int):
 
 def cache_shapes(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> Cache:
     """Abstract cache (jax.ShapeDtypeStruct leaves); nothing is allocated."""
-    if capacity % max(cfg.compress_rate_csa, cfg.compress_rate_hca):
-        raise ValueError(f"cache capacity {capacity} must be a multiple of the compression ratios "
-                         f"({cfg.compress_rate_csa}, {cfg.compress_rate_hca})")
+    ratios = sorted({layer.compress_ratio for layer in cfg.layers} - {0})
+    if capacity % max(ratios, default=1):
+        raise ValueError(f"cache capacity {capacity} must be a multiple of the compression ratios {tuple(ratios)}")
+    if cfg.v41 is not None:  # V4.1: stacked over repeats * inner per period position
+        return Cache(length=jax.ShapeDtypeStruct((batch,), jnp.int32), layers=tuple(
+            tuple(_stack_shapes(shared_attention_state_shapes(cfg, layer, batch, capacity, dtype), run.repeats * n)
+                  for layer, n in zip(run.layers, run.inner)) for run in cfg.layer_runs))
     return Cache(
         length=jax.ShapeDtypeStruct((batch,), jnp.int32),
         layers=tuple(tuple(_stack_shapes(attention_state_shapes(cfg, layer, batch, capacity, dtype), run.repeats)
@@ -92,18 +98,31 @@ def cache_bytes(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> dict:
     minimum: per layer 512*(1/4 + 1/128) + 128/4 elements per token, as the spec states."""
     shapes = cache_shapes(cfg, 1, capacity, dtype)
     growing = constant = 0
-    for layer in (st for period in shapes.layers for st in period):
-        for name, leaf in (("window", layer.window),) + tuple(
-                (n, getattr(s, n)) for s in (layer.compressor, layer.indexer) if s is not None
-                for n in ("entries", "ring_kv", "ring_gate")):
+    for state in (st for period in shapes.layers for st in period):
+        if isinstance(state, SharedAttentionState):
+            parts = {"entries": state.entries, "index_keys": state.index_keys, "window": state.window,
+                     "tail_kv": state.tail_kv, "tail_gate": state.tail_gate}
+        else:
+            parts = {"window": state.window, **{
+                f"{n}.{i}": getattr(s, n) for i, s in enumerate((state.compressor, state.indexer)) if s is not None
+                for n in ("entries", "ring_kv", "ring_gate")}}
+        for name, leaf in parts.items():
+            if leaf is None:
+                continue
             nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-            if name == "entries":
+            if name.startswith(("entries", "index_keys")):
                 growing += nbytes
             else:
                 constant += nbytes
     item = jnp.dtype(dtype).itemsize
-    minimum = 0.0
+    minimum = compact = 0.0
     for layer in cfg.layers:
+        if cfg.v41 is not None:  # only KV sources store latents (and index keys); spec §2.12's compact formats
+            if layer.has_compressor:
+                minimum += (cfg.head_dim + cfg.index_head_dim * layer.has_index_keys) / layer.compress_ratio
+                compact += (cfg.head_dim * 9 / 16 + cfg.index_head_dim * 17 / 32 * layer.has_index_keys
+                            ) / layer.compress_ratio  # fp4 + e4m3 / 16; fp4 + e8m0 / 32
+            continue
         if layer.compress_ratio:
             minimum += cfg.head_dim / layer.compress_ratio
         if layer.has_indexer:
@@ -117,6 +136,7 @@ def cache_bytes(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> dict:
         "compressed_bytes_per_token": growing / capacity,
         "analytic_min_bytes_per_token": minimum * item,
         "full_kv_bytes_per_token": cfg.num_hidden_layers * cfg.head_dim * item,
+        **({"compact_bytes_per_token": compact} if cfg.v41 is not None else {}),
     }
 
 

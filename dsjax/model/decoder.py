@@ -79,11 +79,12 @@ def model_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParams:
 
 
 def layer_slot(cfg: ModelConfig, i: int) -> tuple[int, int, int]:
-    """Where layer i lives in the stacked layout: (run, period position, repeat)."""
+    """Where layer i lives in the stacked layout: (run, period position, index along that
+    position's stacked axis)."""
     for k, run in enumerate(cfg.layer_runs):
-        offset = i - run.first
-        if 0 <= offset < len(run.layers) * run.repeats:
-            return k, offset % len(run.layers), offset // len(run.layers)
+        found = run.slot(i)
+        if found is not None:
+            return (k, *found)
     raise IndexError(f"layer {i} outside the {cfg.num_hidden_layers} layers of {cfg.name}")
 
 
