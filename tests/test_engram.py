@@ -124,6 +124,14 @@ def test_hash_multipliers_match_spec():
     assert layout.n_hash == 24 and layout.head_dim == 256 and layout.pad_id == 2
 
 
+def test_multiplier_draw_is_checked_against_released_values(monkeypatch):
+    import dsjax.layers.engram as engram
+
+    monkeypatch.setitem(engram.RELEASED_MULTIPLIERS, (1, 99092), (1, 3, 5, 7))  # as if numpy's stream changed
+    with pytest.raises(RuntimeError, match="not the released"):
+        hash_multipliers(1, 99092, 4)
+
+
 # ----------------------------------------------------------------------------- hashing (§5.4)
 def _oracle_ids(kappa_seq: list[int], lid: int) -> list[list[int]]:
     """§5.4 for one whole sequence, in python ints."""
@@ -347,7 +355,9 @@ def test_table_validation_names_tensor_and_file(tmp_path):
     s = np.zeros((4, 8), ml_dtypes.float8_e8m0fnu)
     good = tmp_path / "good.safetensors"
     write_engram_table(good, w, s, prefix="layers.1.engram.embed")
-    EngramTable(good, prefix="layers.1.engram.embed", rows=4).close()
+    with EngramTable(good, prefix="layers.1.engram.embed", rows=4) as table:
+        q, sc = table.gather(np.array([[3, 0]]))
+        assert q.shape == (1, 2, 256) and sc.shape == (1, 2, 8) and table.bytes_read == 2 * 264
     with pytest.raises(CheckpointError, match=f"{good}: no tensor 'engram.embed.weight'"):
         EngramTable(good)
     with pytest.raises(CheckpointError, match=r"'layers.1.engram.embed.weight': shape \[4, 256\], expected \[5, 256\]"):

@@ -163,6 +163,12 @@ class EngramTable:
         self._weight = self._scale = None  # views must go before the map can close
         self._mmap.close()
 
+    def __enter__(self) -> "EngramTable":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def write_engram_table(path: str | Path, weight_e4m3: np.ndarray, scale_e8m0: np.ndarray,
                        prefix: str = "engram.embed", rows: int | None = None, row_ids=None) -> None:

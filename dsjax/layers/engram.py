@@ -39,6 +39,11 @@ DEAD = -1  # compressed id of an image-span token: blocks every shift that reach
 BEFORE_START = -2  # history slot before position 0: blocks like DEAD (the "t < s" rule)
 HASH_SEED_STRIDE = 10007  # numpy default_rng(10007 * layer_id) (§5.3)
 GATE_FLOOR = 1e-6  # |δ| is clamped here before the signed square root
+# §5.3, V4.1's (layer id, compressed vocab) -> multipliers; above 2^53, so never via a JSON double
+RELEASED_MULTIPLIERS = {
+    (1, 99092): (76632096046245, 4839876093313, 35959672319349, 73987337458391),
+    (14, 99092): (67716810739261, 51510806800915, 30921347202721, 82619226485591),
+}
 
 
 # ----------------------------------------------------------------------------- layout (host)
@@ -97,11 +102,16 @@ def bucket_offsets(primes: np.ndarray) -> np.ndarray:
 def hash_multipliers(layer_id: int, compressed_vocab: int, max_ngram: int) -> np.ndarray:
     """int64 [max_ngram] odd multipliers (§5.3): 2 v + 1 with v ~ default_rng(10007 ℓ).integers(0, bound).
 
-    bound = ⌊⌊(2^63-1) / compressed_vocab⌋ / 2⌋ keeps every τ·m below 2^63. The draw depends on
-    numpy's PCG64 / SeedSequence, which numpy keeps stable across versions."""
+    bound = ⌊⌊(2^63-1) / compressed_vocab⌋ / 2⌋ keeps every τ·m below 2^63. numpy does not promise
+    that Generator streams never change, so the released values are also hard-coded and checked."""
     bound = max(1, ((2**63 - 1) // compressed_vocab) // 2)
     v = np.random.default_rng(HASH_SEED_STRIDE * layer_id).integers(0, bound, size=max_ngram, dtype=np.int64)
-    return 2 * v + 1
+    m = 2 * v + 1
+    known = RELEASED_MULTIPLIERS.get((layer_id, compressed_vocab))
+    if known is not None and tuple(m[: len(known)].tolist()) != known[: len(m)]:
+        raise RuntimeError(f"engram: numpy {np.__version__} draws hash multipliers {m.tolist()} for layer "
+                           f"{layer_id}, not the released {list(known)}: every Engram row id would be wrong")
+    return m
 
 
 @dataclasses.dataclass(frozen=True)
