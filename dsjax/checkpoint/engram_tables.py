@@ -39,7 +39,6 @@ from dsjax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 TOKEN_MAP_FILE = Path(__file__).resolve().parent / "data" / "engram_token_map_v41.i32.gz"
 TOKEN_MAP_SHA256 = "c60a86322ec17b4142bfef3c57a8d81fb428550cdf487f88a4320cb59fe46481"  # of the int32 LE bytes
 TOKEN_MAP_SIZE = 129280
-TOKEN_MAP_CLASSES = 99092
 _SENTINEL = "\ue000"  # stands in for a lone space so that Strip leaves it alone
 
 
