@@ -1,0 +1,205 @@
+"""Engram's host-side storage: the token -> compressed-id map and the memory-mapped row tables.
+
+Token map (§5.1). For each id 0..129279, decode the single token (raw Rust tokenizer, specials kept).
+If the text holds U+FFFD (a partial UTF-8 byte token) the key is the raw token string; else
+
+    key = N(text) or text,   N = NFKC → NFD → StripAccents → Lowercase → [ \\t\\r\\n]+ ↦ " "
+                                 → (exactly " ") ↦ U+E000 → Strip → U+E000 ↦ " "
+
+and class ids are given in first-occurrence order over ascending ids: 99092 classes. The map
+depends on the `tokenizers` Unicode tables, so dsjax ships it as a constant file (gzip'd int32
+LE, data/engram_token_map_v41.i32.gz) checked against the spec's sha256 at load;
+`build_engram_token_map` is how that file was made.
+
+Tables (§5.5). Per Engram layer one safetensors file (or shard) holds
+
+    engram.embed.weight  F8_E4M3 [rows, 256]      engram.embed.scale  F8_E8M0 [rows, 8]
+
+(one scale per 32 values; 264 B a row; 101 GB a layer at V4.1 size). `EngramTable` maps the file
+and copies out only the rows a batch hashes to: the page cache, not the process, holds the hot
+rows, and the traffic is Zipfian. Dequantisation happens on the device (dsjax/layers/engram.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from dsjax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+
+TOKEN_MAP_FILE = Path(__file__).resolve().parent / "data" / "engram_token_map_v41.i32.gz"
+TOKEN_MAP_SHA256 = "c60a86322ec17b4142bfef3c57a8d81fb428550cdf487f88a4320cb59fe46481"  # of the int32 LE bytes
+TOKEN_MAP_SIZE = 129280
+_SENTINEL = "\ue000"  # stands in for a lone space so that Strip leaves it alone
+
+
+# ----------------------------------------------------------------------------- token map
+def build_engram_token_map(tokenizer_json_path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+    """int32 [vocab_size] compressed class of each token id (§5.1). vocab_size defaults to the
+    tokenizer's size with added tokens (129280 for DeepSeek-V4 / V4.1)."""
+    from tokenizers import Regex, Tokenizer, normalizers  # only needed to rebuild the shipped map
+
+    tok = Tokenizer.from_file(str(tokenizer_json_path))
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+        normalizers.Strip(),
+        normalizers.Replace(_SENTINEL, " "),
+    ])
+    n = tok.get_vocab_size(with_added_tokens=True) if vocab_size is None else vocab_size
+    classes: dict[str, int] = {}
+    out = np.empty(n, np.int32)
+    for i in range(n):
+        text = tok.decode([i], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tok.id_to_token(i)
+        else:
+            key = norm.normalize_str(text) or text
+        out[i] = classes.setdefault(key, len(classes))
+    return out
+
+
+def token_map_sha256(token_map: np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(token_map).astype("<i4").tobytes()).hexdigest()
+
+
+def save_engram_token_map(token_map: np.ndarray, path: str | Path = TOKEN_MAP_FILE) -> None:
+    """Write the map as gzip'd int32 LE (mtime 0, so the same map gives the same bytes)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(gzip.compress(np.asarray(token_map).astype("<i4").tobytes(), mtime=0))
+
+
+@functools.lru_cache(maxsize=None)
+def engram_token_map(path: str | Path = TOKEN_MAP_FILE) -> np.ndarray:
+    """The shipped 129280-entry map (read-only int32), checked against the spec's sha256."""
+    try:
+        raw = gzip.decompress(Path(path).read_bytes())
+    except (OSError, EOFError) as e:
+        raise CheckpointError(f"{path}: cannot read the Engram token map ({e})") from None
+    if len(raw) != 4 * TOKEN_MAP_SIZE:
+        raise CheckpointError(f"{path}: Engram token map holds {len(raw)} bytes, expected {4 * TOKEN_MAP_SIZE} "
+                              f"({TOKEN_MAP_SIZE} int32)")
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != TOKEN_MAP_SHA256:
+        raise CheckpointError(f"{path}: Engram token map sha256 {digest} differs from the spec's {TOKEN_MAP_SHA256}")
+    out = np.frombuffer(raw, "<i4").astype(np.int32)
+    out.setflags(write=False)
+    return out
+
+
+# ----------------------------------------------------------------------------- row tables
+WEIGHT_DTYPE, SCALE_DTYPE = "F8_E4M3", "F8_E8M0"
+
+
+class EngramTable:
+    """One Engram layer's table, memory-mapped; `gather` copies out only the requested rows.
+
+    `bytes_read` counts the table bytes gathered so far (264 a row at V4.1 size)."""
+
+    def __init__(self, path: str | Path, prefix: str = "engram.embed", rows: int | None = None,
+                 head_dim: int = 256, group: int = 32):
+        self.path = Path(path)
+        header = SafetensorsFile(self.path)  # parses and size-checks the header; reads no tensor data
+        names = {"weight": f"{prefix}.weight", "scale": f"{prefix}.scale"}
+        want = {"weight": (WEIGHT_DTYPE, head_dim), "scale": (SCALE_DTYPE, head_dim // group)}
+        infos = {}
+        for part, name in names.items():
+            info = header.tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"{self.path}: no tensor '{name}' (holds {sorted(header.tensors)[:8]})")
+            dtype, width = want[part]
+            if info.dtype != dtype:
+                raise CheckpointError(f"{self.path}: tensor '{name}': dtype {info.dtype}, expected {dtype}")
+            if len(info.shape) != 2 or info.shape[1] != width or (rows is not None and info.shape[0] != rows):
+                expect = f"[{rows if rows is not None else 'rows'}, {width}]"
+                raise CheckpointError(f"{self.path}: tensor '{name}': shape {list(info.shape)}, expected {expect}")
+            infos[part] = info
+        if infos["weight"].shape[0] != infos["scale"].shape[0]:
+            raise CheckpointError(f"{self.path}: tensor '{names['scale']}' has {infos['scale'].shape[0]} rows but "
+                                  f"'{names['weight']}' has {infos['weight'].shape[0]}")
+        self.names = names
+        self.rows = infos["weight"].shape[0]
+        self.bytes_read = 0
+        with open(self.path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):  # row lookups are scattered: read-ahead would pull in unused rows
+            self._mmap.madvise(mmap.MADV_RANDOM)
+
+        def view(info):
+            return np.frombuffer(self._mmap, np.uint8, count=info.end - info.begin,
+                                 offset=header.data_start + info.begin).reshape(info.shape[0], -1)
+
+        self._weight = view(infos["weight"])  # [rows, 256] e4m3 bytes, nothing read yet
+        self._scale = view(infos["scale"])  # [rows, 8] e8m0 exponent bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self._weight.shape[1] + self._scale.shape[1]
+
+    def gather(self, row_ids) -> tuple[np.ndarray, np.ndarray]:
+        """(q float8_e4m3fn [..., 256], scale exponent bytes uint8 [..., 8]) of rows `row_ids` (any shape)."""
+        ids = np.asarray(row_ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise CheckpointError(f"{self.path}: tensor '{self.names['weight']}' has {self.rows} rows; "
+                                  f"row ids {ids.min()}..{ids.max()} are out of range")
+        flat = ids.reshape(-1)
+        q = np.take(self._weight, flat, axis=0).view(ml_dtypes.float8_e4m3fn)
+        scale = np.take(self._scale, flat, axis=0)
+        self.bytes_read += flat.size * self.row_bytes
+        return q.reshape(*ids.shape, -1), scale.reshape(*ids.shape, -1)
+
+    def close(self) -> None:
+        self._weight = self._scale = None  # views must go before the map can close
+        self._mmap.close()
+
+    def __enter__(self) -> "EngramTable":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_engram_table(path: str | Path, weight_e4m3: np.ndarray, scale_e8m0: np.ndarray,
+                       prefix: str = "engram.embed", rows: int | None = None, row_ids=None) -> None:
+    """Write a table file (tests, tools). With `row_ids`, the arrays hold only those rows of a
+    `rows`-row table: the file is sized first (a sparse file; the rest reads as zero bytes) and
+    only those rows are written, so a test can make a table far larger than it ever holds."""
+    weight = np.ascontiguousarray(weight_e4m3).view(np.uint8)
+    scale = np.ascontiguousarray(scale_e8m0).view(np.uint8)
+    if weight.ndim != 2 or scale.ndim != 2 or weight.shape[0] != scale.shape[0]:
+        raise ValueError(f"write_engram_table: weight {weight.shape} and scale {scale.shape} must be [n, W], [n, G]")
+    n_rows = weight.shape[0] if rows is None else rows
+    if row_ids is not None:
+        ids = np.asarray(row_ids).reshape(-1)
+        if len(ids) != weight.shape[0] or (len(ids) and (ids.min() < 0 or ids.max() >= n_rows)):
+            raise ValueError(f"write_engram_table: row_ids must give one row in [0, {n_rows}) per row of weight")
+    w_bytes, s_bytes = n_rows * weight.shape[1], n_rows * scale.shape[1]
+    header = {
+        f"{prefix}.weight": {"dtype": WEIGHT_DTYPE, "shape": [n_rows, weight.shape[1]], "data_offsets": [0, w_bytes]},
+        f"{prefix}.scale": {"dtype": SCALE_DTYPE, "shape": [n_rows, scale.shape[1]],
+                            "data_offsets": [w_bytes, w_bytes + s_bytes]},
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        if row_ids is None:
+            f.write(weight.tobytes())
+            f.write(scale.tobytes())
+            return
+        f.truncate(start + w_bytes + s_bytes)
+        fd = f.fileno()
+        for i, r in enumerate(ids):
+            os.pwrite(fd, weight[i].tobytes(), start + int(r) * weight.shape[1])
+            os.pwrite(fd, scale[i].tobytes(), start + w_bytes + int(r) * scale.shape[1])
