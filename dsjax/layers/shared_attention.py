@@ -22,7 +22,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
+from dsjax.layers.attention import compressed_visible, window_intervals
+from dsjax.layers.indexer import index_scores
+from dsjax.layers.linear import linear, linear_f32
+from dsjax.layers.norms import rms_norm
+from dsjax.layers.quantized import dense
+from dsjax.layers.rope import apply_rope, rope_cos_sin
+from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import reshape, spec
 
 
 @struct.dataclass
@@ -93,6 +101,145 @@ def shared_attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> SharedA
         o_b_proj=ParamSpec((d, cfg.o_groups * cfg.o_lora_rank), dtype, ("embed", "o_groups")),
         sinks=ParamSpec((h,), f32, ("heads",), init="zeros"),
         compressor=compressor, index_keys=index_keys, index_queries=index_queries)
+
+
+# ----------------------------------------------------------------------------- shared between layers
+@struct.dataclass
+class Shared:
+    """What a layer publishes for the layers after it (spec §1.2): its KV source's roped
+    latents and index keys, the last index source's top-k entries, the candidate source's
+    mask. Every field is always present (zeros until a source writes it), so a scan over a
+    layer run can carry it."""
+
+    entries: jax.Array  # [B, E, hd]  roped compressed latents of the current KV source
+    index_keys: jax.Array  # [B, E, d_I]  its published index keys
+    top: jax.Array  # [B, S, k] int32  entries chosen by the last index source
+    top_valid: jax.Array  # [B, S, k] bool
+    candidates: jax.Array  # [B, S, E] bool  the candidate source's blocks
+
+
+def empty_shared(cfg: ModelConfig, batch: int, seq: int, n_entries: int, dtype) -> Shared:
+    k = min(cfg.index_topk, n_entries)
+    return Shared(entries=jnp.zeros((batch, n_entries, cfg.head_dim), dtype),
+                  index_keys=jnp.zeros((batch, n_entries, cfg.index_head_dim), dtype),
+                  top=jnp.zeros((batch, seq, k), jnp.int32), top_valid=jnp.zeros((batch, seq, k), bool),
+                  candidates=jnp.zeros((batch, seq, n_entries), bool))
+
+
+# ----------------------------------------------------------------------------- pieces
+def compress_latents(p: LatentCompressor, x: jax.Array, ratio: int, eps: float) -> jax.Array:
+    """x [B, S, D] -> latents C [B, S // ratio, hd] before RoPE (§2.4): ratio 1 is a normed
+    projection per token; ratio 2 pools each pair of tokens channel-wise by a softmax of
+    their gates (fp32). Tokens after the last full group give no latent."""
+    b, s, _ = x.shape
+    n = s // ratio
+    if ratio == 1:
+        return rms_norm(linear(x, p.kv_proj), p.norm, eps)
+    xs = x[:, :n * ratio].astype(jnp.float32)
+    a = reshape(linear_f32(xs, p.kv_proj), (b, n, ratio, -1))
+    z = reshape(linear_f32(xs, p.gate_proj), (b, n, ratio, -1))
+    pooled = jnp.sum(jax.nn.softmax(z, axis=2) * a, axis=2)
+    return rms_norm(pooled.astype(x.dtype), p.norm, eps)
+
+
+def rope_at(x: jax.Array, positions: jax.Array, cfg: ModelConfig, kind: str = "compress") -> jax.Array:
+    """RoPE on the last qk_rope_head_dim channels of x [B, T, d] at positions [B, T] (or [T])."""
+    cos, sin = rope_cos_sin(positions, cfg.rope(kind), cfg.qk_rope_head_dim)
+    return apply_rope(x, cos, sin)
+
+
+def latent_positions(batch: int, n: int, ratio: int) -> jax.Array:
+    """Latent j takes the position of its group's first token, j * ratio."""
+    return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * ratio, (batch, n))
+
+
+def index_scores_of(p: IndexQueries, cq: jax.Array, x: jax.Array, keys: jax.Array, cos, sin, cfg: ModelConfig,
+                    kernels: str = "reference") -> jax.Array:
+    """s_{t,j} = sum_h w_h ReLU(q^I_h . k^I_j) with w = W_wp x / sqrt(H_I d_I) (§2.6) -> [B, S, E] fp32."""
+    q = reshape(linear(cq, p.q_b_proj), (*cq.shape[:-1], cfg.index_n_heads, cfg.index_head_dim))
+    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+    w = linear(x, p.weights_proj).astype(jnp.float32) * cfg.index_n_heads ** -0.5
+    return index_scores(q, keys, w, cfg, kernels=kernels)
+
+
+def candidate_blocks(scores: jax.Array, visible: jax.Array, block: int, k_blocks: int) -> jax.Array:
+    """The candidate source's mask [B, S, E] (§2.8): blocks of `block` entries scored by their
+    max visible score, the block of the newest visible entry pinned, the top k_blocks kept
+    (ties: the lower block), kept blocks with no finite score dropped."""
+    b, s, e = scores.shape
+    n_blocks = -(-e // block)
+    masked = jnp.where(visible, scores, -jnp.inf)
+    padded = jnp.pad(masked, ((0, 0), (0, 0), (0, n_blocks * block - e)), constant_values=-jnp.inf)
+    beta = jnp.max(padded.reshape(b, s, n_blocks, block), axis=-1)  # [B, S, n_blocks]
+    n_vis = jnp.sum(visible, axis=-1)  # [B, S]
+    newest = jnp.maximum(n_vis - 1, 0) // block
+    pinned = jnp.where((jnp.arange(n_blocks) == newest[..., None]) & (n_vis[..., None] > 0), jnp.inf, beta)
+    k = min(k_blocks, n_blocks)
+    _, kept = jax.lax.top_k(pinned, k)
+    keep = jnp.zeros((b, s, n_blocks), bool).at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None],
+                                                kept].set(True)
+    keep = keep & (pinned > -jnp.inf)
+    return jnp.repeat(keep, block, axis=-1)[..., :e]
+
+
+def select_entries(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k visible entries per query (ties: the lower index), sorted ascending -> (idx, valid)."""
+    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
+    idx = jnp.sort(idx, axis=-1)
+    return idx.astype(jnp.int32), jnp.take_along_axis(visible, idx, axis=-1)
+
+
+def grouped_output(p: SharedAttention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """o [B, S, H, hd] -> [B, S, D]: per-group W_oa, then W_ob (§2.10)."""
+    g = cfg.o_groups
+    grouped = reshape(o, (*o.shape[:-2], g, -1))
+    w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
+    z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
+    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None))
+
+
+# ----------------------------------------------------------------------------- full sequence
+def shared_attention_forward(p: SharedAttention, x: jax.Array, positions: jax.Array, layer: LayerSpec,
+                             cfg: ModelConfig, shared: Shared | None, *,
+                             kernels: str = "reference") -> tuple[jax.Array, Shared | None]:
+    """Full-sequence V4.1 attention (no cache) over x [B, S, D] (normed) at positions [B, S]
+    from 0: the window, plus (compressed layers) the top-k latents of its KV source. A KV
+    source compresses and publishes its latents and index keys, an index source its top-k
+    (a candidate source also its blocks; a restricted one masks its scores by them), in
+    `shared`, which consumers read. -> (out [B, S, D], shared)."""
+    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
+    eps = cfg.rms_norm_eps
+    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, eps)
+    q = reshape(linear(cq, p.q_b_proj), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
+    q = apply_rope(q, cos[..., None, :], sin[..., None, :])  # no per-head RMS (Δ V4)
+    kv = apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)
+    lo, hi = window_intervals(positions, jnp.ones(positions.shape, bool), cfg.sliding_window)
+    kv_pq = mask_pq = None
+    r = layer.compress_ratio
+    if r and shared is not None and shared.entries.shape[1]:
+        b, n = x.shape[0], shared.entries.shape[1]
+        if layer.has_compressor:
+            latents = compress_latents(p.compressor, x, r, eps)
+            pos = latent_positions(b, n, r)
+            shared = shared.replace(entries=rope_at(latents, pos, cfg))
+            if p.index_keys is not None:
+                keys = rms_norm(linear(latents, p.index_keys.k_proj), p.index_keys.k_norm, eps)
+                shared = shared.replace(index_keys=rope_at(keys, pos, cfg))
+        if layer.has_indexer:
+            visible = compressed_visible(positions, n, r)
+            scores = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels)
+            if layer.sharing.publishes_candidates:
+                shared = shared.replace(candidates=candidate_blocks(
+                    scores, visible, cfg.v41.candidate_block_size, cfg.v41.candidate_topk_blocks))
+            if layer.sharing.candidates_from is not None:
+                scores = jnp.where(shared.candidates, scores, -jnp.inf)
+            top, valid = select_entries(scores, visible, shared.top.shape[-1])
+            shared = shared.replace(top=top, top_valid=valid)
+        kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)  # [B, S, k, hd]
+        mask_pq = shared.top_valid
+    o = attention_kernel(q, kv, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    return grouped_output(p, o, cfg), shared
 
 
 # ----------------------------------------------------------------------------- cached state

@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig
-from dsjax.layers.hyper_connection import hyper_connection_specs
-from dsjax.layers.moe import moe_specs
-from dsjax.layers.shared_attention import shared_attention_specs
-from dsjax.model.decoder import Block, norm_spec
+from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig, RuntimeOptions
+from dsjax.layers.hyper_connection import collapse, expand, hc_mixes, hyper_connection_specs
+from dsjax.layers.linear import linear
+from dsjax.layers.moe import moe_forward, moe_specs
+from dsjax.layers.norms import rms_norm
+from dsjax.layers.shared_attention import empty_shared, shared_attention_forward, shared_attention_specs
+from dsjax.model.decoder import DEFAULT_OPTIONS, Block, embed_streams, norm_spec
 from dsjax.params import ParamSpec, stack_specs
 
 
@@ -87,3 +89,90 @@ def engram_table_values(cfg: ModelConfig) -> int:
     """Values in the Engram tables (host memory): rows x head_dim per Engram layer."""
     e = cfg.v41.engram if cfg.v41 is not None else None
     return 0 if e is None else sum(e.num_embeddings) * e.head_dim
+
+
+# ----------------------------------------------------------------------------- the forward
+def block_apply_lag(p: Block, streams: jax.Array, pi: jax.Array, token_ids: jax.Array, attend, cfg: ModelConfig,
+                    opts: RuntimeOptions = DEFAULT_OPTIONS, expert_layer: jax.Array | None = None):
+    """One V4.1 block with the one-sublayer lag (spec §3.2): each sublayer collapses the
+    streams with the `pre` the previous sublayer computed on its own input.
+    streams [B, S, N, D], pi [B, S, N] fp32 -> (streams, pi_out, attend's state)."""
+    a_pre, a_post, a_comb = hc_mixes(p.attn_hc, streams, cfg)
+    out, state = attend(p.attn, rms_norm(collapse(streams, pi), p.attn_norm, cfg.rms_norm_eps))
+    streams = expand(out, streams, a_post, a_comb)
+    f_pre, f_post, f_comb = hc_mixes(p.ffn_hc, streams, cfg)
+    h = rms_norm(collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
+    y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
+                    layer=expert_layer)
+    return expand(y, streams, f_post, f_comb), f_pre, state
+
+
+def first_pi(streams: jax.Array) -> jax.Array:
+    """pi = e_0: layer 0's attention collapses to stream 0 (all streams are the embedding)."""
+    return jnp.zeros(streams.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+
+
+def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, engram_fuse=None,
+                opts: RuntimeOptions = DEFAULT_OPTIONS, taps: bool = False):
+    """The full-sequence V4.1 backbone over tokens [B, S] from position 0 -> (final streams
+    [B, S, N, D], final pi [B, S, N], main_hidden [B, S, len(targets) * D] or None).
+
+    engram_fuse(layer, streams) -> streams applies the Engram update before an Engram layer
+    (its rows come from host tables); None skips it. taps: also return DSpark's main_hidden,
+    the stream means of the block inputs of its target layers."""
+    b, s = tokens.shape
+    streams = embed_streams(params, tokens, cfg)
+    pi = first_pi(streams)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
+    tapped, shared = {}, None
+    for run, blocks in zip(cfg.layer_runs, params.blocks):
+        if run.layers[0].engram and engram_fuse is not None:
+            streams = engram_fuse(run.first, streams)
+        ratio = max(layer.compress_ratio for layer in run.layers)
+        if ratio and (shared is None or shared.entries.shape[1] != s // ratio):
+            shared = empty_shared(cfg, b, s, s // ratio, streams.dtype)
+        streams, pi, run_shared, run_taps = _run_full(run, blocks, (streams, pi, shared if ratio else None), tokens,
+                                                      positions, targets, cfg, opts)
+        shared = run_shared if ratio else shared
+        tapped.update(run_taps)
+    main_hidden = jnp.concatenate([tapped[i] for i in targets], axis=-1) if targets else None
+    return streams, pi, main_hidden
+
+
+def _run_full(run, blocks, carry, tokens, positions, targets, cfg, opts):
+    """One layer run, full sequence: a scan over its period copies, in each an inner scan
+    over a position's alike layers, carrying (streams, pi, shared). -> (*carry, {layer: tap})."""
+
+    def position(j):
+        layer = run.layers[j]
+
+        def step(carry, p):
+            streams, pi, shared = carry
+            tap = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+
+            def attend(pa, h):
+                return shared_attention_forward(pa, h, positions, layer, cfg, shared, kernels=opts.kernels)
+            return block_apply_lag(p, streams, pi, tokens, attend, cfg, opts), tap
+        return step
+
+    def copy(carry, ps):
+        taps = []
+        for j, p in enumerate(ps):
+            carry, tap = jax.lax.scan(position(j), carry, p)
+            taps.append(tap)
+        return carry, tuple(taps)
+
+    stacked = tuple(jax.tree.map(lambda a, n=n: a.reshape(run.repeats, n, *a.shape[1:]), blocks[j])
+                    for j, n in enumerate(run.inner))  # [repeats * inner, ...] -> [repeats, inner, ...]
+    carry, taps = jax.lax.scan(copy, carry, stacked)
+    out = {run.index_of(r, j, i): taps[j][r, i] for r in range(run.repeats) for j in range(len(run.layers))
+           for i in range(run.inner[j]) if run.index_of(r, j, i) in targets}
+    return (*carry, out)
+
+
+def v41_logits(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """logits = W_head Norm(collapse(X, pi)) in fp32 (spec §1.3 step 4; no hc_head)."""
+    h = rms_norm(collapse(streams, pi), params.norm, cfg.rms_norm_eps)
+    weight = params.embed if params.lm_head is None else params.lm_head
+    return linear(h, weight, out_dtype=jnp.float32)
