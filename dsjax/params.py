@@ -155,7 +155,8 @@ def abstract_params(specs, shardings=None):
 
 def weight_group(path: str) -> str:
     """The group a weight (by its path, e.g. "blocks.3.moe.w1") is counted in: routed_experts,
-    shared_expert, router, attention, embed, lm_head or mhc_and_norms."""
+    shared_expert, router, attention, embed, lm_head, engram (V4.1's device-side Engram weights)
+    or mhc_and_norms."""
     if ".moe.w" in path:
         return "routed_experts"
     if ".moe.shared_" in path:
@@ -164,7 +165,7 @@ def weight_group(path: str) -> str:
         return "router"
     if ".attn." in path:
         return "attention"
-    if path.startswith(("embed", "lm_head")):
+    if path.startswith(("embed", "lm_head", "engram")):
         return path.split(".")[0]
     return "mhc_and_norms"
 

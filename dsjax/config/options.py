@@ -24,12 +24,16 @@ class RuntimeOptions:
     shape at any batch size or mesh layout), so a request's logits are bitwise independent
     of its neighbours, its slot and the mesh (README "Batch invariance").
     quantized: how FP8 / MXFP4 checkpoint weights were loaded ("dequantize" | "resident");
-    recorded by `load_model`, read by reports."""
+    recorded by `load_model`, read by reports.
+    index_keys_from_owner (V4.1): a ratio-2 index source always scores its own KV source's
+    keys. False (default) reproduces DeepSeek's reference, where a one-token decode at an
+    even position scores the keys the last KV source published (spec deepseek-v41.md §2.7)."""
 
     kernels: str = "reference"
     moe_capacity_factor: float | None = None
     batch_invariant: bool = False
     quantized: str = "dequantize"
+    index_keys_from_owner: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

@@ -278,7 +278,8 @@ def engram_gate(w: jax.Array, streams: jax.Array, keys: jax.Array, eps: float = 
 
 def engram_fuse(p: Engram, streams: jax.Array, rows: jax.Array, image_mask: jax.Array | None = None,
                 eps: float = 1e-20, project: Callable[[jax.Array, jax.Array], jax.Array] = linear) -> jax.Array:
-    """streams [B, S, N, D] <- bf16(X_j + g_j V) for rows [B, S, n_hash, head_dim] (bf16, dequantized).
+    """streams [B, S, N, D] <- bf16(X_j + g_j V) for rows [B, S, n_hash, head_dim] (dequantized; taken in
+    the streams' dtype, bf16 as the reference runs, fp32 in fp32 checks).
 
     `project(x, w) -> bf16` is the `wkv` product (x @ w.T): a plain dense GEMM (fp32 accumulate) by default;
     the reference's Lin8 (FP8 weight, activation QDQ per 32) plugs in here. Tokens where
@@ -293,7 +294,7 @@ def engram_fuse(p: Engram, streams: jax.Array, rows: jax.Array, image_mask: jax.
     if tuple(p.wkv.shape) != ((n + 1) * d, width):
         raise ValueError(f"engram: wkv {tuple(p.wkv.shape)} must be [(N+1) D, n_hash head_dim] = "
                          f"{((n + 1) * d, width)}")
-    kv = project(rows.reshape(*lead, width).astype(jnp.bfloat16), p.wkv)  # [B, S, (N+1) D] bf16
+    kv = project(rows.reshape(*lead, width).astype(streams.dtype), p.wkv)  # [B, S, (N+1) D] (bf16 in the model)
     keys = kv[..., : n * d].reshape(*lead, n, d)
     value = kv[..., n * d:].astype(jnp.float32)  # [B, S, D], shared by all streams
     gate = engram_gate(p.q_weight.astype(jnp.float32) * p.k_weight.astype(jnp.float32), streams, keys, eps)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
-from dsjax.layers.attention import compressed_visible, window_intervals
+from dsjax.layers.attention import compressed_visible, ring_positions, window_intervals
+from dsjax.layers.compressor import state_rows, state_set
 from dsjax.layers.indexer import index_scores
 from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.norms import rms_norm
@@ -268,3 +269,109 @@ def shared_attention_state_shapes(cfg: ModelConfig, layer: LayerSpec, batch: int
         if r > 1:
             tail_kv = tail_gate = shape((batch, r, hd), jnp.float32)
     return SharedAttentionState(shape((batch, cfg.sliding_window, hd), dtype), entries, keys, tail_kv, tail_gate)
+
+
+# ----------------------------------------------------------------------------- cached path
+def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Array, start: jax.Array,
+                   n_valid: jax.Array, ratio: int, eps: float, at: jax.Array | None = None):
+    """A KV source's compressor over a chunk x [B, C, D] at positions start + i, i < n_valid:
+    -> (latents [B, G, hd] before RoPE, their entry indices [B, G], complete [B, G], new
+    tail_kv, new tail_gate). Ratio 2 pools the groups the chunk closes, reading the open
+    group's first token from the fp32 tail (slot p % 2) (§2.4)."""
+    b, c, _ = x.shape
+    positions = start[:, None] + jnp.arange(c)
+    valid = jnp.arange(c) < n_valid[:, None]
+    if ratio == 1:
+        return rms_norm(linear(x, p.kv_proj), p.norm, eps), positions, valid, None, None
+    a_new, z_new = linear_f32(x, p.kv_proj), linear_f32(x, p.gate_proj)  # [B, C, hd] fp32
+    g0 = (start // ratio) * ratio  # the first group the chunk can close
+    n_groups = -(-(ratio - 1 + c) // ratio)
+    pos = g0[:, None] + jnp.arange(n_groups * ratio)
+    from_chunk = pos >= start[:, None]
+    chunk_idx = jnp.clip(pos - start[:, None], 0, c - 1)[..., None]
+    tail_idx = jnp.mod(pos, ratio)[..., None]
+    tail_kv, tail_gate = state_rows(state.tail_kv, at), state_rows(state.tail_gate, at)
+
+    def aligned(new, tail):
+        got = jnp.where(from_chunk[..., None], jnp.take_along_axis(new, chunk_idx, axis=1),
+                        jnp.take_along_axis(tail, tail_idx, axis=1))
+        return reshape(got, (b, n_groups, ratio, -1))
+    a, z = aligned(a_new, tail_kv), aligned(z_new, tail_gate)
+    latents = rms_norm(jnp.sum(jax.nn.softmax(z, axis=2) * a, axis=2).astype(x.dtype), p.norm, eps)
+    entry = (start // ratio)[:, None] + jnp.arange(n_groups)
+    complete = (entry + 1) * ratio <= (start + n_valid)[:, None]
+    keep = valid & (positions >= (start + n_valid)[:, None] - ratio)
+    slot = jnp.where(keep, jnp.mod(positions, ratio), ratio)
+    rows = jnp.arange(b)[:, None]
+    return (latents, entry, complete, state_set(state.tail_kv, at, rows, slot, a_new),
+            state_set(state.tail_gate, at, rows, slot, z_new))
+
+
+def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: jax.Array, start: jax.Array,
+                            n_valid: jax.Array, layer: LayerSpec, cfg: ModelConfig, shared: Shared | None,
+                            n_entries: int, *, quirk_keys: jax.Array | None = None, kernels: str = "reference",
+                            at: jax.Array | None = None) -> tuple[jax.Array, SharedAttentionState, Shared | None]:
+    """V4.1 attention for a chunk x [B, C, D] at positions start + i, i < n_valid (per row),
+    against the cache: the window ring and chunk, plus (compressed layers) the top-k of its
+    KV source's first n_entries (static) latents. A KV source first appends the latents
+    (and index keys) of the groups the chunk closes to its own state and publishes them in
+    `shared`, as the full-sequence path does.
+
+    quirk_keys [B, >= n_entries, d_I] (ratio-2 index sources, the reference's behaviour,
+    §2.7): the index keys the last KV source published before this chunk. A row at an even
+    position whose source closes no group scores against them instead of its own, as a
+    one-token decode of the reference does; rows of a chunk starting at 0 (the reference's
+    prefill) and rows whose keys are not cached yet (t / 2 > start) use their own.
+    -> (out [B, C, D], state, shared)."""
+    b, c, _ = x.shape
+    w, eps, r = cfg.sliding_window, cfg.rms_norm_eps, layer.compress_ratio
+    positions = start[:, None] + jnp.arange(c)
+    valid = jnp.arange(c) < n_valid[:, None]
+    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
+    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, eps)
+    q = reshape(linear(cq, p.q_b_proj), (b, c, cfg.num_attention_heads, cfg.head_dim))
+    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+    kv = apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)
+    slot_pos = ring_positions(start, w)
+    keys = jnp.concatenate([state_rows(state.window, at), kv], axis=1)  # [B, W + C, hd]
+    lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
+                              jnp.concatenate([slot_pos >= 0, valid], axis=1), w)
+    kv_pq = mask_pq = None
+    rows = jnp.arange(b)[:, None]
+    if r:
+        if layer.has_compressor:
+            latents, entry, complete, tail_kv, tail_gate = latents_extend(p.compressor, state, x, start, n_valid,
+                                                                          r, eps, at)
+            state = state.replace(tail_kv=tail_kv, tail_gate=tail_gate)
+            where = jnp.where(complete, entry, state.entries.shape[-2])
+            state = state.replace(entries=state_set(state.entries, at, rows, where, rope_at(latents, entry * r, cfg)))
+            if p.index_keys is not None:
+                k_i = rms_norm(linear(latents, p.index_keys.k_proj), p.index_keys.k_norm, eps)
+                state = state.replace(index_keys=state_set(state.index_keys, at, rows, where,
+                                                           rope_at(k_i, entry * r, cfg)))
+            shared = shared.replace(entries=state_rows(state.entries, at)[:, :n_entries])
+            if p.index_keys is not None:
+                shared = shared.replace(index_keys=state_rows(state.index_keys, at)[:, :n_entries])
+        if layer.has_indexer:
+            visible = compressed_visible(positions, n_entries, r) & valid[..., None]
+            scores = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels)
+            if quirk_keys is not None and r > 1:
+                quirk = (positions % r != r - 1) & (start[:, None] > 0) & (positions // r <= start[:, None])
+                quirk_scores = index_scores_of(p.index_queries, cq, x, quirk_keys[:, :n_entries], cos, sin, cfg,
+                                               kernels)
+                scores = jnp.where(quirk[..., None], quirk_scores, scores)
+            if layer.sharing.publishes_candidates:
+                shared = shared.replace(candidates=candidate_blocks(
+                    scores, visible, cfg.v41.candidate_block_size, cfg.v41.candidate_topk_blocks))
+            if layer.sharing.candidates_from is not None:
+                scores = jnp.where(shared.candidates, scores, -jnp.inf)
+            top, top_valid = select_entries(scores, visible, shared.top.shape[-1])
+            shared = shared.replace(top=top, top_valid=top_valid)
+        kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)
+        mask_pq = shared.top_valid
+    o = attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    keep = valid & (positions >= (start + n_valid)[:, None] - w)
+    slot = jnp.where(keep, jnp.mod(positions, w), w)
+    state = state.replace(window=state_set(state.window, at, rows, slot, kv))
+    return grouped_output(p, o, cfg), state, shared

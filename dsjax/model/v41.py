@@ -17,12 +17,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig, RuntimeOptions
+from dsjax.layers.engram import Engram, engram_fuse, engram_specs
 from dsjax.layers.hyper_connection import collapse, expand, hc_mixes, hyper_connection_specs
 from dsjax.layers.linear import linear
 from dsjax.layers.moe import moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
-from dsjax.layers.shared_attention import empty_shared, shared_attention_forward, shared_attention_specs
-from dsjax.model.decoder import DEFAULT_OPTIONS, Block, embed_streams, norm_spec
+from dsjax.layers.shared_attention import (empty_shared, shared_attention_extend, shared_attention_forward,
+                                           shared_attention_specs)
+from dsjax.model.cache import Cache
+from dsjax.model.decoder import DEFAULT_OPTIONS, Block, embed_streams, layer_slot, norm_spec
 from dsjax.params import ParamSpec, stack_specs
 
 
@@ -46,6 +49,7 @@ class ModelParamsV41:
     blocks: tuple[tuple[Block, ...], ...]  # per layer run, per period position: leaves [repeats * inner, ...]
     norm: jax.Array  # [D] fp32
     lm_head: jax.Array | None  # [V, D]; None when tied to embed
+    engram: tuple[Engram, ...] = ()  # per Engram layer (cfg.v41.engram.layer_ids); tables on the host
 
 
 def v41_block_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Block:
@@ -55,13 +59,14 @@ def v41_block_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Block:
 
 
 def v41_model_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParamsV41:
-    v, d = cfg.vocab_size, cfg.hidden_size
+    v, d, e = cfg.vocab_size, cfg.hidden_size, cfg.v41.engram
     return ModelParamsV41(
         embed=ParamSpec((v, d), dtype, ("vocab", "embed")),
         blocks=tuple(tuple(stack_specs(v41_block_specs(cfg, layer, dtype), run.repeats * n)
                            for layer, n in zip(run.layers, run.inner)) for run in cfg.layer_runs),
         norm=norm_spec(cfg),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), dtype, ("vocab", "embed")))
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), dtype, ("vocab", "embed")),
+        engram=tuple(engram_specs(cfg.hc_mult, d, e.n_hash, e.head_dim, dtype) for _ in e.layer_ids) if e else ())
 
 
 def dspark_config(cfg: ModelConfig) -> ModelConfig:
@@ -112,14 +117,15 @@ def first_pi(streams: jax.Array) -> jax.Array:
     return jnp.zeros(streams.shape[:-1], jnp.float32).at[..., 0].set(1.0)
 
 
-def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, engram_fuse=None,
+def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, engram_rows=None,
                 opts: RuntimeOptions = DEFAULT_OPTIONS, taps: bool = False):
     """The full-sequence V4.1 backbone over tokens [B, S] from position 0 -> (final streams
     [B, S, N, D], final pi [B, S, N], main_hidden [B, S, len(targets) * D] or None).
 
-    engram_fuse(layer, streams) -> streams applies the Engram update before an Engram layer
-    (its rows come from host tables); None skips it. taps: also return DSpark's main_hidden,
-    the stream means of the block inputs of its target layers."""
+    engram_rows: per Engram layer, the dequantized table rows its n-gram ids select
+    [B, S, n_hash, head_dim] (gathered on the host, dsjax/checkpoint/engram_tables.py);
+    None leaves the Engram update out (a model without its tables). taps: also return
+    DSpark's main_hidden, the stream means of the block inputs of its target layers."""
     b, s = tokens.shape
     streams = embed_streams(params, tokens, cfg)
     pi = first_pi(streams)
@@ -127,8 +133,9 @@ def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, 
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
     tapped, shared = {}, None
     for run, blocks in zip(cfg.layer_runs, params.blocks):
-        if run.layers[0].engram and engram_fuse is not None:
-            streams = engram_fuse(run.first, streams)
+        if run.layers[0].engram and engram_rows is not None:
+            k = cfg.v41.engram.layer_ids.index(run.first)
+            streams = engram_fuse(params.engram[k], streams, engram_rows[k])
         ratio = max(layer.compress_ratio for layer in run.layers)
         if ratio and (shared is None or shared.entries.shape[1] != s // ratio):
             shared = empty_shared(cfg, b, s, s // ratio, streams.dtype)
@@ -176,3 +183,97 @@ def v41_logits(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: M
     h = rms_norm(collapse(streams, pi), params.norm, cfg.rms_norm_eps)
     weight = params.embed if params.lm_head is None else params.lm_head
     return linear(h, weight, out_dtype=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- with a cache
+def quirk_source(cfg: ModelConfig) -> int | None:
+    """The KV source whose index keys the reference has published last when a one-token decode
+    reaches a ratio-2 index source at an even position (V4.1: layer 20), if any layer needs them."""
+    if not any(layer.has_indexer and layer.compress_ratio > 1 for layer in cfg.layers):
+        return None
+    owners = [layer for layer in cfg.layers if layer.has_compressor and layer.has_index_keys]
+    if owners[-1].compress_ratio != 1:
+        raise NotImplementedError(f"{cfg.name}: the last KV source (layer {owners[-1].index}) has ratio "
+                                  f"{owners[-1].compress_ratio}; the published-key rule is written for ratio 1")
+    return owners[-1].index
+
+
+def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
+                       ctx_bucket: int, n_valid: jax.Array | None = None, engram_rows=None,
+                       opts: RuntimeOptions = DEFAULT_OPTIONS, taps: bool = False):
+    """The V4.1 backbone over a chunk tokens [B, C] at positions cache.length + i, i < n_valid
+    (rows with n_valid 0 untouched) -> (streams, pi, cache, main_hidden). ctx_bucket (static)
+    bounds the latents read: every one a query can see lies below ctx_bucket / ratio.
+    engram_rows / taps: as `v41_streams`."""
+    b, c = tokens.shape
+    start = cache.length
+    n_valid = jnp.full((b,), c, jnp.int32) if n_valid is None else n_valid
+    streams = embed_streams(params, tokens, cfg)
+    pi = first_pi(streams)
+    targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
+    quirk_keys = None
+    src = None if opts.index_keys_from_owner else quirk_source(cfg)
+    if src is not None:
+        k, j, at = layer_slot(cfg, src)
+        quirk_keys = cache.layers[k][j].index_keys[at]
+    tapped, shared, states = {}, None, []
+    for run, blocks, run_states in zip(cfg.layer_runs, params.blocks, cache.layers):
+        if run.layers[0].engram and engram_rows is not None:
+            k = cfg.v41.engram.layer_ids.index(run.first)
+            streams = engram_fuse(params.engram[k], streams, engram_rows[k])
+        ratio = max(layer.compress_ratio for layer in run.layers)
+        n_entries = ctx_bucket // ratio if ratio else 0
+        if ratio and (shared is None or shared.entries.shape[1] != n_entries):
+            shared = empty_shared(cfg, b, c, n_entries, streams.dtype)
+
+        def attend_of(layer, at, state, shared, n_entries=n_entries):
+            return lambda pa, h: _pack(shared_attention_extend(
+                pa, state, h, start, n_valid, layer, cfg, shared, n_entries, kernels=opts.kernels, at=at,
+                quirk_keys=quirk_keys))
+        streams, pi, run_shared, run_states, run_taps = _run_cached(
+            run, blocks, run_states, (streams, pi, shared if ratio else None), tokens, attend_of, targets, cfg, opts)
+        shared = run_shared if ratio else shared
+        states.append(run_states)
+        tapped.update(run_taps)
+    main_hidden = jnp.concatenate([tapped[i] for i in targets], axis=-1) if targets else None
+    return streams, pi, Cache(start + n_valid, tuple(states)), main_hidden
+
+
+def _pack(result):
+    out, state, shared = result
+    return out, (state, shared)
+
+
+def _run_cached(run, blocks, states, carry, tokens, attend_of, targets, cfg, opts):
+    """One layer run with a cache: scans as `_run_full`, with the run's stacked states in the
+    carry (each layer writes its rows in place at its index `at` along the stacked axis)."""
+
+    def position(j):
+        layer = run.layers[j]
+
+        def step(c, xs):
+            streams, pi, shared, state = c
+            p, at = xs
+            tap = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+            streams, pi, (state, shared) = block_apply_lag(p, streams, pi, tokens,
+                                                           attend_of(layer, at, state, shared), cfg, opts)
+            return (streams, pi, shared, state), tap
+        return step
+
+    def copy(c, xs):
+        streams, pi, shared, sts = c
+        ps, r = xs
+        taps, new = [], list(sts)
+        for j, p in enumerate(ps):
+            ats = r * run.inner[j] + jnp.arange(run.inner[j])
+            (streams, pi, shared, new[j]), tap = jax.lax.scan(position(j), (streams, pi, shared, new[j]), (p, ats))
+            taps.append(tap)
+        return (streams, pi, shared, tuple(new)), tuple(taps)
+
+    stacked = tuple(jax.tree.map(lambda a, n=n: a.reshape(run.repeats, n, *a.shape[1:]), blocks[j])
+                    for j, n in enumerate(run.inner))
+    (streams, pi, shared, states), taps = jax.lax.scan(copy, (*carry, tuple(states)),
+                                                       (stacked, jnp.arange(run.repeats)))
+    out = {run.index_of(r, j, i): taps[j][r, i] for r in range(run.repeats) for j in range(len(run.layers))
+           for i in range(run.inner[j]) if run.index_of(r, j, i) in targets}
+    return streams, pi, shared, states, out
