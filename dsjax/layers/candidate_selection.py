@@ -47,6 +47,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsjax.sharding.rules import reshape
+
 NEG_INIT = -1e30  # the vendor kernel's starting running max (finite: exp(m_old - m_new) stays NaN-free)
 ATTN_BLOCK = 64  # indices per step of the vendor kernel's online softmax
 
@@ -112,13 +114,19 @@ def candidate_mask(scores: jax.Array, visible: jax.Array, *, k_blocks: int, bloc
     n_blocks = -(-t // block)
     masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
     masked = jnp.pad(masked, [(0, 0), (0, 0), (0, n_blocks * block - t)], constant_values=-jnp.inf)
-    beta = jnp.max(masked.reshape(b, s, n_blocks, block), axis=-1)  # [B, S, n_blocks]
+    beta = jnp.max(reshape(masked, (b, s, n_blocks, block)), axis=-1)  # [B, S, n_blocks]
     newest = jnp.max(jnp.where(visible, jnp.arange(t, dtype=jnp.int32), -1), axis=-1)  # [B, S]
     pinned = (jnp.arange(n_blocks, dtype=jnp.int32) == newest[..., None] // block) & (newest[..., None] >= 0)
     beta = _canonical_zero(jnp.where(pinned, jnp.inf, beta))
-    top, chosen = jax.lax.top_k(beta, min(k_blocks, n_blocks))  # [B, S, kb]
-    bi, si = jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]
-    kept = jnp.zeros((b, s, n_blocks), bool).at[bi, si, chosen].set(top > -jnp.inf)
+    # The top-kb blocks by (β desc, index asc), as a mask without a scatter (which a batch-sharded
+    # mesh cannot place): every block above the kb-th largest β, then the lowest-index blocks tied
+    # with it until kb are taken.
+    kb = min(k_blocks, n_blocks)
+    kth = jax.lax.top_k(beta, kb)[0][..., kb - 1:]  # [B, S, 1]
+    tied = beta == kth
+    places = kb - jnp.sum(beta > kth, axis=-1, keepdims=True)
+    kept = (beta > kth) | (tied & (jnp.cumsum(tied, axis=-1) <= places))
+    kept = kept & (beta > -jnp.inf)  # a kept block of -inf holds nothing visible: dropped
     return jnp.repeat(kept, block, axis=-1)[..., :t]
 
 
@@ -175,7 +183,7 @@ def sparse_sink_attention(q: jax.Array, kv: jax.Array, idx: jax.Array, sink: jax
     n = idx.shape[-1]
     n_blocks = max(1, -(-n // block))
     idx = jnp.pad(idx.astype(jnp.int32), [(0, 0), (0, 0), (0, n_blocks * block - n)], constant_values=-1)
-    idx = jnp.moveaxis(idx.reshape(b, s, n_blocks, block), 2, 0)  # [n_blocks, B, S, block]
+    idx = jnp.moveaxis(reshape(idx, (b, s, n_blocks, block)), 2, 0)  # [n_blocks, B, S, block]
     q16, kv16 = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
 
     def step(carry, idx_blk):
@@ -190,8 +198,9 @@ def sparse_sink_attention(q: jax.Array, kv: jax.Array, idx: jax.Array, sink: jax
         pv = jnp.einsum("bshn,bsnd->bshd", p.astype(jnp.bfloat16), rows, preferred_element_type=jnp.float32)
         return (m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
 
-    init = (jnp.full((b, s, h), NEG_INIT, jnp.float32), jnp.zeros((b, s, h), jnp.float32),
-            jnp.zeros((b, s, h, d), jnp.float32))
+    # *_like: the carry takes q's sharding, as the loop body's outputs do under a batch-sharded mesh
+    init = (jnp.full_like(q[..., 0], NEG_INIT, jnp.float32), jnp.zeros_like(q[..., 0], jnp.float32),
+            jnp.zeros_like(q, jnp.float32))
     (m, l, acc), _ = jax.lax.scan(step, init, idx)
     denom = l + jnp.exp(sink.astype(jnp.float32) - m)
     out = jnp.where((l > 0)[..., None], acc / denom[..., None], 0.0)  # e^{σ + 1e30} = inf would also give 0
