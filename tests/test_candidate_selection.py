@@ -355,6 +355,7 @@ def test_sparse_sink_attention(decode):
 def test_empty_selection_and_argument_errors():
     """§2.5: floor(end_pos / r) = 0 gives k = 0, an empty list, and attention over nothing gives 0."""
     assert cs.topk_entry_list(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3, 0), bool), 0, 0).shape == (2, 3, 0)
+    assert cs.candidate_mask(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3, 0), bool), k_blocks=4).shape == (2, 3, 0)
     q = jnp.ones((1, 2, 4, 8), jnp.bfloat16)
     empty = cs.sparse_sink_attention(q, jnp.ones((1, 5, 8), jnp.bfloat16), jnp.zeros((1, 2, 0), jnp.int32),
                                      jnp.zeros(4), 1.0)

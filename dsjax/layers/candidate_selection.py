@@ -112,6 +112,8 @@ def candidate_mask(scores: jax.Array, visible: jax.Array, *, k_blocks: int, bloc
         raise ValueError(f"k_blocks and block must be >= 1, got k_blocks={k_blocks}, block={block}")
     b, s, t = scores.shape
     n_blocks = -(-t // block)
+    if n_blocks == 0:  # no entries yet (§2.5: the indexer is skipped)
+        return jnp.zeros(scores.shape, bool)
     masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
     masked = jnp.pad(masked, [(0, 0), (0, 0), (0, n_blocks * block - t)], constant_values=-jnp.inf)
     beta = jnp.max(reshape(masked, (b, s, n_blocks, block)), axis=-1)  # [B, S, n_blocks]
@@ -126,7 +128,7 @@ def candidate_mask(scores: jax.Array, visible: jax.Array, *, k_blocks: int, bloc
     tied = beta == kth
     places = kb - jnp.sum(beta > kth, axis=-1, keepdims=True)
     kept = (beta > kth) | (tied & (jnp.cumsum(tied, axis=-1) <= places))
-    kept = kept & (beta > -jnp.inf)  # a kept block of -inf holds nothing visible: dropped
+    kept = kept & (beta > -jnp.inf)  # nothing visible in it, or only -inf scores: dropped
     return jnp.repeat(kept, block, axis=-1)[..., :t]
 
 
