@@ -23,6 +23,7 @@ from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
 from dsjax.layers.attention import compressed_visible, ring_positions, window_intervals
+from dsjax.layers.candidate_selection import candidate_mask, topk_entry_list
 from dsjax.layers.compressor import state_rows, state_set
 from dsjax.layers.indexer import index_scores
 from dsjax.layers.linear import linear, linear_f32
@@ -163,31 +164,12 @@ def index_scores_of(p: IndexQueries, cq: jax.Array, x: jax.Array, keys: jax.Arra
     return index_scores(q, keys, w, cfg, kernels=kernels)
 
 
-def candidate_blocks(scores: jax.Array, visible: jax.Array, block: int, k_blocks: int) -> jax.Array:
-    """The candidate source's mask [B, S, E] (§2.8): blocks of `block` entries scored by their
-    max visible score, the block of the newest visible entry pinned, the top k_blocks kept
-    (ties: the lower block), kept blocks with no finite score dropped."""
-    b, s, e = scores.shape
-    n_blocks = -(-e // block)
-    masked = jnp.where(visible, scores, -jnp.inf)
-    padded = jnp.pad(masked, ((0, 0), (0, 0), (0, n_blocks * block - e)), constant_values=-jnp.inf)
-    beta = jnp.max(padded.reshape(b, s, n_blocks, block), axis=-1)  # [B, S, n_blocks]
-    n_vis = jnp.sum(visible, axis=-1)  # [B, S]
-    newest = jnp.maximum(n_vis - 1, 0) // block
-    pinned = jnp.where((jnp.arange(n_blocks) == newest[..., None]) & (n_vis[..., None] > 0), jnp.inf, beta)
-    k = min(k_blocks, n_blocks)
-    _, kept = jax.lax.top_k(pinned, k)
-    keep = jnp.zeros((b, s, n_blocks), bool).at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None],
-                                                kept].set(True)
-    keep = keep & (pinned > -jnp.inf)
-    return jnp.repeat(keep, block, axis=-1)[..., :e]
-
-
-def select_entries(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k visible entries per query (ties: the lower index), sorted ascending -> (idx, valid)."""
-    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
-    idx = jnp.sort(idx, axis=-1)
-    return idx.astype(jnp.int32), jnp.take_along_axis(visible, idx, axis=-1)
+def select_entries(scores: jax.Array, visible: jax.Array, k: int, candidates: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Top-k visible entries per query (dsjax/layers/candidate_selection.py's rule), sorted
+    ascending -> (idx [B, S, k] (0 where invalid), valid [B, S, k])."""
+    top = topk_entry_list(scores, visible, k, 0, candidates)
+    return jnp.maximum(top, 0), top >= 0
 
 
 def grouped_output(p: SharedAttention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -230,11 +212,10 @@ def shared_attention_forward(p: SharedAttention, x: jax.Array, positions: jax.Ar
             visible = compressed_visible(positions, n, r)
             scores = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels)
             if layer.sharing.publishes_candidates:
-                shared = shared.replace(candidates=candidate_blocks(
-                    scores, visible, cfg.v41.candidate_block_size, cfg.v41.candidate_topk_blocks))
-            if layer.sharing.candidates_from is not None:
-                scores = jnp.where(shared.candidates, scores, -jnp.inf)
-            top, valid = select_entries(scores, visible, shared.top.shape[-1])
+                shared = shared.replace(candidates=candidate_mask(
+                    scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size))
+            restrict = shared.candidates if layer.sharing.candidates_from is not None else None
+            top, valid = select_entries(scores, visible, shared.top.shape[-1], restrict)
             shared = shared.replace(top=top, top_valid=valid)
         kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)  # [B, S, k, hd]
         mask_pq = shared.top_valid
@@ -361,11 +342,10 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
                                                kernels)
                 scores = jnp.where(quirk[..., None], quirk_scores, scores)
             if layer.sharing.publishes_candidates:
-                shared = shared.replace(candidates=candidate_blocks(
-                    scores, visible, cfg.v41.candidate_block_size, cfg.v41.candidate_topk_blocks))
-            if layer.sharing.candidates_from is not None:
-                scores = jnp.where(shared.candidates, scores, -jnp.inf)
-            top, top_valid = select_entries(scores, visible, shared.top.shape[-1])
+                shared = shared.replace(candidates=candidate_mask(
+                    scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size))
+            restrict = shared.candidates if layer.sharing.candidates_from is not None else None
+            top, top_valid = select_entries(scores, visible, shared.top.shape[-1], restrict)
             shared = shared.replace(top=top, top_valid=top_valid)
         kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)
         mask_pq = shared.top_valid
