@@ -27,13 +27,17 @@ class RuntimeOptions:
     recorded by `load_model`, read by reports.
     index_keys_from_owner (V4.1): a ratio-2 index source always scores its own KV source's
     keys. False (default) reproduces DeepSeek's reference, where a one-token decode at an
-    even position scores the keys the last KV source published (spec deepseek-v41.md §2.7)."""
+    even position scores the keys the last KV source published (spec deepseek-v41.md §2.7).
+    round_trips (V4.1): the reference's FP8 / FP4 round trips of cached rows, index queries and
+    keys, and its bf16 index scores (part of the trained numerics, so on by default; off for
+    fp32 checks of the mechanisms)."""
 
     kernels: str = "reference"
     moe_capacity_factor: float | None = None
     batch_invariant: bool = False
     quantized: str = "dequantize"
     index_keys_from_owner: bool = False
+    round_trips: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

@@ -23,11 +23,12 @@ from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
 from dsjax.layers.attention import compressed_visible, ring_positions, window_intervals
-from dsjax.layers.candidate_selection import candidate_mask, topk_entry_list
+from dsjax.layers.candidate_selection import candidate_mask, index_head_weights, index_scores_bf16, topk_entry_list
 from dsjax.layers.compressor import state_rows, state_set
 from dsjax.layers.indexer import index_scores
 from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.norms import rms_norm
+from dsjax.layers.qdq import qdq_fp4_e4m3, qdq_fp4_e8m0, qdq_fp8
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
@@ -150,18 +151,85 @@ def rope_at(x: jax.Array, positions: jax.Array, cfg: ModelConfig, kind: str = "c
     return apply_rope(x, cos, sin)
 
 
-def latent_positions(batch: int, n: int, ratio: int) -> jax.Array:
-    """Latent j takes the position of its group's first token, j * ratio."""
-    return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * ratio, (batch, n))
+def entry_indices(batch: int, n: int) -> jax.Array:
+    """[B, n]: entries 0..n-1 (latent j sits at its group's first position, j * ratio)."""
+    return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+
+
+def round_trip(x: jax.Array, qdq, on: bool) -> jax.Array:
+    """x through a quantisation round trip (a dsjax/layers/qdq.py function, bf16 in and out)
+    when `on`, back in x's dtype: the reference stores these values only as QDQ outputs."""
+    return qdq(x).astype(x.dtype) if on else x
 
 
 def index_scores_of(p: IndexQueries, cq: jax.Array, x: jax.Array, keys: jax.Array, cos, sin, cfg: ModelConfig,
-                    kernels: str = "reference") -> jax.Array:
-    """s_{t,j} = sum_h w_h ReLU(q^I_h . k^I_j) with w = W_wp x / sqrt(H_I d_I) (§2.6) -> [B, S, E] fp32."""
+                    kernels: str = "reference", round_trips: bool = False) -> jax.Array:
+    """s_{t,j} = sum_h w_h ReLU(q^I_h . k^I_j) with w = W_wp x / sqrt(H_I d_I) (§2.6) -> [B, S, E]
+    (fp32; with round trips the reference's FP4 queries and bf16 score pipeline)."""
     q = reshape(linear(cq, p.q_b_proj), (*cq.shape[:-1], cfg.index_n_heads, cfg.index_head_dim))
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+    if round_trips:
+        w = index_head_weights(linear(x, p.weights_proj).astype(jnp.bfloat16), head_dim=cfg.index_head_dim)
+        q = round_trip(q, qdq_fp4_e8m0, True)
+        return index_scores_bf16(q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16), w).astype(jnp.float32)
     w = linear(x, p.weights_proj).astype(jnp.float32) * cfg.index_n_heads ** -0.5
     return index_scores(q, keys, w, cfg, kernels=kernels)
+
+
+def project_q_kv(p: SharedAttention, x: jax.Array, positions: jax.Array, layer: LayerSpec, cfg: ModelConfig,
+                 round_trips: bool):
+    """-> (cq [B, S, r_q], q [B, S, H, hd], kv [B, S, hd] (the window row; FP8 round trip over all
+    hd channels, RoPE tail included, §2.3), cos, sin). No per-head q RMS (Δ V4)."""
+    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
+    eps = cfg.rms_norm_eps
+    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, eps)
+    q = reshape(linear(cq, p.q_b_proj), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
+    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+    kv = apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)
+    return cq, q, round_trip(kv, qdq_fp8, round_trips), cos, sin
+
+
+def latent_rows(p: SharedAttention, latents: jax.Array, entry: jax.Array, ratio: int, cfg: ModelConfig,
+                round_trips: bool) -> tuple[jax.Array, jax.Array | None]:
+    """A KV source's new latents C [B, G, hd] (before RoPE) at entry indices [B, G] -> the rows
+    its cache stores: roped latents (FP4 with E4M3 scales per 16 when round-tripping, §2.4) and
+    index keys Norm_k(W_k C), roped (FP4 / E8M0 per 32, §2.6), or None without wk."""
+    stored = round_trip(rope_at(latents, entry * ratio, cfg), qdq_fp4_e4m3, round_trips)
+    if p.index_keys is None:
+        return stored, None
+    keys = rms_norm(linear(latents, p.index_keys.k_proj), p.index_keys.k_norm, cfg.rms_norm_eps)
+    return stored, round_trip(rope_at(keys, entry * ratio, cfg), qdq_fp4_e8m0, round_trips)
+
+
+def index_select(p: SharedAttention, layer: LayerSpec, cq, x, shared: Shared, visible, cos, sin, cfg: ModelConfig,
+                 kernels: str, round_trips: bool, alt_keys: jax.Array | None = None,
+                 use_alt: jax.Array | None = None) -> Shared:
+    """An index source's top-k over the published keys (rows where `use_alt` [B, S] score
+    `alt_keys` instead: the reference's published-key rule); the candidate source also
+    publishes its blocks, a restricted source masks its scores by them (§2.6-2.8)."""
+    scores = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels, round_trips)
+    if alt_keys is not None:
+        alt = index_scores_of(p.index_queries, cq, x, alt_keys, cos, sin, cfg, kernels, round_trips)
+        scores = jnp.where(use_alt[..., None], alt, scores)
+    if layer.sharing.publishes_candidates:
+        shared = shared.replace(candidates=candidate_mask(
+            scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size))
+    restrict = shared.candidates if layer.sharing.candidates_from is not None else None
+    top, valid = select_entries(scores, visible, shared.top.shape[-1], restrict)
+    return shared.replace(top=top, top_valid=valid)
+
+
+def attend_and_project(p: SharedAttention, q, keys, lo, hi, positions, shared: Shared | None, cos, sin,
+                       cfg: ModelConfig, kernels: str) -> jax.Array:
+    """Sink attention over the window keys and (compressed layers) the top-k latents, then the
+    inverse RoPE and the grouped output (§2.9-2.10)."""
+    kv_pq = mask_pq = None
+    if shared is not None:
+        kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)  # [B, S, k, hd]
+        mask_pq = shared.top_valid
+    o = attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    return grouped_output(p, o, cfg)
 
 
 def select_entries(scores: jax.Array, visible: jax.Array, k: int, candidates: jax.Array | None = None
@@ -183,45 +251,30 @@ def grouped_output(p: SharedAttention, o: jax.Array, cfg: ModelConfig) -> jax.Ar
 
 # ----------------------------------------------------------------------------- full sequence
 def shared_attention_forward(p: SharedAttention, x: jax.Array, positions: jax.Array, layer: LayerSpec,
-                             cfg: ModelConfig, shared: Shared | None, *,
-                             kernels: str = "reference") -> tuple[jax.Array, Shared | None]:
+                             cfg: ModelConfig, shared: Shared | None, *, kernels: str = "reference",
+                             round_trips: bool = False) -> tuple[jax.Array, Shared | None]:
     """Full-sequence V4.1 attention (no cache) over x [B, S, D] (normed) at positions [B, S]
     from 0: the window, plus (compressed layers) the top-k latents of its KV source. A KV
     source compresses and publishes its latents and index keys, an index source its top-k
     (a candidate source also its blocks; a restricted one masks its scores by them), in
-    `shared`, which consumers read. -> (out [B, S, D], shared)."""
-    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
-    eps = cfg.rms_norm_eps
-    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, eps)
-    q = reshape(linear(cq, p.q_b_proj), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
-    q = apply_rope(q, cos[..., None, :], sin[..., None, :])  # no per-head RMS (Δ V4)
-    kv = apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)
+    `shared`, which consumers read. round_trips: the reference's FP8 / FP4 round trips of the
+    window rows, latents, index keys and queries and its bf16 index scores (§2.3-2.6).
+    -> (out [B, S, D], shared)."""
+    cq, q, kv, cos, sin = project_q_kv(p, x, positions, layer, cfg, round_trips)
     lo, hi = window_intervals(positions, jnp.ones(positions.shape, bool), cfg.sliding_window)
-    kv_pq = mask_pq = None
     r = layer.compress_ratio
-    if r and shared is not None and shared.entries.shape[1]:
+    reads = r and shared is not None and shared.entries.shape[1] > 0
+    if reads:
         b, n = x.shape[0], shared.entries.shape[1]
         if layer.has_compressor:
-            latents = compress_latents(p.compressor, x, r, eps)
-            pos = latent_positions(b, n, r)
-            shared = shared.replace(entries=rope_at(latents, pos, cfg))
-            if p.index_keys is not None:
-                keys = rms_norm(linear(latents, p.index_keys.k_proj), p.index_keys.k_norm, eps)
-                shared = shared.replace(index_keys=rope_at(keys, pos, cfg))
+            latents = compress_latents(p.compressor, x, r, cfg.rms_norm_eps)
+            entries, keys = latent_rows(p, latents, entry_indices(b, n), r, cfg, round_trips)
+            shared = shared.replace(entries=entries, **({} if keys is None else {"index_keys": keys}))
         if layer.has_indexer:
-            visible = compressed_visible(positions, n, r)
-            scores = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels)
-            if layer.sharing.publishes_candidates:
-                shared = shared.replace(candidates=candidate_mask(
-                    scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size))
-            restrict = shared.candidates if layer.sharing.candidates_from is not None else None
-            top, valid = select_entries(scores, visible, shared.top.shape[-1], restrict)
-            shared = shared.replace(top=top, top_valid=valid)
-        kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)  # [B, S, k, hd]
-        mask_pq = shared.top_valid
-    o = attention_kernel(q, kv, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
-    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
-    return grouped_output(p, o, cfg), shared
+            shared = index_select(p, layer, cq, x, shared, compressed_visible(positions, n, r), cos, sin, cfg,
+                                  kernels, round_trips)
+    out = attend_and_project(p, q, kv, lo, hi, positions, shared if reads else None, cos, sin, cfg, kernels)
+    return out, shared
 
 
 # ----------------------------------------------------------------------------- cached state
@@ -291,7 +344,7 @@ def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Arra
 def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: jax.Array, start: jax.Array,
                             n_valid: jax.Array, layer: LayerSpec, cfg: ModelConfig, shared: Shared | None,
                             n_entries: int, *, quirk_keys: jax.Array | None = None, kernels: str = "reference",
-                            at: jax.Array | None = None) -> tuple[jax.Array, SharedAttentionState, Shared | None]:
+                            round_trips: bool = False, at: jax.Array | None = None) -> tuple[jax.Array, SharedAttentionState, Shared | None]:
     """V4.1 attention for a chunk x [B, C, D] at positions start + i, i < n_valid (per row),
     against the cache: the window ring and chunk, plus (compressed layers) the top-k of its
     KV source's first n_entries (static) latents. A KV source first appends the latents
@@ -305,53 +358,35 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
     prefill) and rows whose keys are not cached yet (t / 2 > start) use their own.
     -> (out [B, C, D], state, shared)."""
     b, c, _ = x.shape
-    w, eps, r = cfg.sliding_window, cfg.rms_norm_eps, layer.compress_ratio
+    w, r = cfg.sliding_window, layer.compress_ratio
     positions = start[:, None] + jnp.arange(c)
     valid = jnp.arange(c) < n_valid[:, None]
-    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
-    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, eps)
-    q = reshape(linear(cq, p.q_b_proj), (b, c, cfg.num_attention_heads, cfg.head_dim))
-    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
-    kv = apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)
+    cq, q, kv, cos, sin = project_q_kv(p, x, positions, layer, cfg, round_trips)
     slot_pos = ring_positions(start, w)
-    keys = jnp.concatenate([state_rows(state.window, at), kv], axis=1)  # [B, W + C, hd]
+    keys = jnp.concatenate([state_rows(state.window, at), kv], axis=1)  # [B, W + C, hd]: the ring, then the chunk
     lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
                               jnp.concatenate([slot_pos >= 0, valid], axis=1), w)
-    kv_pq = mask_pq = None
     rows = jnp.arange(b)[:, None]
-    if r:
-        if layer.has_compressor:
-            latents, entry, complete, tail_kv, tail_gate = latents_extend(p.compressor, state, x, start, n_valid,
-                                                                          r, eps, at)
-            state = state.replace(tail_kv=tail_kv, tail_gate=tail_gate)
-            where = jnp.where(complete, entry, state.entries.shape[-2])
-            state = state.replace(entries=state_set(state.entries, at, rows, where, rope_at(latents, entry * r, cfg)))
-            if p.index_keys is not None:
-                k_i = rms_norm(linear(latents, p.index_keys.k_proj), p.index_keys.k_norm, eps)
-                state = state.replace(index_keys=state_set(state.index_keys, at, rows, where,
-                                                           rope_at(k_i, entry * r, cfg)))
-            shared = shared.replace(entries=state_rows(state.entries, at)[:, :n_entries])
-            if p.index_keys is not None:
-                shared = shared.replace(index_keys=state_rows(state.index_keys, at)[:, :n_entries])
-        if layer.has_indexer:
-            visible = compressed_visible(positions, n_entries, r) & valid[..., None]
-            scores = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels)
-            if quirk_keys is not None and r > 1:
-                quirk = (positions % r != r - 1) & (start[:, None] > 0) & (positions // r <= start[:, None])
-                quirk_scores = index_scores_of(p.index_queries, cq, x, quirk_keys[:, :n_entries], cos, sin, cfg,
-                                               kernels)
-                scores = jnp.where(quirk[..., None], quirk_scores, scores)
-            if layer.sharing.publishes_candidates:
-                shared = shared.replace(candidates=candidate_mask(
-                    scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size))
-            restrict = shared.candidates if layer.sharing.candidates_from is not None else None
-            top, top_valid = select_entries(scores, visible, shared.top.shape[-1], restrict)
-            shared = shared.replace(top=top, top_valid=top_valid)
-        kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)
-        mask_pq = shared.top_valid
-    o = attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
-    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    if r and layer.has_compressor:
+        latents, entry, complete, tail_kv, tail_gate = latents_extend(p.compressor, state, x, start, n_valid, r,
+                                                                      cfg.rms_norm_eps, at)
+        entries, index_keys = latent_rows(p, latents, entry, r, cfg, round_trips)
+        where = jnp.where(complete, entry, state.entries.shape[-2])
+        state = state.replace(tail_kv=tail_kv, tail_gate=tail_gate,
+                              entries=state_set(state.entries, at, rows, where, entries))
+        shared = shared.replace(entries=state_rows(state.entries, at)[:, :n_entries])
+        if index_keys is not None:
+            state = state.replace(index_keys=state_set(state.index_keys, at, rows, where, index_keys))
+            shared = shared.replace(index_keys=state_rows(state.index_keys, at)[:, :n_entries])
+    if r and layer.has_indexer:
+        visible = compressed_visible(positions, n_entries, r) & valid[..., None]
+        alt = use_alt = None
+        if quirk_keys is not None and r > 1:
+            alt = quirk_keys[:, :n_entries]
+            use_alt = (positions % r != r - 1) & (start[:, None] > 0) & (positions // r <= start[:, None])
+        shared = index_select(p, layer, cq, x, shared, visible, cos, sin, cfg, kernels, round_trips, alt, use_alt)
+    out = attend_and_project(p, q, keys, lo, hi, positions, shared if r else None, cos, sin, cfg, kernels)
     keep = valid & (positions >= (start + n_valid)[:, None] - w)
     slot = jnp.where(keep, jnp.mod(positions, w), w)
     state = state.replace(window=state_set(state.window, at, rows, slot, kv))
-    return grouped_output(p, o, cfg), state, shared
+    return out, state, shared

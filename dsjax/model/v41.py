@@ -159,7 +159,8 @@ def _run_full(run, blocks, carry, tokens, positions, targets, cfg, opts):
             tap = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
 
             def attend(pa, h):
-                return shared_attention_forward(pa, h, positions, layer, cfg, shared, kernels=opts.kernels)
+                return shared_attention_forward(pa, h, positions, layer, cfg, shared, kernels=opts.kernels,
+                                                round_trips=opts.round_trips)
             return block_apply_lag(p, streams, pi, tokens, attend, cfg, opts), tap
         return step
 
@@ -229,7 +230,7 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
         def attend_of(layer, at, state, shared, n_entries=n_entries):
             return lambda pa, h: _pack(shared_attention_extend(
                 pa, state, h, start, n_valid, layer, cfg, shared, n_entries, kernels=opts.kernels, at=at,
-                quirk_keys=quirk_keys))
+                quirk_keys=quirk_keys, round_trips=opts.round_trips))
         streams, pi, run_shared, run_states, run_taps = _run_cached(
             run, blocks, run_states, (streams, pi, shared if ratio else None), tokens, attend_of, targets, cfg, opts)
         shared = run_shared if ratio else shared
