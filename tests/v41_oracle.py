@@ -1,0 +1,331 @@
+"""An independent float64 numpy oracle of DeepSeek-V4.1's full-sequence forward (no cache, no
+quantisation round trips), written from the spec text (/work/shared/spec/deepseek-v41.md), not
+from dsjax's implementation: §1.3 steps 2-4, §2.1-2.10 with prefill semantics from position 0,
+§3 (mHC with the one-sublayer lag), §4 (gate and MoE) and §5.6 (Engram fusion, given the rows).
+
+Loops run per token / per query / per head where that makes a rule of the spec visible (windows,
+visibility ⌊(t+1)/r⌋, candidate blocks, top-k ties, the sink softmax); speed is not a goal.
+
+Inputs use the reference's names, not dsjax's, so a test maps one onto the other explicitly:
+`hp` is the HF `text_config` dict (configs/tiny-v41.json), and `weights` is
+
+    {"embed": [V, D], "head": [V, D], "norm": [D],
+     "layers": [per layer {"attn_norm", "ffn_norm": [D],
+                           "hc_attn", "hc_ffn": (fn [(2+N)N, ND], base [(2+N)N], scale [3]),
+                           "attn": {"wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "attn_sink",
+                                    optional "compressor": {"wkv", "norm", "wgate" (r = 2)},
+                                    optional "indexer": {"wk", "k_norm"} and/or {"wq_b", "weights_proj"}},
+                           "ffn": {"gate", "bias", "w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3"}}],
+     optional "engram": {layer: {"wkv": [(N+1)D, n_hash·hd_e], "q_weight", "k_weight": [N, D],
+                                 "rows": [B, S, n_hash, hd_e]}}}
+
+Linear weights are [out, in] (y = W x). MoE w1/w3 [E, I, D], w2 [E, D, I].
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+F = np.float64
+
+
+# ----------------------------------------------------------------------------- conventions (§0)
+def rms_norm(x, w, eps):
+    x = np.asarray(x, F)
+    return np.asarray(w, F) * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    """torch's softplus (β = 1): linear above 20."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def top_indices(scores, k):
+    """The k largest entries, ties broken by the lower index (order: score desc, index asc)."""
+    order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    return order[:k]
+
+
+# ----------------------------------------------------------------------------- schedule (§1.2)
+class Schedule:
+    """Per-layer roles from the config's lists, as §1.2 states them."""
+
+    def __init__(self, hp):
+        n = hp["num_hidden_layers"]
+        self.ratio = list(hp["compress_ratios"][:n])
+        self.kv_sources = list(hp["kv_source_layer_ids"])
+        self.index_sources = list(hp["index_source_layer_ids"])
+        self.candidate_source = hp.get("candidate_source_layer_id")
+
+    def kv_from(self, l):  # the most recent KV source at or before l
+        return max(k for k in self.kv_sources if k <= l)
+
+    def topk_from(self, l):  # the most recent index source at or before l
+        return max(k for k in self.index_sources if k <= l)
+
+    def restricted(self, l):
+        """An index source that is not a KV source, after the candidate source (§2.8)."""
+        c = self.candidate_source
+        return l in self.index_sources and l not in self.kv_sources and c is not None and c < l
+
+
+# ----------------------------------------------------------------------------- RoPE (§2.1)
+def rope_freqs(hp, compressed: bool):
+    d_r = hp["qk_rope_head_dim"]
+    i = np.arange(d_r // 2, dtype=F)
+    if not compressed:  # r = 0 layers: θ = rope_theta, no scaling
+        return hp["rope_theta"] ** (-2.0 * i / d_r)
+    theta = hp["compress_rope_theta"]
+    sc = hp["rope_scaling"]
+    f = theta ** (-2.0 * i / d_r)
+    orig = sc["original_max_position_embeddings"]
+
+    def c(beta):
+        return d_r * math.log(orig / (2 * math.pi * beta)) / (2 * math.log(theta))
+
+    lo = max(math.floor(c(sc["beta_fast"])), 0)
+    hi = min(math.ceil(c(sc["beta_slow"])), d_r - 1)
+    rho = np.clip((i - lo) / max(hi - lo, 1e-3), 0.0, 1.0)
+    return f * (1 - rho) + (f / sc["factor"]) * rho
+
+
+def rope(x, pos, freqs, inverse=False):
+    """Rotate adjacent pairs (x_{2i}, x_{2i+1}) of the last 2·len(freqs) channels by pos·f_i."""
+    x = np.array(x, F)
+    d_r = 2 * len(freqs)
+    ang = pos * freqs * (-1.0 if inverse else 1.0)
+    cos, sin = np.cos(ang), np.sin(ang)
+    a, b = x[..., -d_r::2].copy(), x[..., -d_r + 1::2].copy()
+    x[..., -d_r::2] = a * cos - b * sin
+    x[..., -d_r + 1::2] = a * sin + b * cos
+    return x
+
+
+# ----------------------------------------------------------------------------- mHC (§3)
+def mixes(X, hc, hp):
+    """X [N, D] -> (pre [N], post [N], C [N, N])."""
+    fn, base, scale = (np.asarray(a, F) for a in hc)
+    n, eps, hc_eps = hp["hc_mult"], hp["rms_norm_eps"], hp["hc_eps"]
+    v = X.reshape(-1)
+    m = (fn @ v) / np.sqrt(np.mean(v * v) + eps)
+    pre = sigmoid(m[:n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * sigmoid(m[n:2 * n] * scale[1] + base[n:2 * n])
+    c0 = (m[2 * n:] * scale[2] + base[2 * n:]).reshape(n, n)  # C0[i, j] = m[2n + n i + j]...
+    c = np.exp(c0 - c0.max(axis=1, keepdims=True))
+    c = c / c.sum(axis=1, keepdims=True) + hc_eps  # softmax over j, row-wise
+    c = c / (c.sum(axis=0, keepdims=True) + hc_eps)  # column sums Σ_i C[i, j]
+    for _ in range(hp["hc_sinkhorn_iters"] - 1):
+        c = c / (c.sum(axis=1, keepdims=True) + hc_eps)
+        c = c / (c.sum(axis=0, keepdims=True) + hc_eps)
+    return pre, post, c
+
+
+def collapse(X, pi):
+    return np.einsum("n,nd->d", pi, X)
+
+
+def expand(y, X, post, C):
+    """X'_j = post_j y + Σ_i C[i, j] X_i."""
+    return post[:, None] * y[None, :] + np.einsum("ij,id->jd", C, X)
+
+
+# ----------------------------------------------------------------------------- attention (§2)
+def compress(cp, x, r, eps):
+    """§2.4: x [S, D] -> pre-RoPE latents C [⌊S/r⌋, hd]."""
+    a = x @ np.asarray(cp["wkv"], F).T
+    if r == 1:
+        return rms_norm(a, cp["norm"], eps)
+    z = x @ np.asarray(cp["wgate"], F).T
+    out = []
+    for j in range(len(x) // r):
+        grp = slice(j * r, (j + 1) * r)
+        w = np.exp(z[grp] - z[grp].max(axis=0))
+        w = w / w.sum(axis=0)  # softmax over the group's tokens, per channel
+        out.append(rms_norm((w * a[grp]).sum(axis=0), cp["norm"], eps))
+    return np.stack(out) if out else np.zeros((0, a.shape[1]))
+
+
+def candidate_mask(scores_t, vis, bs, k_blocks):
+    """§2.8: scores_t [E] (causally masked) -> bool [E], the kept blocks' entries."""
+    e = len(scores_t)
+    n_blocks = -(-e // bs)
+    padded = np.full(n_blocks * bs, -np.inf)
+    padded[:e] = scores_t
+    beta = [padded[b * bs:(b + 1) * bs].max() for b in range(n_blocks)]
+    if vis > 0:
+        beta[(vis - 1) // bs] = np.inf  # the newest visible entry's block is pinned
+    kept = [b for b in top_indices(beta, min(k_blocks, n_blocks)) if beta[b] != -np.inf]
+    mask = np.zeros(e, bool)
+    for b in kept:
+        mask[b * bs:(b + 1) * bs] = True
+    return mask[:e]
+
+
+def attention(l, p, x, hp, sched, pub):
+    """One layer's attention over a sequence x [S, D] (already attn-normed), from position 0.
+    `pub` holds what earlier layers published: latents / index keys per KV source, top-k lists
+    per index source, candidate masks of the candidate source."""
+    S = len(x)
+    eps = hp["rms_norm_eps"]
+    H, hd = hp["num_attention_heads"], hp["head_dim"]
+    r = sched.ratio[l]
+    freqs = rope_freqs(hp, compressed=r > 0)
+    W = hp["sliding_window"]
+
+    cq = rms_norm(x @ np.asarray(p["wq_a"], F).T, p["q_norm"], eps)  # [S, r_q]
+    q = (cq @ np.asarray(p["wq_b"], F).T).reshape(S, H, hd)
+    q = np.stack([rope(q[t], t, freqs) for t in range(S)])
+    k = rms_norm(x @ np.asarray(p["wkv"], F).T, p["kv_norm"], eps)  # [S, hd], K = V
+    k = np.stack([rope(k[t], t, freqs) for t in range(S)])
+
+    selected = [[] for _ in range(S)]  # per query: compressed rows it attends
+    if r > 0:
+        E = S // r
+        if l in sched.kv_sources:  # own compressor; the indexer uses the pre-RoPE latents
+            C = compress(p["compressor"], x, r, eps)
+            if l in sched.index_sources:
+                ix = p["indexer"]
+                kI = rms_norm(C @ np.asarray(ix["wk"], F).T, ix["k_norm"], eps)
+                pub["index_keys", l] = np.stack([rope(kI[j], j * r, freqs) for j in range(E)]) if E else kI
+            pub["latents", l] = np.stack([rope(C[j], j * r, freqs) for j in range(E)]) if E else C
+        if l in sched.index_sources and E > 0:
+            ix = p["indexer"]
+            HI, dI = hp["index_n_heads"], hp["index_head_dim"]
+            keys = pub["index_keys", l if l in sched.kv_sources else sched.kv_from(l)]
+            qI = (cq @ np.asarray(ix["wq_b"], F).T).reshape(S, HI, dI)
+            omega = (x @ np.asarray(ix["weights_proj"], F).T) * (dI ** -0.5 * HI ** -0.5)  # [S, H_I]
+            kk = min(hp["index_topk"], E)
+            lists = []
+            for t in range(S):
+                vis = (t + 1) // r
+                qt = rope(qI[t], t, freqs)
+                s = np.full(E, -np.inf)
+                for j in range(vis):
+                    s[j] = sum(omega[t, h] * max(qt[h] @ keys[j], 0.0) for h in range(HI))
+                if l == sched.candidate_source:
+                    pub["candidates", t] = candidate_mask(s, vis, hp["candidate_block_size"],
+                                                          hp["candidate_topk_blocks"])
+                elif sched.restricted(l):
+                    s = np.where(pub["candidates", t], s, -np.inf)
+                # sorted ascending; an entry is valid iff it is visible (a candidate-masked pick stays valid)
+                lists.append([j for j in sorted(top_indices(list(s), kk)) if j < vis])
+            pub["topk", l] = lists
+        src = sched.topk_from(l)
+        if ("topk", src) in pub:
+            latents = pub["latents", sched.kv_from(l)]
+            selected = [[latents[j] for j in pub["topk", src][t]] for t in range(S)]
+
+    out = np.zeros((S, H, hd))
+    sink = np.asarray(p["attn_sink"], F)
+    for t in range(S):
+        rows = [k[i] for i in range(max(0, t - W + 1), t + 1)] + selected[t]
+        kv = np.stack(rows)
+        for h in range(H):
+            logits = kv @ q[t, h] * hd ** -0.5
+            m = logits.max()
+            e = np.exp(logits - m)
+            o = (e @ kv) / (e.sum() + np.exp(sink[h] - m))
+            out[t, h] = rope(o, t, freqs, inverse=True)
+
+    G, r_o = hp["o_groups"], hp["o_lora_rank"]
+    wo_a, wo_b = np.asarray(p["wo_a"], F), np.asarray(p["wo_b"], F)
+    y = np.zeros((S, hp["hidden_size"]))
+    for t in range(S):
+        z = [wo_a[g * r_o:(g + 1) * r_o] @ out[t, g * H // G:(g + 1) * H // G].reshape(-1) for g in range(G)]
+        y[t] = wo_b @ np.concatenate(z)
+    return y
+
+
+# ----------------------------------------------------------------------------- MoE (§4)
+def moe(p, u, hp, routes=None):
+    """u [D] -> y [D] for one token. `routes` (a list) collects (chosen, chosen without the bias)."""
+    L, k = hp["swiglu_limit"], hp["num_experts_per_tok"]
+    s = np.sqrt(softplus(np.asarray(p["gate"], F) @ u))
+    idx = top_indices(list(s + np.asarray(p["bias"], F)), k)  # the bias only selects
+    if routes is not None:
+        routes.append((sorted(idx), sorted(top_indices(list(s), k))))
+    w = s[idx]
+    if k > 1:
+        w = w / (w.sum() + 1e-20)
+    w = w * hp["routed_scaling_factor"]
+
+    def ffn(w1, w3, w2, weight):
+        gamma = np.minimum(np.asarray(w1, F) @ u, L)
+        upsilon = np.clip(np.asarray(w3, F) @ u, -L, L)
+        return np.asarray(w2, F) @ (silu(gamma) * upsilon * weight)
+
+    y = sum(ffn(p["w1"][e], p["w3"][e], p["w2"][e], we) for e, we in zip(idx, w))
+    return y + ffn(p["shared_w1"], p["shared_w3"], p["shared_w2"], 1.0)
+
+
+# ----------------------------------------------------------------------------- Engram (§5.6)
+def engram(e, X, rows, hp, kv_round=None):
+    """X [N, D], rows [n_hash, hd_e] for one token -> X. `kv_round` (optional) rounds κv, e.g. to
+    the bf16 that §5.6 writes for it."""
+    n, D, eps = hp["hc_mult"], hp["hidden_size"], hp["rms_norm_eps"]
+    kv = np.asarray(e["wkv"], F) @ np.asarray(rows, F).reshape(-1)
+    if kv_round is not None:
+        kv = kv_round(kv)
+    K, V = kv[:n * D].reshape(n, D), kv[n * D:]
+    w = np.asarray(e["q_weight"], F) * np.asarray(e["k_weight"], F)
+    out = X.copy()
+    for j in range(n):
+        rms_x = np.sqrt(np.mean(X[j] ** 2) + eps)
+        rms_k = np.sqrt(np.mean(K[j] ** 2) + eps)
+        delta = np.sum(X[j] * w[j] * K[j]) / rms_x / rms_k / math.sqrt(D)
+        sign = 1.0 if delta >= 0 else -1.0
+        out[j] = X[j] + sigmoid(sign * math.sqrt(max(abs(delta), 1e-6))) * V
+    return out
+
+
+# ----------------------------------------------------------------------------- model (§1.3, §3.2)
+def forward(weights, tokens, hp, engram_kv_round=None, trace=None):
+    """tokens [B, S] -> (logits [B, S, V], main_hidden [B, S, len(targets)·D]).
+    engram_kv_round: an optional rounding of Engram's κv (see `engram`); exact by default.
+    trace (a dict) receives what each batch row published ("published": [B] dicts keyed
+    ("topk", layer) / ("candidates", t) / ...) and the routing ("routes": (chosen, chosen
+    without the bias) per token and layer), so a test can check which rules its data exercises."""
+    tokens = np.asarray(tokens)
+    B, S = tokens.shape
+    n, eps = hp["hc_mult"], hp["rms_norm_eps"]
+    sched = Schedule(hp)
+    targets = list(hp.get("dspark_target_layer_ids", []))
+    eng = weights.get("engram") or {}
+    embed = np.asarray(weights["embed"], F)
+    logits, main_hidden = [], []
+    for b in range(B):
+        X = np.repeat(embed[tokens[b]][:, None, :], n, axis=1)  # [S, N, D]
+        pi = np.zeros((S, n))
+        pi[:, 0] = 1.0
+        pub, taps = {}, {}
+        if trace is not None:
+            trace.setdefault("published", []).append(pub)
+        routes = trace.setdefault("routes", []) if trace is not None else None
+        for l, lw in enumerate(weights["layers"]):
+            if l in eng:
+                X = np.stack([engram(eng[l], X[t], eng[l]["rows"][b, t], hp, engram_kv_round) for t in range(S)])
+            if l in targets:
+                taps[l] = X.mean(axis=1)
+            a = [mixes(X[t], lw["hc_attn"], hp) for t in range(S)]
+            x = np.stack([rms_norm(collapse(X[t], pi[t]), lw["attn_norm"], eps) for t in range(S)])
+            y = attention(l, lw["attn"], x, hp, sched, pub)
+            X1 = np.stack([expand(y[t], X[t], a[t][1], a[t][2]) for t in range(S)])
+            f = [mixes(X1[t], lw["hc_ffn"], hp) for t in range(S)]
+            u = [rms_norm(collapse(X1[t], a[t][0]), lw["ffn_norm"], eps) for t in range(S)]
+            X = np.stack([expand(moe(lw["ffn"], u[t], hp, routes), X1[t], f[t][1], f[t][2]) for t in range(S)])
+            pi = np.stack([f[t][0] for t in range(S)])
+        h = np.stack([rms_norm(collapse(X[t], pi[t]), weights["norm"], eps) for t in range(S)])
+        logits.append(h @ np.asarray(weights["head"], F).T)
+        if targets:
+            main_hidden.append(np.concatenate([taps[l] for l in targets], axis=-1))
+    return np.stack(logits), (np.stack(main_hidden) if targets else None)
