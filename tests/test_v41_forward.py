@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.config import load_config
-from dsjax.layers.engram import Engram, engram_fuse
+from dsjax.config import RuntimeOptions, load_config
+from dsjax.layers.engram import Engram
 from dsjax.model import layer_slot
 from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams
 from dsjax.params import init_params
@@ -35,6 +35,7 @@ B, S = 2, 20
 # while no top-k or routing choice sits within fp32 noise of a tie; exact ties (ReLU zeros) are
 # exact on both sides.
 RTOL = 1e-4
+FP32 = RuntimeOptions(round_trips=False)  # the oracle has no quantisation round trips
 
 HP = json.loads((Path(__file__).parents[1] / "configs" / "tiny-v41.json").read_text())["text_config"]
 
@@ -129,8 +130,9 @@ def case():
 
     @jax.jit
     def forward(params, tokens, eweights, erows):
-        fuse = lambda layer, x: engram_fuse(eweights[layer], x, erows[layer])  # noqa: E731
-        streams, pi, main_hidden = v41_streams(params, tokens, cfg, engram_fuse=fuse, taps=True)
+        params = params.replace(engram=tuple(eweights[layer] for layer in cfg.v41.engram.layer_ids))
+        streams, pi, main_hidden = v41_streams(params, tokens, cfg, taps=True, opts=FP32,
+                                               engram_rows=tuple(erows[layer] for layer in cfg.v41.engram.layer_ids))
         return v41_logits(params, streams, pi, cfg), main_hidden
 
     weights = _oracle_weights(params, cfg)
@@ -140,7 +142,6 @@ def case():
     ref = {"plain": v41_oracle.forward(weights, np.asarray(tokens), HP, trace=trace)}
     weights["engram"] = _oracle_engram(eweights, erows)
     ref["engram"] = v41_oracle.forward(weights, np.asarray(tokens), HP)
-    ref["engram_bf16_kv"] = v41_oracle.forward(weights, np.asarray(tokens), HP, engram_kv_round=_bf16)
     return out, ref, trace
 
 
@@ -176,21 +177,9 @@ def test_data_exercises_the_rules(case):
     assert any(chosen != unbiased for chosen, unbiased in trace["routes"]), "the router bias never moves a selection"
 
 
-def test_engram_matches_oracle_with_bf16_kv(case):
-    """With κv rounded to bf16 on the oracle's side too, Engram's fusion (§5.6) matches: the
-    per-stream gate, the shared V, and where it runs (before the block's mixes, after the tap)."""
-    (logits, hidden), (ref_logits, ref_hidden) = case[0]["engram"], case[1]["engram_bf16_kv"]
-    assert _rel_err(logits, ref_logits) < RTOL
-    assert _rel_err(hidden, ref_hidden) < RTOL
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "dsjax/layers/engram.py engram_fuse rounds the rows and the wkv weight to bf16 and returns κv in bf16 "
-    "whatever the streams' dtype, so an fp32 forward is not fp32 at the Engram layers: κv is off by up to "
-    "2^-9 relative (rows and wkv here are bf16 values already), which flips one of layer 5's index top-k "
-    "choices and moves the logits by ~1e-1 of their scale. Spec §5.6 writes κv = Lin8(W_e, ε) in bf16, the "
-    "reference's activation dtype, as it does every linear's output; dsjax's fp32 mode keeps the others fp32."))
 def test_engram_matches_fp32_oracle(case):
+    """Engram's fusion (§5.6): the per-stream gate, the shared V, where it runs (before the
+    block's mixes, after the previous block's tap), all in fp32."""
     (logits, hidden), (ref_logits, ref_hidden) = case[0]["engram"], case[1]["engram"]
     assert _rel_err(hidden, ref_hidden) < RTOL
     assert _rel_err(logits, ref_logits) < RTOL
