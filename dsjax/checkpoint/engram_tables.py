@@ -34,7 +34,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from dsjax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from dsjax.checkpoint.names import canonical_name, engram_table_name
+from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles, SafetensorsFile
+from dsjax.layers.engram import compressed_ids, engram_layout, initial_history, next_history, ngram_row_ids
 
 TOKEN_MAP_FILE = Path(__file__).resolve().parent / "data" / "engram_token_map_v41.i32.gz"
 TOKEN_MAP_SHA256 = "c60a86322ec17b4142bfef3c57a8d81fb428550cdf487f88a4320cb59fe46481"  # of the int32 LE bytes
@@ -203,3 +205,60 @@ def write_engram_table(path: str | Path, weight_e4m3: np.ndarray, scale_e8m0: np
         for i, r in enumerate(ids):
             os.pwrite(fd, weight[i].tobytes(), start + int(r) * weight.shape[1])
             os.pwrite(fd, scale[i].tobytes(), start + w_bytes + int(r) * scale.shape[1])
+
+
+# ----------------------------------------------------------------------------- a checkpoint's tables
+class EngramStore:
+    """A V4.1 checkpoint's Engram tables (memory-mapped) with the layout, token map and
+    per-sequence history that turn token ids into the table rows a chunk reads (§5.4-5.5,
+    §5.7): `rows(tokens, history)` -> ((q, scale) per Engram layer, new history). Only those
+    rows are copied out of the map; dequantisation is the device's (`engram_fuse`'s caller).
+
+        store = EngramStore.from_checkpoint(directory, cfg)
+        rows, history = store.rows(tokens, store.initial_history(batch))"""
+
+    def __init__(self, tables, layout, token_map: np.ndarray):
+        self.tables, self.layout, self.token_map = tuple(tables), layout, token_map
+        for k, table in enumerate(self.tables):
+            if table.rows != layout.table_rows(k):
+                raise CheckpointError(f"{table.path}: Engram table of layer {layout.layer_ids[k]} has {table.rows} "
+                                      f"rows; its bucket primes need {layout.table_rows(k)} (engram_num_embeddings)")
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, cfg, token_map: np.ndarray | None = None) -> "EngramStore":
+        e = cfg.v41.engram if cfg.v41 is not None else None
+        if e is None:
+            raise CheckpointError(f"config {cfg.name!r} has no Engram layers")
+        layout = engram_layout(e.layer_ids, e.max_ngram_size, e.n_heads, e.head_dim, e.vocab_size,
+                               e.compressed_vocab_size, e.pad_id)
+        files = CheckpointFiles(directory)
+        try:
+            stored = {canonical_name(n): info for n, info in files.tensors.items()}
+        finally:
+            files.close()
+        tables = []
+        for layer in e.layer_ids:
+            want = engram_table_name(layer) + ".weight"
+            if want not in stored:
+                raise CheckpointError(f"{directory}: no Engram table '{want}' for layer {layer}")
+            name = stored[want].name
+            tables.append(EngramTable(stored[want].file, prefix=name[: -len(".weight")], head_dim=e.head_dim))
+        return cls(tables, layout, engram_token_map() if token_map is None else token_map)
+
+    def initial_history(self, batch: int) -> np.ndarray:
+        return initial_history(batch, self.layout.max_ngram)
+
+    def rows(self, tokens: np.ndarray, history: np.ndarray, dead: np.ndarray | None = None):
+        """tokens [B, S] (dead [B, S]: image-span tokens) after `history` -> ([(q e4m3 [B, S, n_hash, hd],
+        scale exponents [B, S, n_hash, hd / 32]) per Engram layer], the history after the chunk)."""
+        kappa = compressed_ids(self.token_map, tokens, dead)
+        out = [table.gather(ngram_row_ids(self.layout, k, kappa, history)) for k, table in enumerate(self.tables)]
+        return out, next_history(history, kappa)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(t.bytes_read for t in self.tables)
+
+    def close(self) -> None:
+        for t in self.tables:
+            t.close()

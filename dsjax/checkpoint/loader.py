@@ -24,8 +24,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dsjax.checkpoint.names import (IGNORED_PREFIXES, Source, canonical_name, mtp_weight_names, per_layer_paths,
-                                    weight_names)
+from dsjax.checkpoint.names import (HOST_TABLE_MARK, IGNORED_PREFIXES, Source, canonical_name, mtp_weight_names,
+                                    per_layer_paths, weight_names)
 from dsjax.checkpoint.quant import QuantFormat, dequant_fp4, dequant_fp8, e8m0_exponents
 from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
 from dsjax.config import ModelConfig
@@ -253,7 +253,8 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig, specs, shardings=No
                 readers.append(functools.partial(_read_checked, reader, spec, names, index, check_finite))
             planned.append(tree.unflatten(readers))
         ignored = IGNORED_PREFIXES if mtp_specs is None else ()
-        unexpected = sorted(c for c in index.stored if c not in consumed and not c.startswith(ignored))
+        unexpected = sorted(c for c in index.stored if c not in consumed and not c.startswith(ignored)
+                            and HOST_TABLE_MARK not in c)
         if unexpected:
             where = [index.where(c) for c in unexpected[:8]]
             raise CheckpointError(f"{directory}: {len(unexpected)} tensor(s) this config does not use "

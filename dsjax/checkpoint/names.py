@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dsjax.config import HASH_MOE, ModelConfig
+from dsjax.config import HASH_MOE, SLIDING, TOPK_MOE, LayerSpec, ModelConfig
 
 # Applied in order; each is a no-op on names already in the original spelling.
 _TO_ORIGINAL = [(re.compile(p), r) for p, r in (
@@ -116,8 +116,63 @@ def _block(ours: str, theirs: str, layer) -> dict[str, Source]:
     return table
 
 
+def _v41_block(ours: str, theirs: str, layer) -> dict[str, Source]:
+    """One V4.1 block's tensors (spec deepseek-v41.md §8): a backbone layer's, or a DSpark
+    stage's (`mtp.S`, window-only). Compressor, index-key and index-query tensors exist only
+    on the layers that own those parts (`LayerSpec.sharing`)."""
+    attn, ffn = f"{theirs}.attn", f"{theirs}.ffn"
+    table = {}
+    table.update(_hyper_connection(f"{ours}.attn_hc", f"{theirs}.hc_attn"))
+    table.update(_hyper_connection(f"{ours}.ffn_hc", f"{theirs}.hc_ffn"))
+    table[f"{ours}.attn_norm"] = Source(f"{theirs}.attn_norm.weight")
+    table[f"{ours}.ffn_norm"] = Source(f"{theirs}.ffn_norm.weight")
+    for k, v in (("q_a_proj", "wq_a"), ("q_a_norm", "q_norm"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"),
+                 ("kv_norm", "norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b")):  # attn.kv_norm: canonical .norm.
+        table[f"{ours}.attn.{k}"] = Source(f"{attn}.{v}.weight")
+    table[f"{ours}.attn.sinks"] = Source(f"{attn}.attn_sink")
+    if layer.has_compressor:
+        table[f"{ours}.attn.compressor.kv_proj"] = Source(f"{attn}.compressor.wkv.weight")
+        table[f"{ours}.attn.compressor.norm"] = Source(f"{attn}.compressor.norm.weight")
+        if layer.compress_ratio > 1:
+            table[f"{ours}.attn.compressor.gate_proj"] = Source(f"{attn}.compressor.wgate.weight")
+    if layer.compress_ratio and layer.has_index_keys:
+        table[f"{ours}.attn.index_keys.k_proj"] = Source(f"{attn}.indexer.wk.weight")
+        table[f"{ours}.attn.index_keys.k_norm"] = Source(f"{attn}.indexer.k_norm.weight")
+    if layer.compress_ratio and layer.has_indexer:
+        table[f"{ours}.attn.index_queries.q_b_proj"] = Source(f"{attn}.indexer.wq_b.weight")
+        table[f"{ours}.attn.index_queries.weights_proj"] = Source(f"{attn}.indexer.weights_proj.weight")
+    table[f"{ours}.moe.router"] = Source(f"{ffn}.gate.weight")
+    table[f"{ours}.moe.router_bias"] = Source(f"{ffn}.gate.bias")
+    table[f"{ours}.moe.router_bias_vl"] = Source(f"{ffn}.gate.bias_vl")
+    for w in ("w1", "w2", "w3"):
+        table[f"{ours}.moe.{w}"] = Source(f"{ffn}.experts", expert=w)
+        table[f"{ours}.moe.shared_{w}"] = Source(f"{ffn}.shared_experts.{w}.weight")
+    return table
+
+
+def engram_table_name(layer: int) -> str:
+    """The prefix of layer `layer`'s Engram table (`.weight` E4M3 rows, `.scale` E8M0): read
+    from host memory by dsjax/checkpoint/engram_tables.py, never loaded as a device weight."""
+    return f"layers.{layer}.engram.embed"
+
+
+def _v41_weight_names(cfg: ModelConfig) -> dict[str, Source]:
+    table = {"embed": Source("embed.weight"), "norm": Source("norm.weight")}
+    if not cfg.tie_word_embeddings:
+        table["lm_head"] = Source("head.weight")
+    for layer in cfg.layers:
+        table.update(_v41_block(f"layers.{layer.index}", f"layers.{layer.index}", layer))
+    for k, layer in enumerate(cfg.v41.engram.layer_ids if cfg.v41.engram else ()):
+        table[f"engram.{k}.wkv"] = Source(f"layers.{layer}.engram.wkv.weight")
+        table[f"engram.{k}.q_weight"] = Source(f"layers.{layer}.engram.q_weight")
+        table[f"engram.{k}.k_weight"] = Source(f"layers.{layer}.engram.k_weight")
+    return table
+
+
 def weight_names(cfg: ModelConfig) -> dict[str, Source]:
     """dsjax parameter path (as `dsjax.params.path_str` prints it) -> canonical tensor."""
+    if cfg.v41 is not None:
+        return _v41_weight_names(cfg)
     table = {
         "embed": Source("embed.weight"),
         "norm": Source("norm.weight"),
@@ -135,6 +190,9 @@ def weight_names(cfg: ModelConfig) -> dict[str, Source]:
 def per_layer_paths(cfg: ModelConfig, path: str) -> list[str] | None:
     """A stacked parameter path `blocks.K.J.<rest>` (run K, period position J) -> the
     `weight_names` paths `layers.L.<rest>` it stacks, in order; None for other paths."""
+    stage = re.fullmatch(r"stages\.(.+)", path)  # V4.1's DSpark stages, stacked [n_stages]
+    if stage is not None:
+        return [f"stage.{s}.{stage.group(1)}" for s in range(cfg.num_nextn_predict_layers)]
     m = re.fullmatch(r"blocks\.(\d+)\.(\d+)\.(.+)", path)
     if m is None:
         return None
@@ -143,12 +201,33 @@ def per_layer_paths(cfg: ModelConfig, path: str) -> list[str] | None:
 
 
 def mtp_weight_names(cfg: ModelConfig) -> dict[str, Source]:
-    """MTP-layer parameter path (dsjax.model.mtp.MTPParams) -> canonical tensor (`mtp.0.*`)."""
+    """MTP-layer parameter path (dsjax.model.mtp.MTPParams) -> canonical tensor (`mtp.0.*`);
+    for V4.1 the DSpark head's (dsjax.model.v41.DSparkParams, `mtp.0..S`)."""
+    if cfg.v41 is not None:
+        return _dspark_weight_names(cfg)
     table = {f"{k}": Source(f"mtp.0.{k}.weight") for k in ("e_proj", "h_proj", "enorm", "hnorm", "norm")}
     table.update({f"hc_head.{k}": Source(f"mtp.0.hc_head_{k}") for k in ("fn", "base", "scale")})
     table.update(_block("block", "mtp.0", cfg.mtp_layer))
     return table
 
 
-# Tensors a V4 checkpoint may carry that the main model does not use: the MTP drafter.
+def _dspark_weight_names(cfg: ModelConfig) -> dict[str, Source]:
+    """DSpark (spec deepseek-v41.md §8): stages `mtp.S` are window-only V4.1 blocks; the
+    extras live on the first and last stage."""
+    n = cfg.num_nextn_predict_layers
+    stage = LayerSpec(cfg.num_hidden_layers, SLIDING, 0, TOPK_MOE)
+    table = {}
+    for s in range(n):
+        table.update(_v41_block(f"stage.{s}", f"mtp.{s}", stage))
+    last = f"mtp.{n - 1}"
+    table.update({"main_proj": Source("mtp.0.main_proj.weight"), "main_norm": Source("mtp.0.main_norm.weight"),
+                  "norm": Source(f"{last}.norm.weight"), "markov_embed": Source(f"{last}.markov_head.embed.weight"),
+                  "markov_head": Source(f"{last}.markov_head.head.weight"),
+                  "confidence": Source(f"{last}.confidence_head.proj.weight")})
+    return table
+
+
+# Tensors a checkpoint may carry that the main model does not use: the MTP / DSpark drafter.
 IGNORED_PREFIXES = ("mtp.",)
+# V4.1's Engram tables: host memory, read by row (dsjax/checkpoint/engram_tables.py).
+HOST_TABLE_MARK = ".engram.embed."

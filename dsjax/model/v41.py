@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig, RuntimeOptions
-from dsjax.layers.engram import Engram, engram_fuse, engram_specs
+from dsjax.layers.engram import Engram, dequant_rows, engram_fuse, engram_specs
 from dsjax.layers.hyper_connection import collapse, expand, hc_mixes, hyper_connection_specs
 from dsjax.layers.linear import linear
 from dsjax.layers.moe import moe_forward, moe_specs
@@ -112,6 +112,17 @@ def block_apply_lag(p: Block, streams: jax.Array, pi: jax.Array, token_ids: jax.
     return expand(y, streams, f_post, f_comb), f_pre, state
 
 
+def engram_before(params: ModelParamsV41, run, streams: jax.Array, engram_rows, cfg: ModelConfig) -> jax.Array:
+    """The Engram update before a run that starts at an Engram layer (§1.3 step 3). A layer's
+    rows are dense [B, S, n_hash, hd] or the stored (E4M3, E8M0 exponents) pair, dequantized here."""
+    if not run.layers[0].engram or engram_rows is None:
+        return streams
+    k = cfg.v41.engram.layer_ids.index(run.first)
+    rows = engram_rows[k]
+    rows = dequant_rows(*rows) if isinstance(rows, (tuple, list)) else rows
+    return engram_fuse(params.engram[k], streams, rows)
+
+
 def first_pi(streams: jax.Array) -> jax.Array:
     """pi = e_0: layer 0's attention collapses to stream 0 (all streams are the embedding)."""
     return jnp.zeros(streams.shape[:-1], jnp.float32).at[..., 0].set(1.0)
@@ -133,9 +144,7 @@ def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, 
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
     tapped, shared = {}, None
     for run, blocks in zip(cfg.layer_runs, params.blocks):
-        if run.layers[0].engram and engram_rows is not None:
-            k = cfg.v41.engram.layer_ids.index(run.first)
-            streams = engram_fuse(params.engram[k], streams, engram_rows[k])
+        streams = engram_before(params, run, streams, engram_rows, cfg)
         ratio = max(layer.compress_ratio for layer in run.layers)
         if ratio and (shared is None or shared.entries.shape[1] != s // ratio):
             shared = empty_shared(cfg, b, s, s // ratio, streams.dtype)
@@ -219,9 +228,7 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
         quirk_keys = cache.layers[k][j].index_keys[at]
     tapped, shared, states = {}, None, []
     for run, blocks, run_states in zip(cfg.layer_runs, params.blocks, cache.layers):
-        if run.layers[0].engram and engram_rows is not None:
-            k = cfg.v41.engram.layer_ids.index(run.first)
-            streams = engram_fuse(params.engram[k], streams, engram_rows[k])
+        streams = engram_before(params, run, streams, engram_rows, cfg)
         ratio = max(layer.compress_ratio for layer in run.layers)
         n_entries = ctx_bucket // ratio if ratio else 0
         if ratio and (shared is None or shared.entries.shape[1] != n_entries):
