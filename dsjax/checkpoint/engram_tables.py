@@ -109,40 +109,40 @@ class EngramTable:
     `bytes_read` counts the table bytes gathered so far (264 a row at V4.1 size)."""
 
     def __init__(self, path: str | Path, prefix: str = "engram.embed", rows: int | None = None,
-                 head_dim: int = 256, group: int = 32):
+                 head_dim: int = 256, group: int = 32, scale_path: str | Path | None = None):
+        """path: the file holding `{prefix}.weight`; scale_path: the one holding `{prefix}.scale`
+        (default: the same; a sharded checkpoint may split them)."""
         self.path = Path(path)
-        header = SafetensorsFile(self.path)  # parses and size-checks the header; reads no tensor data
+        paths = {"weight": self.path, "scale": Path(scale_path) if scale_path is not None else self.path}
         names = {"weight": f"{prefix}.weight", "scale": f"{prefix}.scale"}
         want = {"weight": (WEIGHT_DTYPE, head_dim), "scale": (SCALE_DTYPE, head_dim // group)}
-        infos = {}
+        self.names = names
+        self._maps, views = [], {}
         for part, name in names.items():
+            header = SafetensorsFile(paths[part])  # parses and size-checks the header; reads no tensor data
             info = header.tensors.get(name)
             if info is None:
-                raise CheckpointError(f"{self.path}: no tensor '{name}' (holds {sorted(header.tensors)[:8]})")
+                raise CheckpointError(f"{paths[part]}: no tensor '{name}' (holds {sorted(header.tensors)[:8]})")
             dtype, width = want[part]
             if info.dtype != dtype:
-                raise CheckpointError(f"{self.path}: tensor '{name}': dtype {info.dtype}, expected {dtype}")
+                raise CheckpointError(f"{paths[part]}: tensor '{name}': dtype {info.dtype}, expected {dtype}")
             if len(info.shape) != 2 or info.shape[1] != width or (rows is not None and info.shape[0] != rows):
                 expect = f"[{rows if rows is not None else 'rows'}, {width}]"
-                raise CheckpointError(f"{self.path}: tensor '{name}': shape {list(info.shape)}, expected {expect}")
-            infos[part] = info
-        if infos["weight"].shape[0] != infos["scale"].shape[0]:
-            raise CheckpointError(f"{self.path}: tensor '{names['scale']}' has {infos['scale'].shape[0]} rows but "
-                                  f"'{names['weight']}' has {infos['weight'].shape[0]}")
-        self.names = names
-        self.rows = infos["weight"].shape[0]
+                raise CheckpointError(f"{paths[part]}: tensor '{name}': shape {list(info.shape)}, expected {expect}")
+            with open(paths[part], "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if hasattr(mmap, "MADV_RANDOM"):  # row lookups are scattered: read-ahead would pull in unused rows
+                mapped.madvise(mmap.MADV_RANDOM)
+            self._maps.append(mapped)
+            views[part] = np.frombuffer(mapped, np.uint8, count=info.end - info.begin,
+                                        offset=header.data_start + info.begin).reshape(info.shape[0], -1)
+        if views["weight"].shape[0] != views["scale"].shape[0]:
+            raise CheckpointError(f"{self.path}: tensor '{names['scale']}' has {views['scale'].shape[0]} rows but "
+                                  f"'{names['weight']}' has {views['weight'].shape[0]}")
+        self.rows = views["weight"].shape[0]
         self.bytes_read = 0
-        with open(self.path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if hasattr(mmap, "MADV_RANDOM"):  # row lookups are scattered: read-ahead would pull in unused rows
-            self._mmap.madvise(mmap.MADV_RANDOM)
-
-        def view(info):
-            return np.frombuffer(self._mmap, np.uint8, count=info.end - info.begin,
-                                 offset=header.data_start + info.begin).reshape(info.shape[0], -1)
-
-        self._weight = view(infos["weight"])  # [rows, 256] e4m3 bytes, nothing read yet
-        self._scale = view(infos["scale"])  # [rows, 8] e8m0 exponent bytes
+        self._weight = views["weight"]  # [rows, 256] e4m3 bytes, nothing read yet
+        self._scale = views["scale"]  # [rows, 8] e8m0 exponent bytes
 
     @property
     def row_bytes(self) -> int:
@@ -161,8 +161,9 @@ class EngramTable:
         return q.reshape(*ids.shape, -1), scale.reshape(*ids.shape, -1)
 
     def close(self) -> None:
-        self._weight = self._scale = None  # views must go before the map can close
-        self._mmap.close()
+        self._weight = self._scale = None  # views must go before the maps can close
+        for mapped in self._maps:
+            mapped.close()
 
     def __enter__(self) -> "EngramTable":
         return self
@@ -238,11 +239,15 @@ class EngramStore:
             files.close()
         tables = []
         for layer in e.layer_ids:
-            want = engram_table_name(layer) + ".weight"
-            if want not in stored:
-                raise CheckpointError(f"{directory}: no Engram table '{want}' for layer {layer}")
-            name = stored[want].name
-            tables.append(EngramTable(stored[want].file, prefix=name[: -len(".weight")], head_dim=e.head_dim))
+            weight, scale = (stored.get(engram_table_name(layer) + part) for part in (".weight", ".scale"))
+            if weight is None or scale is None:
+                raise CheckpointError(f"{directory}: no Engram table '{engram_table_name(layer)}.weight / .scale' "
+                                      f"for layer {layer}")
+            if scale.name != weight.name[: -len("weight")] + "scale":
+                raise CheckpointError(f"{directory}: Engram table tensors '{weight.name}' / '{scale.name}' are "
+                                      f"spelled differently")
+            tables.append(EngramTable(weight.file, prefix=weight.name[: -len(".weight")], head_dim=e.head_dim,
+                                      scale_path=scale.file))
         return cls(tables, layout, engram_token_map() if token_map is None else token_map)
 
     def initial_history(self, batch: int) -> np.ndarray:

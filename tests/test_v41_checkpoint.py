@@ -1,0 +1,110 @@
+"""A DeepSeek-V4.1 checkpoint in DeepSeek's original format, written by the test suite's own
+writer (tests/v41_checkpoint.py): its tensors are exactly those spec §8 lists (checked at
+V4.1-Flash size by count and at tiny size by name), it loads to the values written, Engram
+rows come from memory-mapped tables one row at a time, and the loaded model runs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import v41_checkpoint
+from dsjax.checkpoint.engram_tables import EngramStore
+from dsjax.checkpoint.loader import load_checkpoint
+from dsjax.checkpoint.names import canonical_name, mtp_weight_names, weight_names
+from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
+from dsjax.config import RuntimeOptions, load_config
+from dsjax.layers.engram import dequant_rows, ngram_row_ids
+from dsjax.model.v41 import dspark_specs, v41_logits, v41_model_specs, v41_streams
+from dsjax.params import init_params, spec_leaves
+
+FP8_SCALED = v41_checkpoint.FP8
+
+
+def _stored_names(cfg) -> set[str]:
+    """The hub names (with scales, Engram tables) dsjax's name tables say a checkpoint holds."""
+    names = set()
+    for table, n_exp in ((weight_names(cfg), cfg.n_routed_experts),
+                         (mtp_weight_names(cfg), cfg.v41.dspark.n_routed_experts)):
+        for src in table.values():
+            found = [f"{src.name}.{e}.{src.expert}.weight" for e in range(n_exp)] if src.expert else [src.name]
+            for name in found:
+                name = name.replace(".attn.norm.weight", ".attn.kv_norm.weight")
+                names.add(name)
+                if name.endswith(FP8_SCALED) or ".experts." in name:
+                    names.add(name[: -len("weight")] + "scale")
+    for layer in cfg.v41.engram.layer_ids:
+        names |= {f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale"}
+    return names
+
+
+def test_tensor_names_match_the_release():
+    flash = load_config("v41-flash")
+    assert len(_stored_names(flash)) == 96085 - 266  # the release's count without the vision tower (§8)
+    assert _stored_names(flash) == v41_checkpoint.expected_names(flash)
+    tiny = load_config("tiny-v41")
+    assert _stored_names(tiny) == v41_checkpoint.expected_names(tiny)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = load_config("tiny-v41")
+    rng = np.random.default_rng(0)
+    params = init_params(v41_model_specs(cfg, jnp.float32), seed=1)
+    params = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), params)
+    dspark = init_params(dspark_specs(cfg, jnp.float32), seed=2)
+    directory = tmp_path_factory.mktemp("v41-ckpt")
+    deq, deq_dspark, tables = v41_checkpoint.write(directory, cfg, params, dspark, rng)
+    return cfg, directory, deq, deq_dspark, tables
+
+
+def test_loads_the_values_written(checkpoint):
+    cfg, directory, deq, deq_dspark, _ = checkpoint
+    params, dspark = load_checkpoint(directory, cfg, v41_model_specs(cfg, jnp.float32),
+                                     mtp_specs=dspark_specs(cfg, jnp.float32))
+    for (path, got), (_, want) in zip(spec_leaves(params), spec_leaves(deq)):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=path)
+    for (path, got), (_, want) in zip(spec_leaves(dspark), spec_leaves(deq_dspark)):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=path)
+    # without the drafter's specs, its tensors are not an error; a missing backbone tensor is, by name
+    load_checkpoint(directory, cfg, v41_model_specs(cfg, jnp.float32))
+    files = CheckpointFiles(directory)
+    names = {canonical_name(n) for n in files.tensors}
+    files.close()
+    assert "layers.5.attn.compressor.wgate.weight" in names  # a ratio-2 KV source has a gate
+    assert "layers.10.attn.compressor.wgate.weight" not in names  # ratio 1 has none
+    broken = dataclasses.replace(cfg, v41=dataclasses.replace(cfg.v41, kv_source_layers=(2, 5, 8, 9, 10)))
+    with pytest.raises(CheckpointError, match="layers.9.attn.compressor"):
+        load_checkpoint(directory, broken, v41_model_specs(broken, jnp.float32))
+
+
+def test_engram_rows_from_host_tables_and_the_loaded_model_runs(checkpoint):
+    """Rows are gathered from the memory-mapped tables (only those rows read), dequantized on
+    the device, and the loaded model's logits equal those of the written values with rows
+    looked up in the written (dequantized) tables."""
+    cfg, directory, deq, _, tables = checkpoint
+    params = load_checkpoint(directory, cfg, v41_model_specs(cfg, jnp.float32))
+    b, s = 2, 12
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (b, s))
+    store = EngramStore.from_checkpoint(directory, cfg)
+    try:
+        stored, history = store.rows(tokens, store.initial_history(b))
+        e = cfg.v41.engram
+        assert store.bytes_read == len(e.layer_ids) * b * s * e.n_hash * (e.head_dim + e.head_dim // 32)
+        kappa = store.token_map[tokens].astype(np.int64)
+        ids = [ngram_row_ids(store.layout, k, kappa, store.initial_history(b)) for k in range(len(e.layer_ids))]
+    finally:
+        store.close()
+    rows = tuple(jax.jit(dequant_rows)(q, sc).astype(jnp.float32) for q, sc in stored)
+    want_rows = tuple(jnp.asarray(tables[layer][i]) for layer, i in zip(e.layer_ids, ids))
+    for got, want in zip(rows, want_rows):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    opts = RuntimeOptions(round_trips=False)
+    run = jax.jit(lambda p, t, r: v41_logits(p, *v41_streams(p, t, cfg, engram_rows=r, opts=opts)[:2], cfg))
+    got = np.asarray(run(params, jnp.asarray(tokens, jnp.int32), rows))
+    want = np.asarray(run(jax.tree.map(jnp.asarray, deq), jnp.asarray(tokens, jnp.int32), want_rows))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
