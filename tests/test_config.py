@@ -87,7 +87,8 @@ def test_bad_file_is_named(tmp_path):
     p.write_text("{not json")
     with pytest.raises(ConfigError, match="broken.json"):
         load_config(p)
-    with pytest.raises(FileNotFoundError, match="named configs: dsjax-tiny-py, small, tiny, tiny-v41, v4-flash, v4-pro, v41-flash"):
+    named = "dsjax-tiny-py, small, tiny, tiny-v41, v4-flash, v4-pro, v41-flash"
+    with pytest.raises(FileNotFoundError, match=f"named configs: {named}"):
         load_config("v5-ultra")
 
 

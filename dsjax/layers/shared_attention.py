@@ -344,7 +344,8 @@ def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Arra
 def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: jax.Array, start: jax.Array,
                             n_valid: jax.Array, layer: LayerSpec, cfg: ModelConfig, shared: Shared | None,
                             n_entries: int, *, quirk_keys: jax.Array | None = None, kernels: str = "reference",
-                            round_trips: bool = False, at: jax.Array | None = None) -> tuple[jax.Array, SharedAttentionState, Shared | None]:
+                            round_trips: bool = False, at: jax.Array | None = None
+                            ) -> tuple[jax.Array, SharedAttentionState, Shared | None]:
     """V4.1 attention for a chunk x [B, C, D] at positions start + i, i < n_valid (per row),
     against the cache: the window ring and chunk, plus (compressed layers) the top-k of its
     KV source's first n_entries (static) latents. A KV source first appends the latents
