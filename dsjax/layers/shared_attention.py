@@ -33,7 +33,7 @@ from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
-from dsjax.sharding.rules import reshape, spec
+from dsjax.sharding.rules import batch_major, reshape, spec
 
 
 @struct.dataclass
@@ -123,10 +123,11 @@ class Shared:
 
 def empty_shared(cfg: ModelConfig, batch: int, seq: int, n_entries: int, dtype) -> Shared:
     k = min(cfg.index_topk, n_entries)
-    return Shared(entries=jnp.zeros((batch, n_entries, cfg.head_dim), dtype),
-                  index_keys=jnp.zeros((batch, n_entries, cfg.index_head_dim), dtype),
-                  top=jnp.zeros((batch, seq, k), jnp.int32), top_valid=jnp.zeros((batch, seq, k), bool),
-                  candidates=jnp.zeros((batch, seq, n_entries), bool))
+    return jax.tree.map(batch_major, Shared(
+        entries=jnp.zeros((batch, n_entries, cfg.head_dim), dtype),
+        index_keys=jnp.zeros((batch, n_entries, cfg.index_head_dim), dtype),
+        top=jnp.zeros((batch, seq, k), jnp.int32), top_valid=jnp.zeros((batch, seq, k), bool),
+        candidates=jnp.zeros((batch, seq, n_entries), bool)))
 
 
 # ----------------------------------------------------------------------------- pieces

@@ -27,6 +27,7 @@ from dsjax.layers.shared_attention import (empty_shared, shared_attention_extend
 from dsjax.model.cache import Cache
 from dsjax.model.decoder import DEFAULT_OPTIONS, Block, embed_streams, layer_slot, norm_spec
 from dsjax.params import ParamSpec, stack_specs
+from dsjax.sharding.rules import batch_major
 
 
 @struct.dataclass
@@ -125,7 +126,7 @@ def engram_before(params: ModelParamsV41, run, streams: jax.Array, engram_rows, 
 
 def first_pi(streams: jax.Array) -> jax.Array:
     """pi = e_0: layer 0's attention collapses to stream 0 (all streams are the embedding)."""
-    return jnp.zeros(streams.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+    return batch_major(jnp.zeros(streams.shape[:-1], jnp.float32).at[..., 0].set(1.0))
 
 
 def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, engram_rows=None,

@@ -114,6 +114,13 @@ def spec(*logical: str | None) -> P | None:
     return P(*(present_axes(RULES.mesh_axes(name), mesh) for name in logical))
 
 
+def batch_major(x: jax.Array) -> jax.Array:
+    """x laid out with its leading axis over the batch shards (as a layer's outputs are), so a
+    freshly made array can start a scan carry; unchanged without a mesh."""
+    s = spec("batch", *([None] * (x.ndim - 1)))
+    return x if s is None else jax.sharding.reshard(x, s)
+
+
 def present_axes(axes, mesh):
     """Drop mesh axes of size 1 (they shard nothing and only complicate types) and axes
     that are manual here (inside shard_map each device already holds its own rows)."""
