@@ -69,7 +69,7 @@ def test_cached_decode_on_mesh_matches_full_forward(single, mesh, rng):
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("mesh", MESHES[1:])
+@pytest.mark.parametrize("mesh", MESHES[-1:])  # all three axes at once; forward and decode cover the others
 def test_greedy_engine_tokens_match_one_device(single, mesh, prompts):
     want = dsjax.generate(single, prompts, 12)
     assert dsjax.generate(dsjax.load_model("tiny", dtype="float32", mesh=mesh), prompts, 12) == want

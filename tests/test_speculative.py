@@ -90,7 +90,7 @@ def _generate(model, prompts, params, **kw):
     return engine.generate(prompts, params), engine
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 4])  # the extremes; k = 2 and 3 run in the tests below
 def test_greedy_speculation_is_token_identical(small_vocab, rng, k):
     """k drafts per step, batch 3 (+ queued requests), prompts and outputs crossing CSA (4)
     and HCA (16) group boundaries: the greedy tokens equal plain decoding's, and the drafter
