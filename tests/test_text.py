@@ -228,3 +228,36 @@ def test_compile_cache_env(fresh_jax_cache_config, monkeypatch, tmp_path):
     monkeypatch.setattr(compile_cache, "_chosen", None)
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "env"))
     assert compile_cache.setup_compile_cache().directory == str(tmp_path / "env")
+
+
+def test_v41_tokenizer_names_the_system_token(tmp_path):
+    """DeepSeek-V4.1's prompts carry `<｜System｜>` (system messages, thinking mode): the V4
+    vocabulary holds a placeholder at its id 128799, so the recipe's V4.1 encoding fails on
+    the bundled file and succeeds once the V4.1 tokenizer names it; the Engram token map (a
+    function of the vocabulary's text) is unchanged by the rename (spec §5.1)."""
+    import json
+
+    import deepseek_recipe as dr
+
+    from dsjax.checkpoint.engram_tables import build_engram_token_map, engram_token_map
+    from dsjax.tokenizer import SYSTEM, SYSTEM_ID
+
+    body = {"model": "DeepSeek-V4.1-Flash", "reasoning_effort": "high",
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
+
+    def encode(tok):
+        conv = dr.ChatCompletionRequest(body).convert(dr.ConversionOptions())
+        return dr.DeepseekV41Encoding().with_tokenizer(tok.recipe).encode(conv.conversation)
+
+    v4 = dsjax.load_tokenizer()
+    with pytest.raises(Exception, match="not in the added vocabulary"):
+        encode(v4)
+    v41 = dsjax.load_tokenizer("tiny-v41")  # detected from the config
+    assert v41.v41 and not v4.v41 and v41.token_id(SYSTEM) == SYSTEM_ID and v4.token_id(SYSTEM) is None
+    ids = encode(v41)
+    assert SYSTEM_ID in ids and v41.decode(ids, skip_special_tokens=False).count(SYSTEM) == ids.count(SYSTEM_ID)
+    assert v41.encode("The capital of France") == v4.encode("The capital of France")
+    patched = tmp_path / "tokenizer.json"
+    patched.write_text(v41._json, encoding="utf-8")
+    assert json.loads(patched.read_text())["added_tokens"]
+    np.testing.assert_array_equal(build_engram_token_map(patched), engram_token_map())
