@@ -260,6 +260,19 @@ class EngramStore:
         out = [table.gather(ngram_row_ids(self.layout, k, kappa, history)) for k, table in enumerate(self.tables)]
         return out, next_history(history, kappa)
 
+    def fetch(self, tokens, history, n_valid):
+        """The host side of a step's Engram lookup (`dsjax.model.v41.engram_fetch`): tokens
+        [B, C], history [B, h], n_valid [B] -> (E4M3 bytes, E8M0 bytes) per layer as uint8, then
+        the history after each row's n_valid tokens (int32). Rows of padding positions are
+        read too (their ids are valid): the chunk's shape is fixed."""
+        tokens, history = np.asarray(tokens), np.asarray(history, np.int64)
+        rows, _ = self.rows(np.clip(tokens, 0, len(self.token_map) - 1), history)
+        kappa = compressed_ids(self.token_map, np.clip(tokens, 0, len(self.token_map) - 1))
+        out = []
+        for q, scale in rows:
+            out += [q.view(np.uint8), scale.astype(np.uint8)]
+        return (*out, next_history(history, kappa, np.asarray(n_valid, np.int64)).astype(np.int32))
+
     @property
     def bytes_read(self) -> int:
         return sum(t.bytes_read for t in self.tables)

@@ -19,6 +19,7 @@ from flax import struct
 from dsjax.config import ModelConfig
 from dsjax.layers.attention import AttentionState, attention_state_shapes
 from dsjax.layers.compressor import CompressorState
+from dsjax.layers.engram import BEFORE_START
 from dsjax.layers.shared_attention import SharedAttentionState, shared_attention_state_shapes
 
 
@@ -27,10 +28,12 @@ class Cache:
     length: jax.Array  # [B] int32: tokens already in the cache per sequence
     layers: tuple[tuple[AttentionState | SharedAttentionState, ...], ...]  # per run, per period position:
     #                                                      [R, B, ...] leaves (V4.1: [R * inner, B, ...])
+    history: jax.Array | None = None  # [B, max_ngram - 1] int32 (V4.1 Engram): the last compressed ids
 
     def batch_axes(self) -> "Cache":
         """Per leaf, which axis is the batch (same structure as the cache)."""
-        return Cache(length=0, layers=jax.tree.map(lambda _: 1, self.layers))
+        return Cache(length=0, layers=jax.tree.map(lambda _: 1, self.layers),
+                     history=None if self.history is None else 0)
 
 
 def batch_axes(tree):
@@ -78,9 +81,11 @@ def cache_shapes(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16
     if capacity % max(ratios, default=1):
         raise ValueError(f"cache capacity {capacity} must be a multiple of the compression ratios {tuple(ratios)}")
     if cfg.v41 is not None:  # V4.1: stacked over repeats * inner per period position
+        e = cfg.v41.engram
         return Cache(length=jax.ShapeDtypeStruct((batch,), jnp.int32), layers=tuple(
             tuple(_stack_shapes(shared_attention_state_shapes(cfg, layer, batch, capacity, dtype), run.repeats * n)
-                  for layer, n in zip(run.layers, run.inner)) for run in cfg.layer_runs))
+                  for layer, n in zip(run.layers, run.inner)) for run in cfg.layer_runs),
+            history=None if e is None else jax.ShapeDtypeStruct((batch, e.max_ngram_size - 1), jnp.int32))
     return Cache(
         length=jax.ShapeDtypeStruct((batch,), jnp.int32),
         layers=tuple(tuple(_stack_shapes(attention_state_shapes(cfg, layer, batch, capacity, dtype), run.repeats)
@@ -89,7 +94,10 @@ def cache_shapes(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> Cache:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, capacity, dtype))
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, capacity, dtype))
+    if cache.history is not None:  # no token before the start (Engram's hashing blocks those shifts)
+        cache = cache.replace(history=jnp.full(cache.history.shape, BEFORE_START, jnp.int32))
+    return cache
 
 
 def cache_bytes(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> dict:

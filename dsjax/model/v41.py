@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental import io_callback
 
 from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.engram import Engram, dequant_rows, engram_fuse, engram_specs
@@ -209,16 +210,39 @@ def quirk_source(cfg: ModelConfig) -> int | None:
     return owners[-1].index
 
 
+def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array, n_valid: jax.Array):
+    """The Engram rows of a chunk from host tables, inside a jitted program: `fetch(tokens
+    [B, C], history [B, h], n_valid [B])` runs on the host (an unordered `io_callback`: nothing
+    before the first Engram layer waits for it) and returns, per Engram layer, the stored
+    (E4M3 bytes [B, C, n_hash, hd], E8M0 bytes [B, C, n_hash, hd / 32]) of the rows the
+    chunk's n-grams hash to, then the history after the n_valid committed tokens
+    (`dsjax.checkpoint.engram_tables.EngramStore.fetch`). -> (rows per layer, history)."""
+    e = cfg.v41.engram
+    b, c = tokens.shape
+    shapes = [jax.ShapeDtypeStruct((b, c, e.n_hash, width), jnp.uint8)
+              for _ in e.layer_ids for width in (e.head_dim, e.head_dim // 32)]
+    out = io_callback(fetch, (*shapes, jax.ShapeDtypeStruct(history.shape, jnp.int32)), tokens, history, n_valid,
+                      ordered=False)
+    rows = tuple((jax.lax.bitcast_convert_type(out[2 * k], jnp.float8_e4m3fn), out[2 * k + 1])
+                 for k in range(len(e.layer_ids)))
+    return rows, out[-1]
+
+
 def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
                        ctx_bucket: int, n_valid: jax.Array | None = None, engram_rows=None,
                        opts: RuntimeOptions = DEFAULT_OPTIONS, taps: bool = False):
     """The V4.1 backbone over a chunk tokens [B, C] at positions cache.length + i, i < n_valid
     (rows with n_valid 0 untouched) -> (streams, pi, cache, main_hidden). ctx_bucket (static)
     bounds the latents read: every one a query can see lies below ctx_bucket / ratio.
-    engram_rows / taps: as `v41_streams`."""
+    engram_rows: as `v41_streams`, or a host fetch function (`engram_fetch`): the rows then
+    come from host tables during the step and the cache's Engram history moves on.
+    taps: as `v41_streams`."""
     b, c = tokens.shape
     start = cache.length
     n_valid = jnp.full((b,), c, jnp.int32) if n_valid is None else n_valid
+    history = cache.history
+    if callable(engram_rows):
+        engram_rows, history = engram_fetch(engram_rows, cfg, tokens, cache.history, n_valid)
     streams = embed_streams(params, tokens, cfg)
     pi = first_pi(streams)
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
@@ -245,7 +269,7 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
         states.append(run_states)
         tapped.update(run_taps)
     main_hidden = jnp.concatenate([tapped[i] for i in targets], axis=-1) if targets else None
-    return streams, pi, Cache(start + n_valid, tuple(states)), main_hidden
+    return streams, pi, Cache(start + n_valid, tuple(states), history), main_hidden
 
 
 def _pack(result):
