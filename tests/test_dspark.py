@@ -34,9 +34,9 @@ import dspark_oracle  # tests/ is on sys.path (conftest.py)
 # 1e-6..2e-6 (confidences). 1e-4 leaves ~50x for accumulation order, while each error tried on
 # the oracle moved the logits by far more: ring window W-1 (1.3), positions off by one (1.2),
 # no sink (1.2), no inverse RoPE (1.2), a causal mask inside the block (1.1), the YaRN table
-# (0.12); dropping the Markov term changes
-# the drafts. Drafts are argmaxes, compared exactly, on data whose top-2 margins (>= 1.4e-3 of
-# max |logit|) the test checks are above 10x the tolerance.
+# (0.12); dropping the Markov term changes the drafts. Drafts are argmaxes, compared exactly,
+# on data whose top-2 margins (>= 1.4e-3 of max |logit|) the test checks are above 10x the
+# tolerance.
 RTOL = 1e-4
 FP32 = RuntimeOptions(round_trips=False)  # the oracle has no quantisation round trips
 HP = json.loads((Path(__file__).parents[1] / "configs" / "tiny-v41.json").read_text())["text_config"]
