@@ -108,3 +108,50 @@ def test_engram_rows_from_host_tables_and_the_loaded_model_runs(checkpoint):
     want = np.asarray(run(jax.tree.map(jnp.asarray, deq), jnp.asarray(tokens, jnp.int32), want_rows))
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, want)
+
+
+def test_engram_rows_fetched_inside_the_cached_step(checkpoint):
+    """The cached path with Engram rows fetched by the host during the jitted step
+    (`engram_fetch`: hashing with the cache's history, a row gather from the mapped tables)
+    equals the full-sequence forward given the rows up front: prefill 8, then 4 decodes, with
+    one row idle in the last decode (its history stays)."""
+    import functools
+
+    from dsjax.model.cache import init_cache
+    from dsjax.model.v41 import v41_streams_cached
+
+    cfg, directory, deq, _, _ = checkpoint
+    params = jax.tree.map(jnp.asarray, deq)
+    opts = RuntimeOptions(round_trips=False, index_keys_from_owner=True)
+    b, s = 2, 12
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
+    store = EngramStore.from_checkpoint(directory, cfg)
+    try:
+        stored, _ = store.rows(tokens, store.initial_history(b))
+        rows = tuple(dequant_rows(jnp.asarray(q), jnp.asarray(sc)).astype(jnp.float32) for q, sc in stored)
+        full = jax.jit(lambda p, t, r: v41_logits(p, *v41_streams(p, t, cfg, engram_rows=r, opts=opts)[:2], cfg))
+        want = np.asarray(full(params, tokens, rows))
+        before = store.bytes_read
+
+        @functools.partial(jax.jit, static_argnames="c")
+        def step(params, t, cache, n_valid, c):
+            streams, pi, cache, _ = v41_streams_cached(params, t, cfg, cache, ctx_bucket=32, n_valid=n_valid,
+                                                       engram_rows=store.fetch, opts=opts)
+            return v41_logits(params, streams, pi, cfg), cache
+
+        cache = init_cache(cfg, b, 32, jnp.float32)
+        got, pos = [], 0
+        for c in (8, 1, 1, 1):
+            logits, cache = step(params, tokens[:, pos:pos + c], cache, np.full(b, c, np.int32), c=c)
+            got.append(np.asarray(logits))
+            pos += c
+        np.testing.assert_allclose(np.concatenate(got, axis=1), want[:, :pos], atol=1e-5 * np.abs(want).max(), rtol=0)
+        e = cfg.v41.engram
+        assert store.bytes_read - before == len(e.layer_ids) * b * pos * e.n_hash * (e.head_dim + e.head_dim // 32)
+        kappa = store.token_map[tokens[:, pos - 3:pos]]
+        np.testing.assert_array_equal(np.asarray(cache.history), kappa)  # the last 3 compressed ids
+        idle = np.asarray(step(params, tokens[:, pos:pos + 1], cache, np.array([1, 0], np.int32), c=1)[1].history)
+        np.testing.assert_array_equal(idle[1], kappa[1])  # a row with n_valid 0 keeps its history
+        np.testing.assert_array_equal(idle[0], np.append(kappa[0, 1:], store.token_map[tokens[0, pos]]))
+    finally:
+        store.close()
