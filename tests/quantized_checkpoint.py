@@ -99,6 +99,18 @@ def mtp_state(cfg, seed: int = 7) -> dict[str, np.ndarray]:
     return out
 
 
+def write_shards(directory, tensors: dict[str, np.ndarray], shards: int) -> None:
+    """Tensors over `shards` files (round-robin by name) with a safetensors index."""
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(shards):
+        part = names[k::shards]
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        write_safetensors(directory / fname, {n: tensors[n] for n in part})
+        weight_map.update({n: fname for n in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 def write(hf_model, directory, block: int = 32, shards: int = 3, mtp_cfg=None) -> dict[str, np.ndarray]:
     """Write the quantized checkpoint (with an MTP layer when `mtp_cfg`, a dsjax config, is
     given); return the dequantized weights under HF's in-memory names (what the HF oracle
@@ -119,14 +131,7 @@ def write(hf_model, directory, block: int = 32, shards: int = 3, mtp_cfg=None) -
                 name in ("embed.weight", "head.weight") else a
             deq = np.asarray(tensors[name], np.float32) if a.dtype != np.int64 else a
         dequantized[name] = deq
-    names = sorted(tensors)
-    weight_map = {}
-    for k in range(shards):
-        part = names[k::shards]
-        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        write_safetensors(directory / fname, {n: tensors[n] for n in part})
-        weight_map.update({n: fname for n in part})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_shards(directory, tensors, shards)
     config = hf_model.config.to_dict()
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                      "activation_scheme": "dynamic", "weight_block_size": [block, block],

@@ -16,11 +16,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from dsjax.checkpoint import write_safetensors
 from dsjax.checkpoint.names import mtp_weight_names, per_layer_paths, weight_names
 from dsjax.config import to_hf_dict
 from dsjax.params import path_str
-from quantized_checkpoint import fp8_block_quantize, mxfp4_quantize
+from quantized_checkpoint import fp8_block_quantize, mxfp4_quantize, write_shards
 
 BLOCK = 32
 FP8 = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
@@ -130,14 +129,7 @@ def write(directory: Path, cfg, params, dspark, rng, shards: int = 3):
     for layer, rows in zip(cfg.v41.engram.layer_ids, cfg.v41.engram.num_embeddings):
         q, s, tables[layer] = engram_table(rows, cfg.v41.engram.head_dim, rng)
         tensors[f"layers.{layer}.engram.embed.weight"], tensors[f"layers.{layer}.engram.embed.scale"] = q, s
-    names = sorted(tensors)
-    weight_map = {}
-    for k in range(shards):
-        part = names[k::shards]
-        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        write_safetensors(directory / fname, {n: tensors[n] for n in part})
-        weight_map.update({n: fname for n in part})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_shards(directory, tensors, shards)
     config = to_hf_dict(cfg)
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}

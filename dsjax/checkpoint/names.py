@@ -87,8 +87,9 @@ def _compressor(ours: str, theirs: str) -> dict[str, Source]:
     }
 
 
-def _block(ours: str, theirs: str, layer) -> dict[str, Source]:
-    """One decoder block's tensors (a main layer, or the MTP layer's block)."""
+def _block_common(ours: str, theirs: str) -> dict[str, Source]:
+    """The tensors every V4 / V4.1 block has: mHC, norms, the attention projections and
+    sinks, the router weight, routed and shared experts."""
     attn, ffn = f"{theirs}.attn", f"{theirs}.ffn"
     table = {}
     table.update(_hyper_connection(f"{ours}.attn_hc", f"{theirs}.hc_attn"))
@@ -96,23 +97,30 @@ def _block(ours: str, theirs: str, layer) -> dict[str, Source]:
     table[f"{ours}.attn_norm"] = Source(f"{theirs}.attn_norm.weight")
     table[f"{ours}.ffn_norm"] = Source(f"{theirs}.ffn_norm.weight")
     for k, v in (("q_a_proj", "wq_a"), ("q_a_norm", "q_norm"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"),
-                 ("kv_norm", "norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b")):
+                 ("kv_norm", "norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b")):  # V4.1's attn.kv_norm: .norm.
         table[f"{ours}.attn.{k}"] = Source(f"{attn}.{v}.weight")
     table[f"{ours}.attn.sinks"] = Source(f"{attn}.attn_sink")
+    table[f"{ours}.moe.router"] = Source(f"{ffn}.gate.weight")
+    for w in ("w1", "w2", "w3"):
+        table[f"{ours}.moe.{w}"] = Source(f"{ffn}.experts", expert=w)
+        table[f"{ours}.moe.shared_{w}"] = Source(f"{ffn}.shared_experts.{w}.weight")
+    return table
+
+
+def _block(ours: str, theirs: str, layer) -> dict[str, Source]:
+    """One decoder block's tensors (a main layer, or the MTP layer's block)."""
+    attn, ffn = f"{theirs}.attn", f"{theirs}.ffn"
+    table = _block_common(ours, theirs)
     if layer.compress_ratio:
         table.update(_compressor(f"{ours}.attn.compressor", f"{attn}.compressor"))
     if layer.has_indexer:
         table.update(_compressor(f"{ours}.attn.indexer.compressor", f"{attn}.indexer.compressor"))
         table[f"{ours}.attn.indexer.q_b_proj"] = Source(f"{attn}.indexer.wq_b.weight")
         table[f"{ours}.attn.indexer.weights_proj"] = Source(f"{attn}.indexer.weights_proj.weight")
-    table[f"{ours}.moe.router"] = Source(f"{ffn}.gate.weight")
     if layer.mlp == HASH_MOE:
         table[f"{ours}.moe.tid2eid"] = Source(f"{ffn}.gate.tid2eid")
     else:
         table[f"{ours}.moe.router_bias"] = Source(f"{ffn}.gate.bias")
-    for w in ("w1", "w2", "w3"):
-        table[f"{ours}.moe.{w}"] = Source(f"{ffn}.experts", expert=w)
-        table[f"{ours}.moe.shared_{w}"] = Source(f"{ffn}.shared_experts.{w}.weight")
     return table
 
 
@@ -121,15 +129,7 @@ def _v41_block(ours: str, theirs: str, layer) -> dict[str, Source]:
     stage's (`mtp.S`, window-only). Compressor, index-key and index-query tensors exist only
     on the layers that own those parts (`LayerSpec.sharing`)."""
     attn, ffn = f"{theirs}.attn", f"{theirs}.ffn"
-    table = {}
-    table.update(_hyper_connection(f"{ours}.attn_hc", f"{theirs}.hc_attn"))
-    table.update(_hyper_connection(f"{ours}.ffn_hc", f"{theirs}.hc_ffn"))
-    table[f"{ours}.attn_norm"] = Source(f"{theirs}.attn_norm.weight")
-    table[f"{ours}.ffn_norm"] = Source(f"{theirs}.ffn_norm.weight")
-    for k, v in (("q_a_proj", "wq_a"), ("q_a_norm", "q_norm"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"),
-                 ("kv_norm", "norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b")):  # attn.kv_norm: canonical .norm.
-        table[f"{ours}.attn.{k}"] = Source(f"{attn}.{v}.weight")
-    table[f"{ours}.attn.sinks"] = Source(f"{attn}.attn_sink")
+    table = _block_common(ours, theirs)
     if layer.has_compressor:
         table[f"{ours}.attn.compressor.kv_proj"] = Source(f"{attn}.compressor.wkv.weight")
         table[f"{ours}.attn.compressor.norm"] = Source(f"{attn}.compressor.norm.weight")
@@ -141,12 +141,8 @@ def _v41_block(ours: str, theirs: str, layer) -> dict[str, Source]:
     if layer.compress_ratio and layer.has_indexer:
         table[f"{ours}.attn.index_queries.q_b_proj"] = Source(f"{attn}.indexer.wq_b.weight")
         table[f"{ours}.attn.index_queries.weights_proj"] = Source(f"{attn}.indexer.weights_proj.weight")
-    table[f"{ours}.moe.router"] = Source(f"{ffn}.gate.weight")
     table[f"{ours}.moe.router_bias"] = Source(f"{ffn}.gate.bias")
     table[f"{ours}.moe.router_bias_vl"] = Source(f"{ffn}.gate.bias_vl")
-    for w in ("w1", "w2", "w3"):
-        table[f"{ours}.moe.{w}"] = Source(f"{ffn}.experts", expert=w)
-        table[f"{ours}.moe.shared_{w}"] = Source(f"{ffn}.shared_experts.{w}.weight")
     return table
 
 
