@@ -283,13 +283,18 @@ def shared_attention_forward(p: SharedAttention, x: jax.Array, positions: jax.Ar
 class SharedAttentionState:
     """One V4.1 layer's cache (spec §2.12): every layer's window ring; a KV source's
     compressed latents (and index keys) that its consumers read, and the fp32 projections
-    of its open group (ratio 2: token t in slot t % 2)."""
+    of its recent tokens (ratio 2; token t in slot t % TAIL_SLOTS). The reference keeps r
+    slots; TAIL_SLOTS >= a verification's width keeps every slot written at most once per
+    step, so speculative rollback can put back the rows a rejected position wrote."""
 
     window: jax.Array  # [B, W, hd]
     entries: jax.Array | None = None  # [B, capacity // r, hd]   KV sources
     index_keys: jax.Array | None = None  # [B, capacity // r, d_I]   KV sources with index keys
-    tail_kv: jax.Array | None = None  # [B, r, hd] fp32   KV sources with r > 1
-    tail_gate: jax.Array | None = None  # [B, r, hd] fp32
+    tail_kv: jax.Array | None = None  # [B, TAIL_SLOTS, hd] fp32   KV sources with r > 1
+    tail_gate: jax.Array | None = None  # [B, TAIL_SLOTS, hd] fp32
+
+
+TAIL_SLOTS = 8  # a multiple of every ratio > 1 (2) and >= DSpark's verification width (block + 1 = 6)
 
 
 def shared_attention_state_shapes(cfg: ModelConfig, layer: LayerSpec, batch: int, capacity: int,
@@ -302,7 +307,9 @@ def shared_attention_state_shapes(cfg: ModelConfig, layer: LayerSpec, batch: int
         if layer.has_index_keys:
             keys = shape((batch, capacity // r, cfg.index_head_dim), dtype)
         if r > 1:
-            tail_kv = tail_gate = shape((batch, r, hd), jnp.float32)
+            if TAIL_SLOTS % r:
+                raise ValueError(f"layer {layer.index}: ratio {r} does not divide the {TAIL_SLOTS} tail slots")
+            tail_kv = tail_gate = shape((batch, TAIL_SLOTS, hd), jnp.float32)
     return SharedAttentionState(shape((batch, cfg.sliding_window, hd), dtype), entries, keys, tail_kv, tail_gate)
 
 
@@ -312,7 +319,7 @@ def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Arra
     """A KV source's compressor over a chunk x [B, C, D] at positions start + i, i < n_valid:
     -> (latents [B, G, hd] before RoPE, their entry indices [B, G], complete [B, G], new
     tail_kv, new tail_gate). Ratio 2 pools the groups the chunk closes, reading the open
-    group's first token from the fp32 tail (slot p % 2) (§2.4)."""
+    group's first token from the fp32 tail (slot p % TAIL_SLOTS) (§2.4)."""
     b, c, _ = x.shape
     positions = start[:, None] + jnp.arange(c)
     valid = jnp.arange(c) < n_valid[:, None]
@@ -324,8 +331,9 @@ def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Arra
     pos = g0[:, None] + jnp.arange(n_groups * ratio)
     from_chunk = pos >= start[:, None]
     chunk_idx = jnp.clip(pos - start[:, None], 0, c - 1)[..., None]
-    tail_idx = jnp.mod(pos, ratio)[..., None]
     tail_kv, tail_gate = state_rows(state.tail_kv, at), state_rows(state.tail_gate, at)
+    slots = tail_kv.shape[-2]
+    tail_idx = jnp.mod(pos, slots)[..., None]
 
     def aligned(new, tail):
         got = jnp.where(from_chunk[..., None], jnp.take_along_axis(new, chunk_idx, axis=1),
@@ -335,8 +343,8 @@ def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Arra
     latents = rms_norm(jnp.sum(jax.nn.softmax(z, axis=2) * a, axis=2).astype(x.dtype), p.norm, eps)
     entry = (start // ratio)[:, None] + jnp.arange(n_groups)
     complete = (entry + 1) * ratio <= (start + n_valid)[:, None]
-    keep = valid & (positions >= (start + n_valid)[:, None] - ratio)
-    slot = jnp.where(keep, jnp.mod(positions, ratio), ratio)
+    keep = valid & (positions >= (start + n_valid)[:, None] - slots)  # a chunk's last `slots` tokens
+    slot = jnp.where(keep, jnp.mod(positions, slots), slots)
     rows = jnp.arange(b)[:, None]
     return (latents, entry, complete, state_set(state.tail_kv, at, rows, slot, a_new),
             state_set(state.tail_gate, at, rows, slot, z_new))

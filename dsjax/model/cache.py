@@ -20,7 +20,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.attention import AttentionState, attention_state_shapes
 from dsjax.layers.compressor import CompressorState
 from dsjax.layers.engram import BEFORE_START
-from dsjax.layers.shared_attention import SharedAttentionState, shared_attention_state_shapes
+from dsjax.layers.shared_attention import TAIL_SLOTS, SharedAttentionState, shared_attention_state_shapes
 
 
 @struct.dataclass
@@ -149,10 +149,17 @@ def cache_bytes(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> dict:
 
 
 # ----------------------------------------------------------------------------- rollback
-def written_rows(state: AttentionState, ratio: int, positions: jax.Array) -> AttentionState:
+def written_rows(state: AttentionState | SharedAttentionState, ratio: int, positions: jax.Array):
     """Per field of one layer's state, the row index [B, n] that an extend over `positions`
     may write: ring slots (position % ring size) and the compressed entry each position
     would complete (position // ratio). Same structure as `state`."""
+    if isinstance(state, SharedAttentionState):  # V4.1: window, a KV source's latents / keys / tails
+        def rows(leaf, idx):
+            return None if leaf is None else idx
+        entry = positions // max(ratio, 1)
+        tail = None if state.tail_kv is None else positions % state.tail_kv.shape[-2]
+        return SharedAttentionState(window=positions % state.window.shape[-2], entries=rows(state.entries, entry),
+                                    index_keys=rows(state.index_keys, entry), tail_kv=tail, tail_gate=tail)
     def comp_rows(comp: CompressorState | None):
         if comp is None:
             return None
@@ -200,6 +207,8 @@ def min_ring(cfg: ModelConfig) -> int:
     """The smallest ring of the cache: one verify step may write at most this many positions
     (each ring slot at most once, so the saved rows are the pre-step ones)."""
     sizes = [cfg.sliding_window]
+    if cfg.v41 is not None:
+        return min(sizes + [TAIL_SLOTS] * any(layer.has_compressor and layer.compress_ratio > 1 for layer in cfg.layers))
     for layer in cfg.layers:
         if layer.compress_ratio:
             sizes.append(layer.compress_ratio * (2 if layer.overlap else 1))
