@@ -1,7 +1,9 @@
-"""An independent float64 numpy oracle of DeepSeek-V4.1's full-sequence forward (no cache, no
-quantisation round trips), written from the spec text (/work/shared/spec/deepseek-v41.md), not
-from dsjax's implementation: §1.3 steps 2-4, §2.1-2.10 with prefill semantics from position 0,
-§3 (mHC with the one-sublayer lag), §4 (gate and MoE) and §5.6 (Engram fusion, given the rows).
+"""An independent float64 numpy oracle of DeepSeek-V4.1's forward (no quantisation round trips),
+written from the spec text (/work/shared/spec/deepseek-v41.md), not from dsjax's implementation:
+§1.3 steps 2-4, §2.1-2.10 for a prefill from position 0 (`forward`) and for the reference's
+one-token decode after it (`decode_step`: the ring, the ratio-2 compressor's open group, the
+published-index-key rule of §2.7, top-k k = min(index_topk, ⌊end_pos/r⌋)), §3 (mHC with the
+one-sublayer lag), §4 (gate and MoE) and §5.6 (Engram fusion, given the rows).
 
 Loops run per token / per query / per head where that makes a rule of the spec visible (windows,
 visibility ⌊(t+1)/r⌋, candidate blocks, top-k ties, the sink softmax); speed is not a goal.
@@ -171,10 +173,37 @@ def candidate_mask(scores_t, vis, bs, k_blocks):
     return mask[:e]
 
 
+def index_score(q_t, omega_t, key):
+    """§2.6: s = Σ_h ω_h · ReLU(q_h · k) for one query q_t [H_I, d_I] and one key [d_I]."""
+    return sum(omega_t[h] * max(q_t[h] @ key, 0.0) for h in range(len(omega_t)))
+
+
+def attend(q_t, rows, sink):
+    """§2.9 for one query q_t [H, hd] over K = V = rows [n, hd], with the per-head sink -> [H, hd]."""
+    kv = np.stack(rows)
+    out = np.zeros(q_t.shape)
+    for h in range(len(q_t)):
+        logits = kv @ q_t[h] * q_t.shape[-1] ** -0.5
+        m = logits.max()
+        e = np.exp(logits - m)
+        out[h] = (e @ kv) / (e.sum() + np.exp(sink[h] - m))
+    return out
+
+
+def out_proj(p, o_t, hp):
+    """§2.10 after the inverse RoPE: grouped wo_a, then wo_b. o_t [H, hd] -> [D]."""
+    H, G, r_o = hp["num_attention_heads"], hp["o_groups"], hp["o_lora_rank"]
+    wo_a, wo_b = np.asarray(p["wo_a"], F), np.asarray(p["wo_b"], F)
+    z = [wo_a[g * r_o:(g + 1) * r_o] @ o_t[g * H // G:(g + 1) * H // G].reshape(-1) for g in range(G)]
+    return wo_b @ np.concatenate(z)
+
+
 def attention(l, p, x, hp, sched, pub):
     """One layer's attention over a sequence x [S, D] (already attn-normed), from position 0.
     `pub` holds what earlier layers published: latents / index keys per KV source, top-k lists
-    per index source, candidate masks of the candidate source."""
+    per index source, candidate masks of the candidate source. It also receives the decode
+    state this prefill leaves (see `decode_step`): the ring, a ratio-2 compressor's open group
+    and which owner published index keys last."""
     S = len(x)
     eps = hp["rms_norm_eps"]
     H, hd = hp["num_attention_heads"], hp["head_dim"]
@@ -187,17 +216,24 @@ def attention(l, p, x, hp, sched, pub):
     q = np.stack([rope(q[t], t, freqs) for t in range(S)])
     k = rms_norm(x @ np.asarray(p["wkv"], F).T, p["kv_norm"], eps)  # [S, hd], K = V
     k = np.stack([rope(k[t], t, freqs) for t in range(S)])
+    pub["ring", l] = {t % W: (t, k[t]) for t in range(max(0, S - W), S)}  # §2.3: the last min(S, W) rows
 
     selected = [[] for _ in range(S)]  # per query: compressed rows it attends
     if r > 0:
         E = S // r
         if l in sched.kv_sources:  # own compressor; the indexer uses the pre-RoPE latents
             C = compress(p["compressor"], x, r, eps)
+            if r > 1:  # §2.4: the open group's tokens stay in their slots (t mod r) as fp32 (a, z)
+                cp = p["compressor"]
+                pub["tail", l] = {t % r: (np.asarray(cp["wkv"], F) @ x[t], np.asarray(cp["wgate"], F) @ x[t])
+                                  for t in range(E * r, S)}
             if l in sched.index_sources:
                 ix = p["indexer"]
                 kI = rms_norm(C @ np.asarray(ix["wk"], F).T, ix["k_norm"], eps)
-                pub["index_keys", l] = np.stack([rope(kI[j], j * r, freqs) for j in range(E)]) if E else kI
-            pub["latents", l] = np.stack([rope(C[j], j * r, freqs) for j in range(E)]) if E else C
+                pub["index_keys", l] = [rope(kI[j], j * r, freqs) for j in range(E)]
+                if E:
+                    pub["published"] = l  # §2.7: an owner that produced entries publishes its keys
+            pub["latents", l] = [rope(C[j], j * r, freqs) for j in range(E)]
         if l in sched.index_sources and E > 0:
             ix = p["indexer"]
             HI, dI = hp["index_n_heads"], hp["index_head_dim"]
@@ -211,7 +247,7 @@ def attention(l, p, x, hp, sched, pub):
                 qt = rope(qI[t], t, freqs)
                 s = np.full(E, -np.inf)
                 for j in range(vis):
-                    s[j] = sum(omega[t, h] * max(qt[h] @ keys[j], 0.0) for h in range(HI))
+                    s[j] = index_score(qt, omega[t], keys[j])
                 if l == sched.candidate_source:
                     pub["candidates", t] = candidate_mask(s, vis, hp["candidate_block_size"],
                                                           hp["candidate_topk_blocks"])
@@ -225,25 +261,86 @@ def attention(l, p, x, hp, sched, pub):
             latents = pub["latents", sched.kv_from(l)]
             selected = [[latents[j] for j in pub["topk", src][t]] for t in range(S)]
 
-    out = np.zeros((S, H, hd))
     sink = np.asarray(p["attn_sink"], F)
-    for t in range(S):
-        rows = [k[i] for i in range(max(0, t - W + 1), t + 1)] + selected[t]
-        kv = np.stack(rows)
-        for h in range(H):
-            logits = kv @ q[t, h] * hd ** -0.5
-            m = logits.max()
-            e = np.exp(logits - m)
-            o = (e @ kv) / (e.sum() + np.exp(sink[h] - m))
-            out[t, h] = rope(o, t, freqs, inverse=True)
-
-    G, r_o = hp["o_groups"], hp["o_lora_rank"]
-    wo_a, wo_b = np.asarray(p["wo_a"], F), np.asarray(p["wo_b"], F)
     y = np.zeros((S, hp["hidden_size"]))
     for t in range(S):
-        z = [wo_a[g * r_o:(g + 1) * r_o] @ out[t, g * H // G:(g + 1) * H // G].reshape(-1) for g in range(G)]
-        y[t] = wo_b @ np.concatenate(z)
+        o = attend(q[t], [k[i] for i in range(max(0, t - W + 1), t + 1)] + selected[t], sink)
+        y[t] = out_proj(p, rope(o, t, freqs, inverse=True), hp)
     return y
+
+
+def attention_decode(l, p, x, t, hp, sched, st, call, from_owner=False):
+    """One layer's attention for one token x [D] (attn-normed) at position t, as the reference's
+    one-token decode runs it (§2.3-2.8). `st`: this sequence's decode state (left by `attention`
+    over the prefill, then updated here); `call`: what earlier layers published in this call
+    (top-k lists, the candidate mask). from_owner: ratio-2 sources score their own owner's keys
+    (`index_keys_from_owner=True`) instead of the last published ones (§2.7)."""
+    eps = hp["rms_norm_eps"]
+    H, hd = hp["num_attention_heads"], hp["head_dim"]
+    r = sched.ratio[l]
+    freqs = rope_freqs(hp, compressed=r > 0)
+    W = hp["sliding_window"]
+
+    cq = rms_norm(np.asarray(p["wq_a"], F) @ x, p["q_norm"], eps)
+    q = rope((np.asarray(p["wq_b"], F) @ cq).reshape(H, hd), t, freqs)
+    k = rope(rms_norm(np.asarray(p["wkv"], F) @ x, p["kv_norm"], eps), t, freqs)
+    ring = st["ring", l]
+    ring[t % W] = (t, k)
+    window = [row for pos, row in sorted(ring.values(), key=lambda e: e[0]) if t - W < pos <= t]
+
+    selected = []
+    if r > 0:
+        vis = (t + 1) // r  # = ⌊end_pos/r⌋: the key slice is exactly the visible entries
+        if l in sched.kv_sources:
+            cp = p["compressor"]
+            C = None
+            if r == 1:
+                C = rms_norm(np.asarray(cp["wkv"], F) @ x, cp["norm"], eps)
+            else:  # slot t mod r; the group is pooled when its last token arrives
+                tail = st.setdefault(("tail", l), {})
+                tail[t % r] = (np.asarray(cp["wkv"], F) @ x, np.asarray(cp["wgate"], F) @ x)
+                if (t + 1) % r == 0:
+                    a = np.stack([tail[i][0] for i in range(r)])
+                    z = np.stack([tail[i][1] for i in range(r)])
+                    w = np.exp(z - z.max(axis=0))
+                    C = rms_norm(((w / w.sum(axis=0)) * a).sum(axis=0), cp["norm"], eps)
+            if C is not None:
+                j = t // r
+                assert len(st["latents", l]) == j
+                if l in sched.index_sources:
+                    ix = p["indexer"]
+                    kI = rms_norm(np.asarray(ix["wk"], F) @ C, ix["k_norm"], eps)
+                    st["index_keys", l].append(rope(kI, j * r, freqs))
+                    st["published"] = l  # §2.7: reassigned only when an owner produced an entry
+                st["latents", l].append(rope(C, j * r, freqs))
+        if l in sched.index_sources and vis > 0:
+            ix = p["indexer"]
+            HI, dI = hp["index_n_heads"], hp["index_head_dim"]
+            qI = rope((np.asarray(ix["wq_b"], F) @ cq).reshape(HI, dI), t, freqs)
+            omega = (np.asarray(ix["weights_proj"], F) @ x) * (dI ** -0.5 * HI ** -0.5)
+            owner = l if l in sched.kv_sources else sched.kv_from(l)
+            kk = min(hp["index_topk"], vis)
+
+            def select(keys):
+                s = np.array([index_score(qI, omega, keys[j]) for j in range(vis)])
+                if l == sched.candidate_source:
+                    call["candidates"] = candidate_mask(s, vis, hp["candidate_block_size"],
+                                                        hp["candidate_topk_blocks"])
+                elif sched.restricted(l):
+                    s = np.where(call["candidates"], s, -np.inf)
+                return sorted(top_indices(list(s), kk))  # every entry is visible: all valid
+
+            published = st["index_keys", owner if from_owner else st["published"]]
+            call["topk", l] = select(published[:vis])
+            call["own_topk", l] = select(st["index_keys", owner][:vis])  # for tests: the list without §2.7
+            call["published_by", l] = owner if from_owner else st["published"]
+        src = sched.topk_from(l)
+        if ("topk", src) in call:
+            latents = st["latents", sched.kv_from(l)]
+            selected = [latents[j] for j in call["topk", src]]
+
+    o = attend(q, window + selected, np.asarray(p["attn_sink"], F))
+    return out_proj(p, rope(o, t, freqs, inverse=True), hp)
 
 
 # ----------------------------------------------------------------------------- MoE (§4)
@@ -289,43 +386,85 @@ def engram(e, X, rows, hp, kv_round=None):
 
 
 # ----------------------------------------------------------------------------- model (§1.3, §3.2)
-def forward(weights, tokens, hp, engram_kv_round=None, trace=None):
-    """tokens [B, S] -> (logits [B, S, V], main_hidden [B, S, len(targets)·D]).
-    engram_kv_round: an optional rounding of Engram's κv (see `engram`); exact by default.
-    trace (a dict) receives what each batch row published ("published": [B] dicts keyed
-    ("topk", layer) / ("candidates", t) / ...) and the routing ("routes": (chosen, chosen
-    without the bias) per token and layer), so a test can check which rules its data exercises."""
-    tokens = np.asarray(tokens)
-    B, S = tokens.shape
+def block(lw, X, pi, hp, attn, routes=None):
+    """Block ℓ with the mHC lag (§3.2) over X [S, N, D], π [S, N]; attn(x [S, D]) -> y [S, D]."""
+    S, eps = len(X), hp["rms_norm_eps"]
+    a = [mixes(X[t], lw["hc_attn"], hp) for t in range(S)]
+    x = np.stack([rms_norm(collapse(X[t], pi[t]), lw["attn_norm"], eps) for t in range(S)])
+    y = attn(x)
+    X1 = np.stack([expand(y[t], X[t], a[t][1], a[t][2]) for t in range(S)])
+    f = [mixes(X1[t], lw["hc_ffn"], hp) for t in range(S)]
+    u = [rms_norm(collapse(X1[t], a[t][0]), lw["ffn_norm"], eps) for t in range(S)]
+    X = np.stack([expand(moe(lw["ffn"], u[t], hp, routes), X1[t], f[t][1], f[t][2]) for t in range(S)])
+    return X, np.stack([f[t][0] for t in range(S)])
+
+
+def backbone(weights, ids, positions, b, hp, attn_of, engram_kv_round=None, routes=None):
+    """§1.3 steps 2-4 for one sequence's tokens ids [S] at `positions`; attn_of(l) -> the layer's
+    attention over [S, D]. b: the batch row (for the Engram rows). -> (logits [S, V], main_hidden)."""
     n, eps = hp["hc_mult"], hp["rms_norm_eps"]
-    sched = Schedule(hp)
     targets = list(hp.get("dspark_target_layer_ids", []))
     eng = weights.get("engram") or {}
-    embed = np.asarray(weights["embed"], F)
+    X = np.repeat(np.asarray(weights["embed"], F)[ids][:, None, :], n, axis=1)  # [S, N, D]
+    pi = np.zeros((len(ids), n))
+    pi[:, 0] = 1.0
+    taps = {}
+    for l, lw in enumerate(weights["layers"]):
+        if l in eng:
+            X = np.stack([engram(eng[l], X[i], eng[l]["rows"][b, t], hp, engram_kv_round)
+                          for i, t in enumerate(positions)])
+        if l in targets:
+            taps[l] = X.mean(axis=1)
+        X, pi = block(lw, X, pi, hp, attn_of(l), routes)
+    h = np.stack([rms_norm(collapse(X[i], pi[i]), weights["norm"], eps) for i in range(len(ids))])
+    hidden = np.concatenate([taps[l] for l in targets], axis=-1) if targets else None
+    return h @ np.asarray(weights["head"], F).T, hidden
+
+
+def forward(weights, tokens, hp, engram_kv_round=None, trace=None):
+    """tokens [B, S] -> (logits [B, S, V], main_hidden [B, S, len(targets)·D]): a prefill from
+    position 0. engram_kv_round: an optional rounding of Engram's κv (see `engram`); exact by default.
+    Engram rows ([B, ≥S, n_hash, hd_e]) are indexed by position.
+    trace (a dict) receives what each batch row published ("published": [B] dicts keyed
+    ("topk", layer) / ("candidates", t) / ...; each is also that row's decode state, see
+    `decode_step`) and the routing ("routes": (chosen, chosen without the bias) per token and
+    layer), so a test can check which rules its data exercises."""
+    tokens = np.asarray(tokens)
+    B, S = tokens.shape
+    sched = Schedule(hp)
+    routes = trace.setdefault("routes", []) if trace is not None else None
     logits, main_hidden = [], []
     for b in range(B):
-        X = np.repeat(embed[tokens[b]][:, None, :], n, axis=1)  # [S, N, D]
-        pi = np.zeros((S, n))
-        pi[:, 0] = 1.0
-        pub, taps = {}, {}
+        pub = {}
         if trace is not None:
             trace.setdefault("published", []).append(pub)
-        routes = trace.setdefault("routes", []) if trace is not None else None
-        for l, lw in enumerate(weights["layers"]):
-            if l in eng:
-                X = np.stack([engram(eng[l], X[t], eng[l]["rows"][b, t], hp, engram_kv_round) for t in range(S)])
-            if l in targets:
-                taps[l] = X.mean(axis=1)
-            a = [mixes(X[t], lw["hc_attn"], hp) for t in range(S)]
-            x = np.stack([rms_norm(collapse(X[t], pi[t]), lw["attn_norm"], eps) for t in range(S)])
-            y = attention(l, lw["attn"], x, hp, sched, pub)
-            X1 = np.stack([expand(y[t], X[t], a[t][1], a[t][2]) for t in range(S)])
-            f = [mixes(X1[t], lw["hc_ffn"], hp) for t in range(S)]
-            u = [rms_norm(collapse(X1[t], a[t][0]), lw["ffn_norm"], eps) for t in range(S)]
-            X = np.stack([expand(moe(lw["ffn"], u[t], hp, routes), X1[t], f[t][1], f[t][2]) for t in range(S)])
-            pi = np.stack([f[t][0] for t in range(S)])
-        h = np.stack([rms_norm(collapse(X[t], pi[t]), weights["norm"], eps) for t in range(S)])
-        logits.append(h @ np.asarray(weights["head"], F).T)
-        if targets:
-            main_hidden.append(np.concatenate([taps[l] for l in targets], axis=-1))
-    return np.stack(logits), (np.stack(main_hidden) if targets else None)
+
+        def attn_of(l):
+            return lambda x: attention(l, weights["layers"][l]["attn"], x, hp, sched, pub)
+        lg, hid = backbone(weights, tokens[b], range(S), b, hp, attn_of, engram_kv_round, routes)
+        logits.append(lg)
+        main_hidden.append(hid)
+    return np.stack(logits), (np.stack(main_hidden) if main_hidden[0] is not None else None)
+
+
+def decode_step(weights, states, tokens, t, hp, from_owner=False, engram_kv_round=None, trace=None):
+    """One-token decode at position t (the reference's start_pos = t) for tokens [B], continuing
+    `states` ([B] per-row decode states, as `forward`'s trace["published"] leaves them after a
+    prefill of t tokens; updated in place) -> (logits [B, V], main_hidden [B, ·]).
+    from_owner: `index_keys_from_owner=True` (§2.7's clean reading). trace (a dict) receives
+    per row what this call published ("calls": [B] dicts keyed ("topk", layer),
+    ("own_topk", layer), ("published_by", layer), "candidates")."""
+    sched = Schedule(hp)
+    logits, main_hidden = [], []
+    for b, st in enumerate(states):
+        call = {}
+        if trace is not None:
+            trace.setdefault("calls", []).append(call)
+
+        def attn_of(l):
+            p = weights["layers"][l]["attn"]
+            return lambda x: attention_decode(l, p, x[0], t, hp, sched, st, call, from_owner)[None]
+        lg, hid = backbone(weights, np.asarray(tokens)[b:b + 1], [t], b, hp, attn_of, engram_kv_round)
+        logits.append(lg[0])
+        main_hidden.append(None if hid is None else hid[0])
+    return np.stack(logits), (np.stack(main_hidden) if main_hidden[0] is not None else None)
