@@ -207,8 +207,9 @@ def min_ring(cfg: ModelConfig) -> int:
     """The smallest ring of the cache: one verify step may write at most this many positions
     (each ring slot at most once, so the saved rows are the pre-step ones)."""
     sizes = [cfg.sliding_window]
-    if cfg.v41 is not None:
-        return min(sizes + [TAIL_SLOTS] * any(layer.has_compressor and layer.compress_ratio > 1 for layer in cfg.layers))
+    if cfg.v41 is not None:  # windows, and the fp32 tails of ratio-2 KV sources
+        tails = any(layer.has_compressor and layer.compress_ratio > 1 for layer in cfg.layers)
+        return min(sizes + [TAIL_SLOTS] * tails)
     for layer in cfg.layers:
         if layer.compress_ratio:
             sizes.append(layer.compress_ratio * (2 if layer.overlap else 1))
