@@ -158,16 +158,26 @@ def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, 
     return streams, pi, main_hidden
 
 
+def _tap(streams: jax.Array) -> jax.Array:
+    """DSpark's tap of a block input: the mean over the N streams, in their dtype (§1.3)."""
+    return jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+
+
+def _taps_at(run, j: int, targets) -> bool:
+    """Whether any layer stacked at period position j is a DSpark target (else no tap is kept)."""
+    return any(i in targets for i in run.indices[j])
+
+
 def _run_full(run, blocks, carry, tokens, positions, targets, cfg, opts):
     """One layer run, full sequence: a scan over its period copies, in each an inner scan
     over a position's alike layers, carrying (streams, pi, shared). -> (*carry, {layer: tap})."""
 
     def position(j):
-        layer = run.layers[j]
+        layer, wants = run.layers[j], _taps_at(run, j, targets)
 
         def step(carry, p):
             streams, pi, shared = carry
-            tap = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+            tap = _tap(streams) if wants else None
 
             def attend(pa, h):
                 return shared_attention_forward(pa, h, positions, layer, cfg, shared, kernels=opts.kernels,
@@ -282,12 +292,12 @@ def _run_cached(run, blocks, states, carry, tokens, attend_of, targets, cfg, opt
     carry (each layer writes its rows in place at its index `at` along the stacked axis)."""
 
     def position(j):
-        layer = run.layers[j]
+        layer, wants = run.layers[j], _taps_at(run, j, targets)
 
         def step(c, xs):
             streams, pi, shared, state = c
             p, at = xs
-            tap = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+            tap = _tap(streams) if wants else None
             streams, pi, (state, shared) = block_apply_lag(p, streams, pi, tokens,
                                                            attend_of(layer, at, state, shared), cfg, opts)
             return (streams, pi, shared, state), tap
