@@ -151,6 +151,9 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     if path.name == "config.json" and path.is_file() and has_weights(path.parent):
         path = path.parent  # a checkpoint's config.json stands for the checkpoint: its weights, not random ones
     cfg = load_config(path)
+    if cfg.v41 is not None:
+        raise ValueError(f"{cfg.name} is a DeepSeek-V4.1 config: load_model and the engine do not run V4.1 yet; "
+                         f"its forward is dsjax.model.v41 (README 'DeepSeek-V4.1-Flash')")
     draft_ids = read_draft_vocab(path, cfg) if path.is_dir() else None  # checked before any weight is read
     kernels = resolve_kernels(kernels)
     specs = model_specs(cfg, dtype)

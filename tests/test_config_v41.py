@@ -176,3 +176,12 @@ def test_bad_v41_field_is_named(edit, field):
     edit(flat)
     with pytest.raises(ConfigError, match=field):
         from_flat_v41(flat)
+
+
+def test_load_model_says_v41_is_not_served_yet():
+    """A V4.1 config given to load_model (which builds V4's parameters and engine) is refused
+    by name, pointing at the V4.1 forward, rather than failing somewhere inside."""
+    import dsjax
+
+    with pytest.raises(ValueError, match="DeepSeek-V4.1 config: load_model and the engine do not run V4.1 yet"):
+        dsjax.load_model("tiny-v41")
