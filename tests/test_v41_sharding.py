@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 on a mesh (8 fake CPU devices): prefill chunks and decodes through the
 batch-sharded cache, with experts split over the expert axis and weights over the tensor
-axis, equal the one-device full-sequence forward (tiny-v41, fp32, no round trips, the
-owner's index keys so chunked and full agree)."""
+axis, equal the full-sequence forward (the float64 oracle's, unsharded; tiny-v41, fp32, no
+round trips, the owner's index keys so chunked and full agree)."""
 
 import functools
 
@@ -12,9 +12,12 @@ import pytest
 
 from dsjax.config import RuntimeOptions, load_config
 from dsjax.model.cache import batch_axes, init_cache
-from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams, v41_streams_cached
+from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams_cached
 from dsjax.params import init_params
 from dsjax.sharding.rules import batch_sharding, make_mesh, shardings_for
+
+import v41_oracle  # tests/ is on sys.path (conftest.py)
+from test_v41_forward import HP, _oracle_weights
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 OPTS = RuntimeOptions(round_trips=False, index_keys_from_owner=True)
@@ -25,8 +28,7 @@ def test_cached_decode_on_mesh_matches_one_device():
     cfg = load_config("tiny-v41")
     specs = v41_model_specs(cfg, jnp.float32)
     ids = np.random.default_rng(0).integers(0, 5000, (8, 20)).astype(np.int32)
-    full = jax.jit(lambda p, t: v41_logits(p, *v41_streams(p, t, cfg, opts=OPTS)[:2], cfg))
-    want = np.asarray(full(init_params(specs, seed=0), ids))
+    want, _ = v41_oracle.forward(_oracle_weights(init_params(specs, seed=0), cfg), ids, HP)  # float64, no mesh
 
     @functools.partial(jax.jit, static_argnames="c", donate_argnames="cache")
     def step(params, tokens, cache, n_valid, c):
