@@ -1,6 +1,7 @@
 """Model configs and run options.
 
-    schema.py   ModelConfig / LayerSpec / RopeConfig: what the model is, validated once
+    schema.py   ModelConfig / RopeConfig / V41Config: what the model is, validated once
+    layer_plan.py  LayerSpec (with V4.1's Sharing) per layer, the scanned LayerRun plan
     io.py       HF config.json (current and legacy keys), JSON files, named configs
     options.py  RuntimeOptions: how to run it (kernels, MoE capacity, batch invariance)
 """
