@@ -140,22 +140,47 @@ def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, 
     None leaves the Engram update out (a model without its tables). taps: also return
     DSpark's main_hidden, the stream means of the block inputs of its target layers."""
     b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+    def attend_of(layer, n_entries):
+        def attend(pa, h, state, at, shared):
+            out, shared = shared_attention_forward(pa, h, positions, layer, cfg, shared, kernels=opts.kernels,
+                                                   round_trips=opts.round_trips)
+            return out, (state, shared)
+        return attend
+
+    streams, pi, _, main_hidden = _backbone(params, tokens, cfg, None, lambda ratio: s // ratio, attend_of,
+                                            engram_rows, opts, taps)
+    return streams, pi, main_hidden
+
+
+def _backbone(params, tokens, cfg, states, n_entries_of, attend_of, engram_rows, opts, taps):
+    """The layer runs in order, shared by the full-sequence and cached forwards: the Engram
+    update before a run that starts at an Engram layer, each run scanned (`_run`) with the
+    shared state of its ratio carried in and out. n_entries_of(ratio): the latents a layer of
+    that ratio reads; attend_of(layer, n_entries) -> attend(p, h, state, at, shared) ->
+    (out, (state, shared)); states: the cache's per-run stacked states, or None.
+    -> (streams, pi, the new states or None, main_hidden or None)."""
+    b, c = tokens.shape
     streams = embed_streams(params, tokens, cfg)
     pi = first_pi(streams)
-    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
-    tapped, shared = {}, None
-    for run, blocks in zip(cfg.layer_runs, params.blocks):
+    tapped, shared, new_states = {}, None, []
+    for k, (run, blocks) in enumerate(zip(cfg.layer_runs, params.blocks)):
         streams = engram_before(params, run, streams, engram_rows, cfg)
         ratio = max(layer.compress_ratio for layer in run.layers)
-        if ratio and (shared is None or shared.entries.shape[1] != s // ratio):
-            shared = empty_shared(cfg, b, s, s // ratio, streams.dtype)
-        streams, pi, run_shared, run_taps = _run_full(run, blocks, (streams, pi, shared if ratio else None), tokens,
-                                                      positions, targets, cfg, opts)
+        n_entries = n_entries_of(ratio) if ratio else 0
+        if ratio and (shared is None or shared.entries.shape[1] != n_entries):
+            shared = empty_shared(cfg, b, c, n_entries, streams.dtype)
+        run_states = None if states is None else states[k]
+        streams, pi, run_shared, run_states, run_taps = _run(
+            run, blocks, (streams, pi, shared if ratio else None), run_states, tokens,
+            [attend_of(layer, n_entries) for layer in run.layers], targets, cfg, opts)
         shared = run_shared if ratio else shared
+        new_states.append(run_states)
         tapped.update(run_taps)
     main_hidden = jnp.concatenate([tapped[i] for i in targets], axis=-1) if targets else None
-    return streams, pi, main_hidden
+    return streams, pi, None if states is None else tuple(new_states), main_hidden
 
 
 def _tap(streams: jax.Array) -> jax.Array:
@@ -168,36 +193,41 @@ def _taps_at(run, j: int, targets) -> bool:
     return any(i in targets for i in run.indices[j])
 
 
-def _run_full(run, blocks, carry, tokens, positions, targets, cfg, opts):
-    """One layer run, full sequence: a scan over its period copies, in each an inner scan
-    over a position's alike layers, carrying (streams, pi, shared). -> (*carry, {layer: tap})."""
+def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
+    """One layer run: a scan over its period copies, in each an inner scan over a position's
+    alike layers, carrying (streams, pi, shared) and, with a cache, the run's stacked states
+    (each layer writes its rows in place at its index `at` along the stacked axis).
+    -> (streams, pi, shared, states, {target layer: tap})."""
 
     def position(j):
-        layer, wants = run.layers[j], _taps_at(run, j, targets)
+        wants = _taps_at(run, j, targets)
 
-        def step(carry, p):
-            streams, pi, shared = carry
+        def step(c, xs):
+            streams, pi, shared, state = c
+            p, at = xs
             tap = _tap(streams) if wants else None
-
-            def attend(pa, h):
-                return shared_attention_forward(pa, h, positions, layer, cfg, shared, kernels=opts.kernels,
-                                                round_trips=opts.round_trips)
-            return block_apply_lag(p, streams, pi, tokens, attend, cfg, opts), tap
+            streams, pi, (state, shared) = block_apply_lag(
+                p, streams, pi, tokens, lambda pa, h: attends[j](pa, h, state, at, shared), cfg, opts)
+            return (streams, pi, shared, state), tap
         return step
 
-    def copy(carry, ps):
-        taps = []
+    def copy(c, xs):
+        streams, pi, shared, sts = c
+        ps, r = xs
+        taps, new = [], list(sts)
         for j, p in enumerate(ps):
-            carry, tap = jax.lax.scan(position(j), carry, p)
+            ats = r * run.inner[j] + jnp.arange(run.inner[j])
+            (streams, pi, shared, new[j]), tap = jax.lax.scan(position(j), (streams, pi, shared, new[j]), (p, ats))
             taps.append(tap)
-        return carry, tuple(taps)
+        return (streams, pi, shared, tuple(new)), tuple(taps)
 
     stacked = tuple(jax.tree.map(lambda a, n=n: a.reshape(run.repeats, n, *a.shape[1:]), blocks[j])
                     for j, n in enumerate(run.inner))  # [repeats * inner, ...] -> [repeats, inner, ...]
-    carry, taps = jax.lax.scan(copy, carry, stacked)
+    states = (None,) * len(run.layers) if states is None else tuple(states)
+    (streams, pi, shared, states), taps = jax.lax.scan(copy, (*carry, states), (stacked, jnp.arange(run.repeats)))
     out = {run.index_of(r, j, i): taps[j][r, i] for r in range(run.repeats) for j in range(len(run.layers))
            for i in range(run.inner[j]) if run.index_of(r, j, i) in targets}
-    return (*carry, out)
+    return streams, pi, shared, states, out
 
 
 def v41_logits(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -253,70 +283,20 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
     history = cache.history
     if callable(engram_rows):
         engram_rows, history = engram_fetch(engram_rows, cfg, tokens, cache.history, n_valid)
-    streams = embed_streams(params, tokens, cfg)
-    pi = first_pi(streams)
-    targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
     quirk_keys = None
     src = None if opts.index_keys_from_owner else quirk_source(cfg)
     if src is not None:
         k, j, at = layer_slot(cfg, src)
         quirk_keys = cache.layers[k][j].index_keys[at]
-    tapped, shared, states = {}, None, []
-    for run, blocks, run_states in zip(cfg.layer_runs, params.blocks, cache.layers):
-        streams = engram_before(params, run, streams, engram_rows, cfg)
-        ratio = max(layer.compress_ratio for layer in run.layers)
-        n_entries = ctx_bucket // ratio if ratio else 0
-        if ratio and (shared is None or shared.entries.shape[1] != n_entries):
-            shared = empty_shared(cfg, b, c, n_entries, streams.dtype)
 
-        def attend_of(layer, at, state, shared, n_entries=n_entries):
-            return lambda pa, h: _pack(shared_attention_extend(
+    def attend_of(layer, n_entries):
+        def attend(pa, h, state, at, shared):
+            out, state, shared = shared_attention_extend(
                 pa, state, h, start, n_valid, layer, cfg, shared, n_entries, kernels=opts.kernels, at=at,
-                quirk_keys=quirk_keys, round_trips=opts.round_trips))
-        streams, pi, run_shared, run_states, run_taps = _run_cached(
-            run, blocks, run_states, (streams, pi, shared if ratio else None), tokens, attend_of, targets, cfg, opts)
-        shared = run_shared if ratio else shared
-        states.append(run_states)
-        tapped.update(run_taps)
-    main_hidden = jnp.concatenate([tapped[i] for i in targets], axis=-1) if targets else None
-    return streams, pi, Cache(start + n_valid, tuple(states), history), main_hidden
+                quirk_keys=quirk_keys, round_trips=opts.round_trips)
+            return out, (state, shared)
+        return attend
 
-
-def _pack(result):
-    out, state, shared = result
-    return out, (state, shared)
-
-
-def _run_cached(run, blocks, states, carry, tokens, attend_of, targets, cfg, opts):
-    """One layer run with a cache: scans as `_run_full`, with the run's stacked states in the
-    carry (each layer writes its rows in place at its index `at` along the stacked axis)."""
-
-    def position(j):
-        layer, wants = run.layers[j], _taps_at(run, j, targets)
-
-        def step(c, xs):
-            streams, pi, shared, state = c
-            p, at = xs
-            tap = _tap(streams) if wants else None
-            streams, pi, (state, shared) = block_apply_lag(p, streams, pi, tokens,
-                                                           attend_of(layer, at, state, shared), cfg, opts)
-            return (streams, pi, shared, state), tap
-        return step
-
-    def copy(c, xs):
-        streams, pi, shared, sts = c
-        ps, r = xs
-        taps, new = [], list(sts)
-        for j, p in enumerate(ps):
-            ats = r * run.inner[j] + jnp.arange(run.inner[j])
-            (streams, pi, shared, new[j]), tap = jax.lax.scan(position(j), (streams, pi, shared, new[j]), (p, ats))
-            taps.append(tap)
-        return (streams, pi, shared, tuple(new)), tuple(taps)
-
-    stacked = tuple(jax.tree.map(lambda a, n=n: a.reshape(run.repeats, n, *a.shape[1:]), blocks[j])
-                    for j, n in enumerate(run.inner))
-    (streams, pi, shared, states), taps = jax.lax.scan(copy, (*carry, tuple(states)),
-                                                       (stacked, jnp.arange(run.repeats)))
-    out = {run.index_of(r, j, i): taps[j][r, i] for r in range(run.repeats) for j in range(len(run.layers))
-           for i in range(run.inner[j]) if run.index_of(r, j, i) in targets}
-    return streams, pi, shared, states, out
+    streams, pi, states, main_hidden = _backbone(params, tokens, cfg, cache.layers, lambda ratio: ctx_bucket // ratio,
+                                                 attend_of, engram_rows, opts, taps)
+    return streams, pi, Cache(start + n_valid, states, history), main_hidden
