@@ -256,18 +256,23 @@ class EngramStore:
     def rows(self, tokens: np.ndarray, history: np.ndarray, dead: np.ndarray | None = None):
         """tokens [B, S] (dead [B, S]: image-span tokens) after `history` -> ([(q e4m3 [B, S, n_hash, hd],
         scale exponents [B, S, n_hash, hd / 32]) per Engram layer], the history after the chunk)."""
-        kappa = compressed_ids(self.token_map, tokens, dead)
-        out = [table.gather(ngram_row_ids(self.layout, k, kappa, history)) for k, table in enumerate(self.tables)]
+        out, kappa = self._lookup(tokens, history, dead)
         return out, next_history(history, kappa)
+
+    def _lookup(self, tokens, history, dead=None):
+        """-> ([(q, scale) per Engram layer], the chunk's compressed ids)."""
+        kappa = compressed_ids(self.token_map, tokens, dead)
+        rows = [table.gather(ngram_row_ids(self.layout, k, kappa, history)) for k, table in enumerate(self.tables)]
+        return rows, kappa
 
     def fetch(self, tokens, history, n_valid):
         """The host side of a step's Engram lookup (`dsjax.model.v41.engram_fetch`): tokens
         [B, C], history [B, h], n_valid [B] -> (E4M3 bytes, E8M0 bytes) per layer as uint8, then
         the history after each row's n_valid tokens (int32). Rows of padding positions are
         read too (their ids are valid): the chunk's shape is fixed."""
-        tokens, history = np.asarray(tokens), np.asarray(history, np.int64)
-        rows, _ = self.rows(np.clip(tokens, 0, len(self.token_map) - 1), history)
-        kappa = compressed_ids(self.token_map, np.clip(tokens, 0, len(self.token_map) - 1))
+        tokens = np.clip(np.asarray(tokens), 0, len(self.token_map) - 1)  # padding rows may hold any id
+        history = np.asarray(history, np.int64)
+        rows, kappa = self._lookup(tokens, history)
         out = []
         for q, scale in rows:
             out += [q.view(np.uint8), scale.astype(np.uint8)]
