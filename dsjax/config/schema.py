@@ -14,6 +14,7 @@ The config is frozen and hashable: it is passed to jitted functions as a static 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from dsjax.config.layer_plan import (CSA, HASH_MOE, HCA, LAYER_TYPES, MLP_LAYER_TYPES, SLIDING, TOPK_MOE,  # noqa: F401
                                      ConfigError, LayerRun, LayerSpec, Sharing, layer_runs)
@@ -154,7 +155,7 @@ class ModelConfig:
     def model_type(self) -> str:
         return "deepseek_v4" if self.v41 is None else "deepseek_v41"
 
-    @property
+    @functools.cached_property
     def layers(self) -> tuple[LayerSpec, ...]:
         if self.v41 is not None:
             v, engram = self.v41, self.v41.engram.layer_ids if self.v41.engram else ()
@@ -166,7 +167,7 @@ class ModelConfig:
             for i, (a, m) in enumerate(zip(self.layer_types, self.mlp_layer_types))
         )
 
-    @property
+    @functools.cached_property
     def layer_runs(self) -> tuple[LayerRun, ...]:
         """The layer plan the decoder stores and scans (see `layer_runs`; V4.1 merges its
         runs of alike consumers into one period position each)."""
