@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.checkpoint import load_checkpoint, orbax_io
+from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
@@ -20,6 +21,7 @@ from dsjax.engine.policy import check_draft_vocab
 from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
+from dsjax.model.v41 import DSparkParams, ModelParamsV41, dspark_specs, engram_table_values, v41_model_specs
 from dsjax.pallas_kernels.dispatch import resolve_kernels
 from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_params, spec_leaves
@@ -60,10 +62,10 @@ class Model:
     of these."""
 
     config: ModelConfig
-    params: ModelParams
+    params: ModelParams | ModelParamsV41
     dtype: jnp.dtype
     mesh: jax.sharding.Mesh | None = None
-    mtp: MTPParams | None = None  # the next-token-prediction drafter, when loaded
+    mtp: MTPParams | DSparkParams | None = None  # the drafter (MTP; V4.1: DSpark), when loaded
     options: RuntimeOptions = RuntimeOptions()
     draft_vocab: np.ndarray | None = None  # [|D|] int32: the ids the drafter proposes from (draft_vocab.json)
 
@@ -73,11 +75,14 @@ class Model:
         if self.mtp is not None and self.draft_vocab is not None:
             mtp = mtp[:-1] + f", drafting from {len(self.draft_vocab)} tokens)"
         mesh = "one device" if self.mesh is None else ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        tables = getattr(self.params, "engram_tables", None)
+        engram = "" if tables is None else (f"\n  engram      {len(tables.tables)} host tables, "
+                                            f"{_amount(engram_table_values(self.config))} values ({tables.source})")
         return (f"dsjax.Model {self.config.name!r}\n"
                 f"  dtype       {jnp.dtype(self.dtype).name}\n"
                 f"  parameters  {_amount(counts['total'])}, {_amount(counts['active'])} active per token{mtp}\n"
                 f"  mesh        {mesh}\n"
-                f"  kernels     {self.options.kernels} (quantized weights: {self.options.quantized})")
+                f"  kernels     {self.options.kernels} (quantized weights: {self.options.quantized}){engram}")
 
     def replace(self, **changes) -> "Model":
         """A copy with fields replaced, e.g. `model.replace(options=model.options.replace(kernels="pallas"))`."""
@@ -152,8 +157,8 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         path = path.parent  # a checkpoint's config.json stands for the checkpoint: its weights, not random ones
     cfg = load_config(path)
     if cfg.v41 is not None:
-        raise ValueError(f"{cfg.name} is a DeepSeek-V4.1 config: load_model and the engine do not run V4.1 yet; "
-                         f"its forward is dsjax.model.v41 (README 'DeepSeek-V4.1-Flash')")
+        return _load_v41(path, cfg, dtype, seed=seed, mesh=mesh, device_memory_bytes=device_memory_bytes,
+                         quantized=quantized, progress=progress, check_finite=check_finite, mtp=mtp, kernels=kernels)
     draft_ids = read_draft_vocab(path, cfg) if path.is_dir() else None  # checked before any weight is read
     kernels = resolve_kernels(kernels)
     specs = model_specs(cfg, dtype)
@@ -206,6 +211,47 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         params = init_params(specs, seed, shardings)
         mtp_params = init_params(m_specs, seed + 1, m_shardings) if want_mtp else None
     return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized), draft_ids)
+
+
+SEEDED_ENGRAM_BYTES = 1 << 30  # a named V4.1 config gets seeded Engram tables in memory up to this size
+
+
+def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_bytes, quantized, progress,
+              check_finite, mtp, kernels) -> Model:
+    """load_model for a DeepSeek-V4.1 config: the backbone read from the checkpoint (or seeded)
+    and its Engram tables memory-mapped from it (a named config: seeded tables held in memory,
+    up to SEEDED_ENGRAM_BYTES; larger ones are left out, and so is the Engram update). The
+    DSpark head loads with mtp=True only: the engine does not draft with it yet."""
+    if quantized != "dequantize":
+        raise ValueError(f"quantized={quantized!r}: a DeepSeek-V4.1 model loads dequantized only (for now)")
+    if path.is_dir() and orbax_io.is_orbax(path):
+        raise ValueError(f"{path}: a `dsjax convert` (orbax) directory of a DeepSeek-V4.1 model cannot be loaded yet; "
+                         f"load the original checkpoint")
+    if isinstance(mesh, str):
+        mesh = make_mesh(mesh)
+    specs = v41_model_specs(cfg, dtype)
+    m_specs = dspark_specs(cfg, dtype) if mtp else None
+    if mtp and m_specs is None:
+        raise ValueError(f"mtp=True: config {cfg.name!r} has no DSpark drafter (num_nextn_predict_layers / dspark)")
+    shardings = m_shardings = None
+    if mesh is not None:
+        check_mesh_fits(cfg, mesh)
+        shardings = shardings_for(specs, mesh)
+        m_shardings = shardings_for(m_specs, mesh) if m_specs is not None else None
+    check_memory(specs, mesh, device_memory_bytes)
+    e = cfg.v41.engram
+    if path.is_dir():
+        loaded = load_checkpoint(path, cfg, specs, shardings, progress=progress, check_finite=check_finite,
+                                 mtp_specs=m_specs, mtp_shardings=m_shardings)
+        params, drafter = loaded if m_specs is not None else (loaded, None)
+        tables = EngramStore.from_checkpoint(path, cfg) if e is not None else None
+    else:
+        params = init_params(specs, seed, shardings)
+        drafter = init_params(m_specs, seed + 1, m_shardings) if m_specs is not None else None
+        small = e is not None and engram_table_values(cfg) * (1 + 1 / 32) <= SEEDED_ENGRAM_BYTES
+        tables = EngramStore.seeded(cfg, seed + 2) if small else None
+    params = params.replace(engram_tables=tables)
+    return Model(cfg, params, dtype, mesh, drafter, RuntimeOptions(kernels=resolve_kernels(kernels)))
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"

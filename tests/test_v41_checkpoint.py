@@ -155,3 +155,38 @@ def test_engram_rows_fetched_inside_the_cached_step(checkpoint):
         np.testing.assert_array_equal(idle[0], np.append(kappa[0, 1:], store.token_map[tokens[0, pos]]))
     finally:
         store.close()
+
+
+def test_load_model_and_engine_generate(checkpoint):
+    """`dsjax.load_model` reads the checkpoint and maps its Engram tables; the engine's greedy
+    output (prefill, cached decode steps fetching Engram rows from the host, and a second
+    request reusing the first one's slot) is the argmax of the full-sequence forward given the
+    rows the written tables hold for the whole sequence."""
+    import dsjax
+    from dsjax.engine.engine import Engine
+    from dsjax.engine.sampler import SamplingParams
+
+    cfg, directory, deq, _, tables = checkpoint
+    model = dsjax.load_model(directory, dtype="float32")
+    model = model.replace(options=model.options.replace(round_trips=False, index_keys_from_owner=True))
+    assert isinstance(model.params.engram_tables, EngramStore) and model.mtp is None
+    prompts = [[11, 402, 7, 7, 93, 5000], [3, 129279, 44, 12, 8, 61]]
+    engine = Engine(model, max_slots=1, capacity=32, prefill_chunk=8)
+    out = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    seqs = np.array([p + o for p, o in zip(prompts, out)], np.int32)  # [2, 12]
+
+    e = cfg.v41.engram
+    store = EngramStore.from_checkpoint(directory, cfg)
+    try:
+        kappa = store.token_map[seqs].astype(np.int64)
+        history = store.initial_history(len(seqs))
+    finally:
+        store.close()
+    rows = tuple(jnp.asarray(tables[layer][ngram_row_ids(model.params.engram_tables.layout, k, kappa, history)])
+                 for k, layer in enumerate(e.layer_ids))
+    opts = model.options
+    full = jax.jit(lambda p, t, r: v41_logits(p, *v41_streams(p, t, cfg, engram_rows=r, opts=opts)[:2], cfg))
+    want = np.asarray(full(jax.tree.map(jnp.asarray, deq), seqs, rows))
+    np.testing.assert_array_equal(seqs[:, 6:], want[:, 5:-1].argmax(-1))
+    # Model.logits, rows fetched from the mapped tables during the forward
+    np.testing.assert_allclose(model.logits(seqs), want, atol=1e-5 * np.abs(want).max(), rtol=0)

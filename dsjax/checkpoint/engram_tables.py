@@ -172,6 +172,16 @@ class EngramTable:
         self.close()
 
 
+class HeldTable(EngramTable):
+    """A table held in memory (uint8 E4M3 bytes [rows, hd], E8M0 exponent bytes [rows, hd / 32]):
+    the seeded tables of a named config with random weights; reads like a mapped one."""
+
+    def __init__(self, weight: np.ndarray, scale: np.ndarray, name: str = "engram.embed"):
+        self.path, self.names, self._maps = Path(f"<seeded {name}>"), {"weight": f"{name}.weight"}, []
+        self._weight, self._scale = weight, scale
+        self.rows, self.bytes_read = weight.shape[0], 0
+
+
 def write_engram_table(path: str | Path, weight_e4m3: np.ndarray, scale_e8m0: np.ndarray,
                        prefix: str = "engram.embed", rows: int | None = None, row_ids=None) -> None:
     """Write a table file (tests, tools). With `row_ids`, the arrays hold only those rows of a
@@ -209,6 +219,12 @@ def write_engram_table(path: str | Path, weight_e4m3: np.ndarray, scale_e8m0: np
 
 
 # ----------------------------------------------------------------------------- a checkpoint's tables
+def _layout(e):
+    """The `EngramLayout` of an `EngramConfig`."""
+    return engram_layout(e.layer_ids, e.max_ngram_size, e.n_heads, e.head_dim, e.vocab_size, e.compressed_vocab_size,
+                         e.pad_id)
+
+
 class EngramStore:
     """A V4.1 checkpoint's Engram tables (memory-mapped) with the layout, token map and
     per-sequence history that turn token ids into the table rows a chunk reads (§5.4-5.5,
@@ -220,6 +236,7 @@ class EngramStore:
 
     def __init__(self, tables, layout, token_map: np.ndarray):
         self.tables, self.layout, self.token_map = tuple(tables), layout, token_map
+        self.source = "seeded, in memory" if any(isinstance(t, HeldTable) for t in self.tables) else "memory-mapped"
         for k, table in enumerate(self.tables):
             if table.rows != layout.table_rows(k):
                 raise CheckpointError(f"{table.path}: Engram table of layer {layout.layer_ids[k]} has {table.rows} "
@@ -230,8 +247,7 @@ class EngramStore:
         e = cfg.v41.engram if cfg.v41 is not None else None
         if e is None:
             raise CheckpointError(f"config {cfg.name!r} has no Engram layers")
-        layout = engram_layout(e.layer_ids, e.max_ngram_size, e.n_heads, e.head_dim, e.vocab_size,
-                               e.compressed_vocab_size, e.pad_id)
+        layout = _layout(e)
         files = CheckpointFiles(directory)
         try:
             stored = {canonical_name(n): info for n, info in files.tensors.items()}
@@ -248,6 +264,20 @@ class EngramStore:
                                       f"spelled differently")
             tables.append(EngramTable(weight.file, prefix=weight.name[: -len(".weight")], head_dim=e.head_dim,
                                       scale_path=scale.file))
+        return cls(tables, layout, engram_token_map() if token_map is None else token_map)
+
+    @classmethod
+    def seeded(cls, cfg, seed: int = 0, std: float = 0.02, token_map: np.ndarray | None = None) -> "EngramStore":
+        """Random tables in memory for a config without a checkpoint: N(0, std) values stored as
+        E4M3 with unit scales (E8M0 exponent 127)."""
+        e = cfg.v41.engram
+        layout = _layout(e)
+        rng = np.random.default_rng(seed)
+        tables = []
+        for k, layer in enumerate(e.layer_ids):
+            values = (std * rng.standard_normal((layout.table_rows(k), e.head_dim))).astype(ml_dtypes.float8_e4m3fn)
+            scale = np.full((layout.table_rows(k), e.head_dim // 32), 127, np.uint8)
+            tables.append(HeldTable(values.view(np.uint8), scale, f"layers.{layer}.engram.embed"))
         return cls(tables, layout, engram_token_map() if token_map is None else token_map)
 
     def initial_history(self, batch: int) -> np.ndarray:

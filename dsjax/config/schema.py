@@ -167,6 +167,12 @@ class ModelConfig:
             for i, (a, m) in enumerate(zip(self.layer_types, self.mlp_layer_types))
         )
 
+    @property
+    def max_compress_ratio(self) -> int:
+        """The largest compression ratio of any layer: a cache's capacity is a multiple of it."""
+        return max([self.compress_rate_csa, self.compress_rate_hca] if self.v41 is None else
+                   [max(self.v41.compress_ratios), 1])
+
     @functools.cached_property
     def layer_runs(self) -> tuple[LayerRun, ...]:
         """The layer plan the decoder stores and scans (see `layer_runs`; V4.1 merges its

@@ -22,12 +22,15 @@ def check_engine_args(cfg: ModelConfig, *, max_slots, capacity, prefill_chunk, d
                             ("max_logprobs", max_logprobs, 0), ("num_draft_tokens", num_draft_tokens, 0)):
         if not is_int(value) or value < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    if cfg.v41 is not None and num_draft_tokens:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens}: the engine does not draft for a DeepSeek-V4.1 model yet "
+                         f"(its DSpark head runs at model level: dsjax.model.dspark); use num_draft_tokens=0")
     if max_logprobs > cfg.vocab_size:
         raise ValueError(f"max_logprobs must be at most the vocabulary size ({cfg.vocab_size}), got {max_logprobs}")
     for name, value in (("overlap", overlap), ("batch_invariant", batch_invariant)):
         if not (isinstance(value, (bool, np.bool_)) or (name == "batch_invariant" and value is None)):
             raise ValueError(f"{name} must be a bool, got {value!r}")
-    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+    ratio = cfg.max_compress_ratio
     if capacity % ratio:
         raise ValueError(f"capacity {capacity} must be a multiple of {ratio} (the largest compression ratio)")
     if capacity > max_capacity(cfg):

@@ -136,7 +136,7 @@ def start_decoding(slots: Slots, slot, token) -> Slots:
 def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, first_mask,
              cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
-    cache = cache.replace(length=length)
+    cache = cache.admit(length, admission.reset)
     logits, cache = forward(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
                             last_only=True)
     slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, logits[:, 0],
@@ -185,7 +185,7 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
     n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
     row_cache = take_rows(cache, slot, n)
     row_slots, length = take_prompt_chunk(take_rows(slots, slot, n), row_cache.length, tokens, n_valid, admission)
-    row_cache = row_cache.replace(length=length)
+    row_cache = row_cache.admit(length, admission.reset)
 
     def emit(logits, length, last):
         state, out = sample_and_emit(row_slots, logits, length, last, first_mask, n_logprobs=n_logprobs)

@@ -150,7 +150,7 @@ def bucket_capacity(tokens: int, cfg: ModelConfig) -> int:
     """A cache capacity holding `tokens`: the power of two >= MIN_BUCKET holding it, rounded
     up to a multiple of the compression ratios (what `dsjax.generate` allocates, and at most
     what a slot can use). Memory, not a program per size: finer than the context buckets."""
-    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+    ratio = cfg.max_compress_ratio
     return -(-max(MIN_BUCKET, 1 << (tokens - 1).bit_length()) // ratio) * ratio
 
 

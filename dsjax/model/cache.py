@@ -35,6 +35,14 @@ class Cache:
         return Cache(length=0, layers=jax.tree.map(lambda _: 1, self.layers),
                      history=None if self.history is None else 0)
 
+    def admit(self, length: jax.Array, reset: jax.Array) -> "Cache":
+        """The cache with lengths [B] after an admission, in which the rows `reset` [B] start a new
+        sequence: their Engram history (V4.1) forgets the request before."""
+        history = self.history
+        if history is not None:
+            history = jnp.where(reset[:, None], jnp.int32(BEFORE_START), history)
+        return self.replace(length=length, history=history)
+
 
 def batch_axes(tree):
     """Per leaf of a batch-major tree (a Cache, slot state, speculation state), its batch axis."""

@@ -285,6 +285,9 @@ def forward(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cac
 
 
 def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
+    if cfg.v41 is not None:  # DeepSeek-V4.1's backbone (its module builds on this one: imported here, not on top)
+        from dsjax.model.v41 import v41_forward_rows
+        return v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
     streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
     if last_only:
         streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)

@@ -12,13 +12,15 @@ counted, not declared, here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.experimental import io_callback
 
 from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig, RuntimeOptions
-from dsjax.layers.engram import Engram, dequant_rows, engram_fuse, engram_specs
+from dsjax.layers.engram import BEFORE_START, Engram, dequant_rows, engram_fuse, engram_specs
 from dsjax.layers.hyper_connection import collapse, expand, hc_mixes, hyper_connection_specs
 from dsjax.layers.linear import linear
 from dsjax.layers.moe import moe_forward, moe_specs
@@ -26,7 +28,7 @@ from dsjax.layers.norms import rms_norm
 from dsjax.layers.shared_attention import (empty_shared, shared_attention_extend, shared_attention_forward,
                                            shared_attention_specs)
 from dsjax.model.cache import Cache
-from dsjax.model.decoder import DEFAULT_OPTIONS, Block, embed_streams, layer_slot, norm_spec
+from dsjax.model.decoder import DEFAULT_OPTIONS, Block, embed_streams, last_valid, layer_slot, norm_spec
 from dsjax.params import ParamSpec, stack_specs
 from dsjax.sharding.rules import batch_major
 
@@ -52,6 +54,9 @@ class ModelParamsV41:
     norm: jax.Array  # [D] fp32
     lm_head: jax.Array | None  # [V, D]; None when tied to embed
     engram: tuple[Engram, ...] = ()  # per Engram layer (cfg.v41.engram.layer_ids); tables on the host
+    # the host tables themselves (an `EngramStore`, not an array: static to jit, compared by identity): when
+    # set, a forward given no engram_rows fetches its rows from them during the step (`engram_fetch`)
+    engram_tables: Any = struct.field(pytree_node=False, default=None)
 
 
 def v41_block_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Block:
@@ -137,10 +142,14 @@ def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, 
 
     engram_rows: per Engram layer, the dequantized table rows its n-gram ids select
     [B, S, n_hash, head_dim] (gathered on the host, dsjax/checkpoint/engram_tables.py);
-    None leaves the Engram update out (a model without its tables). taps: also return
-    DSpark's main_hidden, the stream means of the block inputs of its target layers."""
+    None: fetched from `params.engram_tables` during the step if set, else the Engram update is
+    left out (a model without its tables). taps: also return DSpark's main_hidden, the stream
+    means of the block inputs of its target layers."""
     b, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if engram_rows is None and params.engram_tables is not None:
+        start = jnp.full((b, cfg.v41.engram.max_ngram_size - 1), BEFORE_START, jnp.int32)
+        engram_rows, _ = engram_fetch(params.engram_tables.fetch, cfg, tokens, start, jnp.full((b,), s, jnp.int32))
 
     def attend_of(layer, n_entries):
         def attend(pa, h, state, at, shared):
@@ -275,12 +284,14 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
     (rows with n_valid 0 untouched) -> (streams, pi, cache, main_hidden). ctx_bucket (static)
     bounds the latents read: every one a query can see lies below ctx_bucket / ratio.
     engram_rows: as `v41_streams`, or a host fetch function (`engram_fetch`): the rows then
-    come from host tables during the step and the cache's Engram history moves on.
-    taps: as `v41_streams`."""
+    come from host tables during the step and the cache's Engram history moves on; None:
+    `params.engram_tables.fetch` if set. taps: as `v41_streams`."""
     b, c = tokens.shape
     start = cache.length
     n_valid = jnp.full((b,), c, jnp.int32) if n_valid is None else n_valid
     history = cache.history
+    if engram_rows is None and params.engram_tables is not None:
+        engram_rows = params.engram_tables.fetch
     if callable(engram_rows):
         engram_rows, history = engram_fetch(engram_rows, cfg, tokens, cache.history, n_valid)
     quirk_keys = None
@@ -300,3 +311,18 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
     streams, pi, states, main_hidden = _backbone(params, tokens, cfg, cache.layers, lambda ratio: ctx_bucket // ratio,
                                                  attend_of, engram_rows, opts, taps)
     return streams, pi, Cache(start + n_valid, states, history), main_hidden
+
+
+def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None,
+                     opts: RuntimeOptions, n_valid: jax.Array | None, ctx_bucket: int | None, last_only: bool):
+    """`dsjax.model.decoder.forward` for a V4.1 config: (logits fp32, cache), the Engram rows
+    from the params' host tables if they have them."""
+    if cache is None:
+        streams, pi, _ = v41_streams(params, tokens, cfg, opts=opts)
+    else:
+        streams, pi, cache, _ = v41_streams_cached(params, tokens, cfg, cache, ctx_bucket=ctx_bucket, n_valid=n_valid,
+                                                   opts=opts)
+    if last_only:
+        n = jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid
+        streams, pi = last_valid(streams, n), last_valid(pi, n)
+    return v41_logits(params, streams, pi, cfg), cache
