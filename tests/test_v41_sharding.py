@@ -49,3 +49,18 @@ def test_cached_decode_on_mesh_matches_one_device():
             logits, cache = step(params, tok, cache, n, c=c)
             got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_load_model_on_mesh_with_round_trips_and_engram():
+    """`dsjax.load_model` of tiny-v41 on a mesh (its seeded Engram tables read on the host during
+    the forward, the quantisation round trips on, as by default) gives the one-device model's
+    logits: the FP4 round trip's values are summed from code steps, not gathered from a constant
+    table, which under an explicit mesh had no sharding."""
+    import dsjax
+
+    ids = np.random.default_rng(1).integers(0, 5000, (2, 10))
+    model = dsjax.load_model("tiny-v41", mesh="data=2,expert=4")
+    assert model.options.round_trips and model.params.engram_tables is not None
+    got = model.logits(ids)
+    want = dsjax.load_model("tiny-v41").logits(ids)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)

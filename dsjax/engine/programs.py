@@ -43,7 +43,7 @@ class StepOutput:
     drafts_checked: jax.Array | None = None  # [B] speculative engines: drafts verified this step
     drafts_accepted: jax.Array | None = None  # [B]
     next_limit: jax.Array | None = None  # [B] drafts each row asks the next step to verify
-    draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence policy)
+    draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence)
 
 
 def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array,

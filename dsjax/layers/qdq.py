@@ -107,10 +107,15 @@ def e2m1_of_quotient(x: jax.Array, s: jax.Array) -> jax.Array:
     which is not the rounded quotient and moves exact ties (150 / 30 = 5 -> 4, but 150 · fp32(1/30)
     = 5.0000005 -> 6). The comparisons are exact: t·s is exact in fp32 (t has ≤ 3 significant bits,
     an E4M3 s 4). They agree with the rounded quotient because, for bf16 x and E4M3 s, an x/s that is
-    not exactly a tie lies further from it than fp32's rounding can move it."""
+    not exactly a tie lies further from it than fp32's rounding can move it.
+
+    The value is summed from the steps between codes (exact: dyadic), not gathered from a table: a
+    gather from an unsharded constant by sharded codes has no sharding under an explicit mesh."""
     mag = jnp.abs(x.astype(jnp.float32))
-    code = sum(((mag > t * s) | ((mag == t * s) & (i % 2 == 0))).astype(jnp.int32) for t, i in _E2M1_TIES)
-    return jnp.copysign(jnp.asarray(E2M1_SIGNED[:8])[code], x.astype(jnp.float32))
+    steps = np.diff(E2M1_SIGNED[:8])  # value(code i) - value(code i-1), i = 1..7
+    value = sum(jnp.where((mag > t * s) | ((mag == t * s) & (i % 2 == 0)), jnp.float32(step), jnp.float32(0))
+                for (t, i), step in zip(_E2M1_TIES, steps))
+    return jnp.copysign(value, x.astype(jnp.float32))
 
 
 def pow2_exponent(a: jax.Array, m: float) -> jax.Array:
