@@ -71,7 +71,9 @@ class Model:
 
     def __repr__(self) -> str:  # the dataclass default would print every weight array
         counts = count_params(self.config, self.dtype)
-        mtp = f" (+ MTP drafter: {_amount(counts['total_with_mtp'] - counts['total'])})" if self.mtp is not None else ""
+        drafter = "DSpark" if self.config.v41 is not None else "MTP"
+        mtp = f" (+ {drafter} drafter: {_amount(counts['total_with_mtp'] - counts['total'])})" if self.mtp is not None \
+            else ""
         if self.mtp is not None and self.draft_vocab is not None:
             mtp = mtp[:-1] + f", drafting from {len(self.draft_vocab)} tokens)"
         mesh = "one device" if self.mesh is None else ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -221,7 +223,7 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
     """load_model for a DeepSeek-V4.1 config: the backbone read from the checkpoint (or seeded)
     and its Engram tables memory-mapped from it (a named config: seeded tables held in memory,
     up to SEEDED_ENGRAM_BYTES; larger ones are left out, and so is the Engram update). The
-    DSpark head loads with mtp=True only: the engine does not draft with it yet."""
+    DSpark head (`Model.mtp`, the engine's drafter) loads as load_model's mtp says."""
     if quantized != "dequantize":
         raise ValueError(f"quantized={quantized!r}: a DeepSeek-V4.1 model loads dequantized only (for now)")
     if path.is_dir() and orbax_io.is_orbax(path):
@@ -230,6 +232,7 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
     specs = v41_model_specs(cfg, dtype)
+    mtp = (has_mtp(path) if path.is_dir() else False) if mtp is None else mtp
     m_specs = dspark_specs(cfg, dtype) if mtp else None
     if mtp and m_specs is None:
         raise ValueError(f"mtp=True: config {cfg.name!r} has no DSpark drafter (num_nextn_predict_layers / dspark)")

@@ -17,7 +17,7 @@ from dsjax.checkpoint.names import canonical_name, mtp_weight_names, weight_name
 from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
 from dsjax.config import RuntimeOptions, load_config
 from dsjax.layers.engram import dequant_rows, ngram_row_ids
-from dsjax.model.v41 import dspark_specs, v41_logits, v41_model_specs, v41_streams
+from dsjax.model.v41 import DSparkParams, dspark_specs, v41_logits, v41_model_specs, v41_streams
 from dsjax.params import init_params, spec_leaves
 
 FP8_SCALED = v41_checkpoint.FP8
@@ -169,10 +169,15 @@ def test_load_model_and_engine_generate(checkpoint):
     cfg, directory, deq, _, tables = checkpoint
     model = dsjax.load_model(directory, dtype="float32")
     model = model.replace(options=model.options.replace(round_trips=False, index_keys_from_owner=True))
-    assert isinstance(model.params.engram_tables, EngramStore) and model.mtp is None
+    assert isinstance(model.params.engram_tables, EngramStore) and isinstance(model.mtp, DSparkParams)
     prompts = [[11, 402, 7, 7, 93, 5000], [3, 129279, 44, 12, 8, 61]]
     engine = Engine(model, max_slots=1, capacity=32, prefill_chunk=8)
     out = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    # speculating with the (random) DSpark head: its drafts rejected, each verify step's Engram
+    # ids and cache rows of the rejected positions are put back, and the output is the same
+    spec = Engine(model, max_slots=1, capacity=32, prefill_chunk=8, num_draft_tokens=3, spec_policy="fixed")
+    assert spec.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True)) == out
+    assert spec.spec_metrics()["drafts_proposed"] > 0
     seqs = np.array([p + o for p, o in zip(prompts, out)], np.int32)  # [2, 12]
 
     e = cfg.v41.engram

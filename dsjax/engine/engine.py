@@ -45,9 +45,9 @@ import numpy as np
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, fill_masks, mask_words, pack_mask
 from dsjax.engine.limits import check_cache_fits, check_engine_args
-from dsjax.model.cache import batch_axes, min_ring
+from dsjax.model.cache import batch_axes
 from dsjax.model.decoder import INVARIANT_ROWS
-from dsjax.engine.policy import SpeculationPolicy, check_draft_vocab, check_speculation
+from dsjax.engine.policy import SpeculationPolicy, check_draft_vocab, check_speculation, max_drafts
 from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, spec_decode_step, spec_prefill_step, start_decoding)
 from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
@@ -137,7 +137,7 @@ class Engine:
         self._prefill_rows = self.rows if self.mesh is not None else INVARIANT_ROWS if batch_invariant else 1
         spec_policy = spec_policy or ("fixed" if batch_invariant else "confidence")
         self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, self.rows)
-        check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=min_ring(cfg) - 1,
+        check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=max_drafts(cfg),
                           unsupported={"a mesh": self.mesh is not None, "decode_steps > 1": decode_steps > 1,
                                        # a step's verify length is the batch's, from measured timings
                                        "spec_policy='confidence' in batch-invariant mode (use 'fixed')":
@@ -174,6 +174,9 @@ class Engine:
             return None if ids is None else check_draft_vocab(ids, self.cfg.vocab_size, "model.draft_vocab")
         if draft_vocab is False:
             return None
+        if self.cfg.v41 is not None:
+            raise ValueError("draft_vocab is for the MTP drafter; DeepSeek-V4.1's DSpark head drafts over the whole "
+                             "vocabulary (leave draft_vocab None)")
         if draft_vocab is True:
             raise ValueError("draft_vocab must be None (the model's), False (the full vocabulary) or a list of "
                              "token ids, got True")

@@ -22,9 +22,6 @@ def check_engine_args(cfg: ModelConfig, *, max_slots, capacity, prefill_chunk, d
                             ("max_logprobs", max_logprobs, 0), ("num_draft_tokens", num_draft_tokens, 0)):
         if not is_int(value) or value < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    if cfg.v41 is not None and num_draft_tokens:
-        raise ValueError(f"num_draft_tokens={num_draft_tokens}: the engine does not draft for a DeepSeek-V4.1 model "
-                         f"yet (its DSpark head runs at model level: dsjax.model.dspark); use num_draft_tokens=0")
     if max_logprobs > cfg.vocab_size:
         raise ValueError(f"max_logprobs must be at most the vocabulary size ({cfg.vocab_size}), got {max_logprobs}")
     for name, value in (("overlap", overlap), ("batch_invariant", batch_invariant)):

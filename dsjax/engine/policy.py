@@ -24,26 +24,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax.config import ModelConfig
 from dsjax.engine.speculative import CALIBRATION_BINS, Schedule, calibration_centres
+from dsjax.model.cache import min_ring
 
 SPEC_POLICIES = ("confidence", "fixed")
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per bin at the bin's centre: the raw confidence until drafts are judged
 COUNTERS = ("target_steps", "row_steps", "drafts_proposed", "drafts_accepted", "decode_tokens")
 
 
+def max_drafts(cfg: ModelConfig) -> int:
+    """The most drafts a verify step can check: its k + 1 positions fit the smallest cache ring
+    (DeepSeek-V4.1: and DSpark drafts a block of block_size)."""
+    ring = min_ring(cfg) - 1
+    return ring if cfg.v41 is None or cfg.v41.dspark is None else min(ring, cfg.v41.dspark.block_size)
+
+
 def check_speculation(num_draft_tokens: int, *, has_mtp: bool, max_drafts: int, unsupported: dict[str, bool]):
-    """Refuse speculation the engine cannot run: no MTP layer, more drafts than the
-    smallest cache ring allows (`max_drafts`), or an engine option (name -> set) it does
-    not combine with."""
+    """Refuse speculation the engine cannot run: no drafter (MTP layer / DSpark head), more
+    drafts than `max_drafts`, or an engine option (name -> set) it does not combine with."""
     k = num_draft_tokens
     if not k:
         return
     if not has_mtp:
-        raise ValueError("num_draft_tokens > 0 needs the model's MTP layer: load a checkpoint with mtp.0.* "
-                         "tensors, or load_model(..., mtp=True)")
+        raise ValueError("num_draft_tokens > 0 needs the model's drafter (the MTP layer; DeepSeek-V4.1: the DSpark "
+                         "head): load a checkpoint with mtp.0.* tensors, or load_model(..., mtp=True)")
     if k > max_drafts:
-        raise ValueError(f"num_draft_tokens={k} is too many for this model: a verify step writes k + 1 "
-                         f"positions, at most its smallest cache ring ({max_drafts + 1})")
+        raise ValueError(f"num_draft_tokens={k} is too many for this model: at most {max_drafts} (a verify step's "
+                         f"k + 1 positions fit its smallest cache ring; DSpark drafts a block at a time)")
     for name, bad in unsupported.items():
         if bad:
             raise ValueError(f"speculative decoding (num_draft_tokens > 0) does not support {name}")

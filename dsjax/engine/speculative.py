@@ -1,6 +1,6 @@
-"""Speculative decoding with the MTP drafter: k drafts per request verified in ONE jitted
-target forward over k+1 positions, lossless acceptance, and rollback of every cache row the
-rejected positions wrote.
+"""Speculative decoding with the MTP drafter (DeepSeek-V4.1: the DSpark head): k drafts per
+request verified in ONE jitted target forward over k+1 positions, lossless acceptance, and
+rollback of every cache row the rejected positions wrote.
 
 Per step, for each slot at cache length L with pending token x_L (not yet in the cache):
 
@@ -30,6 +30,12 @@ is then the argmax / a draw within D mapped back to its full id, and q is that d
 scattered into the full vocabulary (zero outside D): still the distribution the draft was
 drawn from, so the acceptance test above stays exact. The target verifies with its full
 head as before; only the drafts change (greedy outputs are plain decoding's whatever D is).
+
+DeepSeek-V4.1 (`dspark_commit_and_draft`): the committed positions' taps feed the DSpark
+stages' key rings, and one DSpark call drafts the block after the next token, each draft
+drawn (as above, with the request's keys) from the processed Markov-corrected logits given
+the drafts before it; its confidence head gives the confidence policy sigma(c_k). The
+rollback also puts back the Engram id history (`kept_history`).
 """
 
 from __future__ import annotations
@@ -43,10 +49,13 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import SamplingState, argmax_first, categorical, processed_logits, request_key
 from dsjax.engine.slots import emit_tokens
 from dsjax.layers.attention import AttentionState
-from dsjax.model.cache import Cache, restore_rows, save_rows
+from dsjax.model.cache import Cache, batch_axes, restore_rows, save_rows
 from dsjax.model.decoder import (DEFAULT_OPTIONS, ModelParams, decoder_streams, head_logits, last_valid, lm_head_weight,
                                  logits_of)
+from dsjax.layers.engram import kept_history
+from dsjax.model.dspark import DSparkRing, dspark_draft, dspark_seed, empty_ring
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
+from dsjax.model.v41 import DSparkParams, quirk_source, v41_logits, v41_streams_cached
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
 
@@ -162,7 +171,7 @@ class Speculation:
     """Per slot: the MTP layer's window ring, the pending drafts and how many of them the
     next verify step checks."""
 
-    mtp: AttentionState
+    mtp: AttentionState | DSparkRing  # V4.1: the DSpark stages' rings
     drafts: Drafts
     limit: jax.Array  # [B] int32
 
@@ -171,7 +180,10 @@ def init_speculation(cfg: ModelConfig, batch: int, n_drafts: int, dtype) -> Spec
     f32 = jnp.float32
     drafts = Drafts(jnp.zeros((batch, n_drafts), jnp.int32), jnp.zeros((batch, n_drafts, cfg.vocab_size), f32),
                     jnp.zeros((batch, n_drafts), f32))
-    ring = jax.tree.map(lambda sh: jnp.zeros(sh.shape, sh.dtype), mtp_state_shapes(cfg, batch, dtype))
+    if cfg.v41 is not None:
+        ring = empty_ring(cfg, batch, dtype)
+    else:
+        ring = jax.tree.map(lambda sh: jnp.zeros(sh.shape, sh.dtype), mtp_state_shapes(cfg, batch, dtype))
     return Speculation(ring, drafts, jnp.zeros((batch,), jnp.int32))
 
 
@@ -252,19 +264,73 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
     return mtp_state, chain() if draft is True else jax.lax.cond(jnp.any(draft), chain, lambda: old)
 
 
+def dspark_commit_and_draft(params, ds: DSparkParams, ring: DSparkRing, hidden: jax.Array, next_tokens: jax.Array,
+                            start: jax.Array, n_valid: jax.Array, s: SamplingState, old: Drafts, cfg: ModelConfig, *,
+                            sampled: bool, confidence: bool, draft=True, vocab: DraftVocab | None = None,
+                            opts: RuntimeOptions = DEFAULT_OPTIONS):
+    """`commit_and_draft` for DeepSeek-V4.1's DSpark head: write the main-stream keys of the
+    true positions start .. start+n_valid-1 (their taps hidden [B, C, T * D]) into the stages'
+    rings, then draft from the last one the block after its next token. Each draft is corrected
+    by the one before; greedy rows take the argmax, sampled ones (sampled=True) draw from the
+    request's processed distribution of the corrected logits, which is then q. confidence:
+    sigma of the confidence head. vocab must be None (DSpark scores the full vocabulary)."""
+    del vocab
+    c = hidden.shape[1]
+    i = jnp.arange(c)
+    ring = dspark_seed(ds, hidden, start[:, None] + i, ring, cfg, i[None] < n_valid[:, None], opts=opts)
+    last = jnp.maximum(n_valid - 1, 0)
+    rows = jnp.arange(hidden.shape[0])
+    t = start + last  # the last committed position: the drafts are for t + 2 ..
+    row_sampled = s.temperature > 0
+
+    def pick(logits, j):
+        if not sampled:
+            return argmax_first(logits)
+        return jnp.where(row_sampled, draw(processed_probs(logits, s), s.seed, t + 2 + j, DRAFT), argmax_first(logits))
+
+    def chain() -> Drafts:  # the ring it returns is `ring` again (rho_t is written above), unless n_valid is 0
+        _, tokens, logits, conf = dspark_draft(ds, params, next_tokens[rows, last], hidden[rows, last], t, ring, cfg,
+                                               pick=pick, opts=opts)
+        k = old.tokens.shape[1]
+        return Drafts(tokens[:, :k], processed_probs(logits[:, :k], s) if sampled else old.q,
+                      jax.nn.sigmoid(conf[:, :k]) if confidence else old.confidence)
+
+    return ring, chain() if draft is True else jax.lax.cond(jnp.any(draft), chain, lambda: old)
+
+
+def target_chunk(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *, opts: RuntimeOptions,
+                 n_valid: jax.Array, ctx_bucket: int, last_only: bool = False):
+    """The target over a chunk tokens [B, C] -> (logits fp32 [B, C, V] (last_only: [B, 1, V]
+    at each row's last valid position), what its drafter reads (V4: the streams [B, C, N, D];
+    V4.1: DSpark's taps [B, C, T * D]), cache)."""
+    if cfg.v41 is None:
+        streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
+        return logits_of(params, last_valid(streams, n_valid) if last_only else streams, cfg), streams, cache
+    streams, pi, cache, hidden = v41_streams_cached(params, tokens, cfg, cache, ctx_bucket=ctx_bucket, n_valid=n_valid,
+                                                    opts=opts, taps=True)
+    if last_only:
+        streams, pi = last_valid(streams, n_valid), last_valid(pi, n_valid)
+    return v41_logits(params, streams, pi, cfg), hidden, cache
+
+
+def _drafter(cfg: ModelConfig):
+    return commit_and_draft if cfg.v41 is None else dspark_commit_and_draft
+
+
 def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Drafts, rows: jax.Array,
                        schedule: Schedule | None) -> Speculation:
     """The new ring and drafts for `rows` [B] (bool); the other rows keep theirs."""
-    def keep(new, old):
+    def keep(new, old, axis=0):
         if new is old:  # not recomputed (greedy-only q, fixed-policy confidence)
             return old
-        return jnp.where(rows.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+        return jnp.where(jnp.expand_dims(rows, [d for d in range(new.ndim) if d != axis]), new, old)
 
     drafts = Drafts(*(keep(n, o) for n, o in zip((drafts.tokens, drafts.q, drafts.confidence),
                                                  (spec.drafts.tokens, spec.drafts.q, spec.drafts.confidence))))
     limits = choose_limits(drafts.confidence, None) if schedule is None else \
         choose_limits(drafts.confidence, schedule.costs, schedule.acceptance)
-    return Speculation(jax.tree.map(keep, mtp_state, spec.mtp), drafts, keep(limits, spec.limit))
+    ring = jax.tree.map(keep, mtp_state, spec.mtp, batch_axes(spec.mtp))
+    return Speculation(ring, drafts, keep(limits, spec.limit))
 
 
 # ----------------------------------------------------------------------------- steps
@@ -294,11 +360,14 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     drafts = spec.drafts
     tokens = jnp.concatenate([slots.last_token[:, None], drafts.tokens[:, :k]], axis=1)  # [B, k+1]
     positions = start[:, None] + jnp.arange(k + 1)
-    saved = save_rows(cache, positions, cfg)
-    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=jnp.where(active, k + 1, 0),
-                                     ctx_bucket=ctx_bucket)
-    logits = logits_of(params, streams, cfg)
+    saved, history = save_rows(cache, positions, cfg), cache.history
+    logits, streams, cache = target_chunk(params, tokens, cfg, cache, opts=opts, n_valid=jnp.where(active, k + 1, 0),
+                                          ctx_bucket=ctx_bucket)
     limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
+    if cfg.v41 is not None and not opts.index_keys_from_owner and quirk_source(cfg) is not None:
+        # the reference's published-key rule holds in a chunk at positions t <= 2 start + 1 only
+        # (README "DeepSeek-V4.1-Flash"): a row keeps at most start + 1 drafts (a short prompt's first steps)
+        limit = jnp.minimum(limit, start + 1)
     if sampled:
         p = processed_probs(logits, slots.sampling)
         a, nxt = accept(p, drafts.q[:, :k], drafts.tokens[:, :k], limit, slots.sampling, start)
@@ -307,11 +376,14 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     i = jnp.arange(k + 1)
     produced = jnp.where(i < a[:, None], jnp.pad(drafts.tokens[:, :k], ((0, 0), (0, 1))), nxt[:, None])
     cache = restore_rows(cache, saved, positions, (i > a[:, None]) & active[:, None], cfg)
-    cache = cache.replace(length=jnp.where(active, start + a + 1, start))
+    kept = jnp.where(active, a + 1, 0)
+    cache = cache.replace(length=start + kept)
+    tables = getattr(params, "engram_tables", None)
+    if tables is not None:  # the Engram ids of the kept positions only
+        cache = cache.replace(history=kept_history(tables.token_map, history, tokens, kept))
     slots, count, finished = emit_tokens(slots, produced, a + 1, start)
-    mtp_state, new = commit_and_draft(params, mtp, spec.mtp, streams, produced, start, jnp.where(active, a + 1, 0),
-                                      slots.sampling, drafts, cfg, sampled=sampled, confidence=schedule is not None,
-                                      vocab=vocab, opts=opts)
+    mtp_state, new = _drafter(cfg)(params, mtp, spec.mtp, streams, produced, start, kept, slots.sampling, drafts, cfg,
+                                   sampled=sampled, confidence=schedule is not None, vocab=vocab, opts=opts)
     spec = update_speculation(spec, mtp_state, new, active, schedule)
     return cache, spec, slots, Verified(produced, count, finished, limit, a, logits)
 
@@ -326,13 +398,14 @@ def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Specu
     samples the first token of rows whose prompt ends here; their drafts follow it.
     -> (cache, spec, aux)."""
     start = cache.length
-    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
+    logits, streams, cache = target_chunk(params, tokens, cfg, cache, opts=opts, n_valid=n_valid,
+                                          ctx_bucket=ctx_bucket, last_only=True)
     last = jnp.maximum(n_valid - 1, 0)
-    logits = logits_of(params, last_valid(streams, n_valid), cfg)[:, 0]
+    logits = logits[:, 0]
     first, sampling, aux = emit(logits, cache.length, is_last)
     rows = jnp.arange(tokens.shape[0])
     next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
-    mtp_state, drafts = commit_and_draft(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
-                                         spec.drafts, cfg, sampled=sampled, confidence=schedule is not None,
-                                         draft=is_last, vocab=vocab, opts=opts)
+    mtp_state, drafts = _drafter(cfg)(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
+                                      spec.drafts, cfg, sampled=sampled, confidence=schedule is not None,
+                                      draft=is_last, vocab=vocab, opts=opts)
     return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, schedule), aux

@@ -211,6 +211,14 @@ def ngram_row_ids(layout: EngramLayout, layer_k: int, kappa: np.ndarray, history
     return rsel % np.asarray(layout.primes[layer_k], np.int64) + np.asarray(layout.offsets[layer_k], np.int64)
 
 
+def kept_history(token_map: np.ndarray, history: jax.Array, tokens: jax.Array, kept: jax.Array) -> jax.Array:
+    """On the device: the history [B, h] int32 after the first kept [B] of tokens [B, C] (a
+    speculative step keeps the accepted prefix of its chunk; `next_history`'s rule)."""
+    kappa = jnp.asarray(token_map, jnp.int32)[jnp.clip(tokens, 0, len(token_map) - 1)]
+    ext = jnp.concatenate([history, kappa], axis=1)
+    return jnp.take_along_axis(ext, kept[:, None] + jnp.arange(history.shape[1]), axis=1)
+
+
 def next_history(history: np.ndarray, kappa: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
     """The history after a chunk: the last max_ngram-1 ids of concat(history, kappa[:, :lengths]).
 

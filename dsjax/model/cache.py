@@ -45,9 +45,10 @@ class Cache:
 
 
 def batch_axes(tree):
-    """Per leaf of a batch-major tree (a Cache, slot state, speculation state), its batch axis."""
-    return jax.tree.map(lambda x: x.batch_axes() if isinstance(x, Cache) else 0, tree,
-                        is_leaf=lambda x: isinstance(x, Cache))
+    """Per leaf of a batch-major tree (a Cache, slot state, speculation state), its batch axis:
+    0, but in a node that says its own (`batch_axes()`: a Cache, DSpark's rings)."""
+    own = lambda x: hasattr(type(x), "batch_axes")  # noqa: E731
+    return jax.tree.map(lambda x: x.batch_axes() if own(x) else 0, tree, is_leaf=own)
 
 
 def take_rows(tree, i, n: int = 1):

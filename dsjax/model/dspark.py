@@ -45,6 +45,10 @@ class DSparkRing:
     keys: jax.Array  # [n_stages, B, W, hd]  rho_p at slot p mod W
     positions: jax.Array  # [B, W] int32       the position each slot holds (-1: empty)
 
+    def batch_axes(self) -> "DSparkRing":
+        """Per leaf, which axis is the batch (`dsjax.model.cache.batch_axes`)."""
+        return DSparkRing(keys=1, positions=0)
+
 
 def dspark_layer(cfg: ModelConfig) -> LayerSpec:
     """A stage as a layer: window-only attention (rope_main, no YaRN), a top-k MoE."""
@@ -145,31 +149,36 @@ def sample_tokens(logits: jax.Array, temperature, key: jax.Array | None) -> jax.
     return jnp.where(temp > 0, drawn, greedy)
 
 
-def markov_correct(ds: DSparkParams, logits: jax.Array, anchor: jax.Array, temperature, key: jax.Array | None):
+def markov_correct(ds: DSparkParams, logits: jax.Array, anchor: jax.Array, temperature, key: jax.Array | None,
+                   pick=None):
     """The sequential Markov correction (§6.5): logits [B, K, V] fp32, anchor o_0 [B] ->
-    (drafts o_1..o_K [B, K], corrected logits [B, K, V], e_0..e_{K-1} [B, K, rank])."""
+    (drafts o_1..o_K [B, K], corrected logits [B, K, V], e_0..e_{K-1} [B, K, rank]).
+    pick(l_k [B, V], k) -> o_{k+1} [B]: how a draft is drawn from its corrected logits
+    (default: `sample_tokens` with temperature and key; the engine draws with its own keys)."""
     head = dense(ds.markov_head, jnp.float32)  # [V, rank]
     keys = None if key is None else jax.random.split(key, logits.shape[1])
 
     def step(o, xs):
-        l, k = xs
+        l, k, j = xs
         e = ds.markov_embed[o]  # [B, rank]
         l = l + jnp.einsum("br,vr->bv", e.astype(jnp.float32), head)
-        nxt = sample_tokens(l, temperature, k)
+        nxt = sample_tokens(l, temperature, k) if pick is None else pick(l, j)
         return nxt, (nxt, l, e)
 
-    _, (drafts, logits, e) = jax.lax.scan(step, anchor.astype(jnp.int32), (jnp.swapaxes(logits, 0, 1), keys))
+    xs = (jnp.swapaxes(logits, 0, 1), keys, jnp.arange(logits.shape[1]))
+    _, (drafts, logits, e) = jax.lax.scan(step, anchor.astype(jnp.int32), xs)
     return jnp.swapaxes(drafts, 0, 1), jnp.swapaxes(logits, 0, 1), jnp.swapaxes(e, 0, 1)
 
 
 def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main_hidden_t: jax.Array, t: jax.Array,
                  ring: DSparkRing, cfg: ModelConfig, *, temperature=0.0, key: jax.Array | None = None,
-                 opts: RuntimeOptions = DEFAULT_OPTIONS):
+                 pick=None, opts: RuntimeOptions = DEFAULT_OPTIONS):
     """One DSpark call (§6.2-6.6 decode): write rho_t from main_hidden_t [B, len(targets) * D]
     at t [B] (the last position the main model processed), then draft the block after the
     anchor a [B] (sampled at P = t + 1). temperature (scalar or [B]; <= 0: greedy) and key
-    (None: greedy) pick the draws. -> (ring, drafts o_1..o_K [B, K] int32, Markov-corrected
-    logits before temperature [B, K, V] fp32, confidence logits c_k [B, K] fp32)."""
+    (None: greedy) pick the draws, or `pick` as `markov_correct` takes it. -> (ring, drafts
+    o_1..o_K [B, K] int32, Markov-corrected logits before temperature [B, K, V] fp32,
+    confidence logits c_k [B, K] fp32)."""
     ds_cfg = cfg.v41.dspark
     b, k = anchor.shape[0], ds_cfg.block_size
     ring = dspark_seed(ds, main_hidden_t[:, None], t[:, None], ring, cfg, opts=opts)
@@ -180,6 +189,6 @@ def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main
     h = collapse(streams, pi)  # [B, K, D], un-normed
     head = main.embed if main.lm_head is None else main.lm_head
     logits = linear(rms_norm(h, ds.norm, cfg.rms_norm_eps), head, out_dtype=jnp.float32)
-    drafts, logits, e = markov_correct(ds, logits, anchor, temperature, key)
+    drafts, logits, e = markov_correct(ds, logits, anchor, temperature, key, pick)
     confidence = linear_f32(jnp.concatenate([h, e.astype(h.dtype)], axis=-1), ds.confidence)[..., 0]
     return ring, drafts, logits, confidence
