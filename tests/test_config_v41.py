@@ -178,10 +178,14 @@ def test_bad_v41_field_is_named(edit, field):
         from_flat_v41(flat)
 
 
-def test_load_model_says_v41_is_not_served_yet():
-    """A V4.1 config given to load_model (which builds V4's parameters and engine) is refused
-    by name, pointing at the V4.1 forward, rather than failing somewhere inside."""
+def test_load_model_v41_refusals_are_named(tmp_path):
+    """What load_model does not do for a V4.1 config yet is refused by name before anything is
+    built (resident quantized weights; a drafter the config does not have)."""
     import dsjax
 
-    with pytest.raises(ValueError, match="DeepSeek-V4.1 config: load_model and the engine do not run V4.1 yet"):
-        dsjax.load_model("tiny-v41")
+    with pytest.raises(ValueError, match="DeepSeek-V4.1 model loads dequantized only"):
+        dsjax.load_model("tiny-v41", quantized="resident")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(to_hf_dict(load_config("tiny-v41").replace(num_nextn_predict_layers=0))))
+    with pytest.raises(ValueError, match="has no DSpark drafter"):
+        dsjax.load_model(path, mtp=True)
