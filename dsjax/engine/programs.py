@@ -28,7 +28,8 @@ from dsjax.engine.sampler import sample_tokens, top_logprobs
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
 from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
 from dsjax.model.cache import Cache, init_cache, over_tiles, put_rows, take_rows
-from dsjax.model.decoder import INVARIANT_ROWS, forward
+from dsjax.model.decoder import INVARIANT_ROWS
+from dsjax.model.forward_pass import forward
 from dsjax.sharding.rules import per_row, rows
 
 

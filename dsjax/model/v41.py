@@ -315,7 +315,7 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
 
 def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None,
                      opts: RuntimeOptions, n_valid: jax.Array | None, ctx_bucket: int | None, last_only: bool):
-    """`dsjax.model.decoder.forward` for a V4.1 config: (logits fp32, cache), the Engram rows
+    """`dsjax.model.forward` for a V4.1 config: (logits fp32, cache), the Engram rows
     from the params' host tables if they have them."""
     if cache is None:
         streams, pi, _ = v41_streams(params, tokens, cfg, opts=opts)
