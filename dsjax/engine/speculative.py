@@ -55,7 +55,7 @@ from dsjax.model.decoder import (DEFAULT_OPTIONS, ModelParams, decoder_streams, 
 from dsjax.layers.engram import kept_history
 from dsjax.model.dspark import DSparkRing, dspark_draft, dspark_seed, empty_ring
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
-from dsjax.model.v41 import DSparkParams, quirk_source, v41_logits, v41_streams_cached
+from dsjax.model.v41 import DSparkParams, quirk_source, v41_forward_rows
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
 
@@ -306,11 +306,8 @@ def target_chunk(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *, o
     if cfg.v41 is None:
         streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
         return logits_of(params, last_valid(streams, n_valid) if last_only else streams, cfg), streams, cache
-    streams, pi, cache, hidden = v41_streams_cached(params, tokens, cfg, cache, ctx_bucket=ctx_bucket, n_valid=n_valid,
-                                                    opts=opts, taps=True)
-    if last_only:
-        streams, pi = last_valid(streams, n_valid), last_valid(pi, n_valid)
-    return v41_logits(params, streams, pi, cfg), hidden, cache
+    logits, cache, hidden = v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, taps=True)
+    return logits, hidden, cache
 
 
 def _drafter(cfg: ModelConfig):

@@ -59,7 +59,7 @@ def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelC
 
 def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
     if cfg.v41 is not None:  # DeepSeek-V4.1's backbone
-        return v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
+        return v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)[:2]
     streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
     if last_only:
         streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)

@@ -314,15 +314,16 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
 
 
 def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None,
-                     opts: RuntimeOptions, n_valid: jax.Array | None, ctx_bucket: int | None, last_only: bool):
-    """`dsjax.model.forward` for a V4.1 config: (logits fp32, cache), the Engram rows
-    from the params' host tables if they have them."""
+                     opts: RuntimeOptions, n_valid: jax.Array | None, ctx_bucket: int | None, last_only: bool,
+                     taps: bool = False):
+    """`dsjax.model.forward` for a V4.1 config, the Engram rows from the params' host tables if
+    they have them -> (logits fp32, cache, DSpark's taps [B, S, T * D] with taps=True, else None)."""
     if cache is None:
-        streams, pi, _ = v41_streams(params, tokens, cfg, opts=opts)
+        streams, pi, hidden = v41_streams(params, tokens, cfg, opts=opts, taps=taps)
     else:
-        streams, pi, cache, _ = v41_streams_cached(params, tokens, cfg, cache, ctx_bucket=ctx_bucket, n_valid=n_valid,
-                                                   opts=opts)
+        streams, pi, cache, hidden = v41_streams_cached(params, tokens, cfg, cache, ctx_bucket=ctx_bucket,
+                                                        n_valid=n_valid, opts=opts, taps=taps)
     if last_only:
         n = jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid
         streams, pi = last_valid(streams, n), last_valid(pi, n)
-    return v41_logits(params, streams, pi, cfg), cache
+    return v41_logits(params, streams, pi, cfg), cache, hidden
