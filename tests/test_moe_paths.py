@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import dsjax
+from dsjax.layers import qdq
 from dsjax.layers.moe import routed_experts
+from dsjax.layers.quantized import Fp4Weight
 from dsjax.model import layer_block
 from dsjax.pallas_kernels import grouped_matmul
 
@@ -80,3 +82,52 @@ def test_paths_agree(tiny, routing, tokens):
     for path, run in _implementations(cfg, tokens).items():
         got = jax.jit(run)(p, x, weights, idx)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0, err_msg=path)
+
+
+def _fp4_experts(rng, n_experts, out, inn):
+    """Random MXFP4 expert weights [E, out, in] (packed codes, E8M0 exponents near 1)."""
+    codes = rng.integers(0, 16, (n_experts, out, inn))
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).view(np.int8)
+    scale = rng.integers(122, 130, (n_experts, out, inn // 32)).astype(np.uint8)
+    return Fp4Weight(packed=jnp.asarray(packed), scale_exp=jnp.asarray(scale))
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_v41_lin4_experts_on_every_path(tiny, tokens):
+    """DeepSeek-V4.1's routed experts (fp8_acts): FP8 activations into FP4 weights, the routing
+    weight applied before W2 and so before W2's activation round trip (spec deepseek-v41.md §4),
+    against a per-assignment computation with qdq.lin4 (the reference's exact product, checked
+    against a numpy block loop in test_qdq.py): the gather path at 1 and 40 tokens, the grouped
+    ones (tile loop, Pallas kernel interpreted) at 40."""
+    cfg, p = tiny
+    rng = np.random.default_rng(17)
+    d, inter, k, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.n_routed_experts
+    w1, w3, w2 = _fp4_experts(rng, e, inter, d), _fp4_experts(rng, e, inter, d), _fp4_experts(rng, e, d, inter)
+    p = p.replace(w1=w1, w3=w3, w2=w2)
+    x = jnp.asarray(rng.normal(size=(tokens, d)), jnp.bfloat16)
+    idx = jnp.asarray(ROUTINGS["random"](rng, tokens, k, e), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.5, size=(tokens, k)), jnp.float32)
+
+    lin4 = jax.jit(qdq.lin4)
+    xk = jnp.broadcast_to(x[:, None], (tokens, k, d))
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(lin4(xk, w1.packed[idx], w1.scale_exp[idx]).astype(jnp.float32), limit)
+    up = jnp.clip(lin4(xk, w3.packed[idx], w3.scale_exp[idx]).astype(jnp.float32), -limit, limit)
+    h = jax.nn.silu(gate) * up * weights[..., None]
+    want = np.asarray(lin4(h.astype(jnp.bfloat16), w2.packed[idx], w2.scale_exp[idx]), np.float64).sum(axis=1)
+    scale = np.abs(want).max()
+
+    def close(got):  # the share of outputs within a bf16 rounding (of an expert output) of the oracle
+        return np.mean(np.abs(got - want) <= 2.0 ** -8 * scale)
+
+    paths = {"gather": dict(path="gather")} | ({} if tokens == 1 else {
+        "grouped": dict(path="grouped"), "pallas": dict(path="grouped", kernels="pallas")})
+    for name, kw in paths.items():
+        run = functools.partial(routed_experts, cfg=cfg, **kw)
+        got = np.asarray(jax.jit(functools.partial(run, fp8_acts=True))(p, x, weights, idx), np.float64)
+        # Products summed in another order can round a bf16 gate / up or an FP8 code the other way
+        # (a step of up to 1/16 in one activation): rare, and local to a token.
+        assert close(got) >= 0.97 and np.abs(got - want).max() < 0.03 * scale, (name, close(got))
+        # V4's numerics on the same weights (no activation round trips, the weight after W2) are far off
+        plain = np.asarray(jax.jit(run)(p, x, weights, idx), np.float64)
+        assert close(plain) < 0.8, (name, close(plain))

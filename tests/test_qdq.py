@@ -5,6 +5,8 @@ float8_e4m3fn cast after the spec's clamp; E2M1 is a nearest-grid-point search w
 the even code; P(a, M) takes numpy's fp32 product and frexp; the round trips and the products are
 numpy float64 loops. Closed-form values are worked out by hand in the comments."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from dsjax.layers import qdq
+from dsjax.layers.linear import linear
 from dsjax.layers.quantized import Fp8Weight
 
 BF16 = ml_dtypes.bfloat16
@@ -318,6 +321,19 @@ def test_lin8_against_numpy_block_loop(rng):
     w, wq, we = random_fp8_weight(rng, (), 40, 256)  # out 40: the last row block is partial
     want = block_linear_ref(x, wq, fp8_weight_scale(we, 40, 32))
     assert_within_one_bf16_ulp(f64(lin8(jnp.asarray(x, jnp.bfloat16), w)), want)
+
+
+def test_linear_with_fp8_activations_is_lin8(rng):
+    """The model's Lin8 (`linear(..., fp8_act=True)`: the activation's FP8 round trip, then a
+    plain GEMM of the dequantized weight) is the reference's block product, and without the
+    round trip most outputs are off."""
+    x = bf16_input(rng, (3, 2, 256))
+    w, wq, we = random_fp8_weight(rng, (), 40, 256)
+    want = block_linear_ref(x, wq, fp8_weight_scale(we, 40, 32))
+    xb = jnp.asarray(x, jnp.bfloat16)
+    assert_within_one_bf16_ulp(f64(jax.jit(functools.partial(linear, fp8_act=True))(xb, w)), want)
+    plain = f64(jax.jit(linear)(xb, w))
+    assert np.mean(np.abs(plain - want) > bf16_ulp(want)) > 0.5
 
 
 def test_lin8_stacked_weights_broadcast(rng):

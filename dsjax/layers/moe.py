@@ -44,7 +44,8 @@ from jax.sharding import PartitionSpec as P
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.quantized import dense
-from dsjax.pallas_kernels.grouped_matmul import grouped_ffn, swiglu
+from dsjax.layers.qdq import qdq_fp8
+from dsjax.pallas_kernels.grouped_matmul import grouped_ffn, hidden, swiglu
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import RULES, current_mesh, present_axes, reshape, spec
 
@@ -103,12 +104,31 @@ def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) -> tuple
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float) -> jax.Array:
+def lin4_down_input(h: jax.Array, weights: jax.Array) -> jax.Array:
+    """DeepSeek-V4.1's routed-expert W2 input (spec deepseek-v41.md §4): the fp32 SwiGLU h [..., I]
+    times its routing weight [...] (before W2, not after), in bf16, through the FP8 round trip per
+    32 that Lin4 gives its activation -> bf16. Module-level: the kernels take it as a static argument."""
+    return qdq_fp8(h * weights[..., None])
+
+
+def lin4(x: jax.Array, weights: jax.Array, on: bool):
+    """The routed experts' activations -> (x, the weights applied to their outputs, W2's `down`).
+    Off (V4): x as is, the routing weights scale the outputs. On (DeepSeek-V4.1's Lin4): x makes
+    the FP8 round trip per 32 (row-wise, so before dispatch equals after) and the routing weights
+    apply before W2, inside `lin4_down_input`."""
+    if not on:
+        return x, weights, None
+    return qdq_fp8(x).astype(x.dtype), jnp.ones_like(weights), lin4_down_input
+
+
+def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, weights=None, down=None
+                        ) -> jax.Array:
     """The experts for few tokens: gather each assignment's weights. x [T, D], idx [T, K]
-    -> [T, K, D] fp32. Reads exactly the chosen experts, like a decode kernel would."""
+    -> [T, K, D] fp32. Reads exactly the chosen experts, like a decode kernel would.
+    weights [T, K] / down: W2's input is `down(h, weights)` (`lin4_down_input`)."""
     gate = jnp.einsum("td,tkid->tki", x, w1[idx].astype(x.dtype), preferred_element_type=jnp.float32)
     up = jnp.einsum("td,tkid->tki", x, w3[idx].astype(x.dtype), preferred_element_type=jnp.float32)
-    h = swiglu(gate, up, limit).astype(x.dtype)
+    h = hidden(gate, up, limit, x.dtype, weights, down)
     return jnp.einsum("tki,tkdi->tkd", h, w2[idx].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
@@ -129,26 +149,28 @@ def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
 
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
                    path: str | None = None, *, kernels: str = "reference", layer: jax.Array | None = None,
-                   rows: int | None = None) -> jax.Array:
+                   rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
     """Dropless routed experts: x [T, D], weights/idx [T, K] -> [T, D] fp32. Exact paths
     (see `moe_path`): per-assignment weight gather, or assignments sorted by expert through
     the grouped matmul (`kernels` picks its implementation).
     layer: p's routed-expert weights are stacked over a layer run ([R, E, ...]) and this is
-    layer `layer`; the grouped matmul reads its experts from the stack, not from a copy."""
+    layer `layer`; the grouped matmul reads its experts from the stack, not from a copy.
+    fp8_acts: DeepSeek-V4.1's Lin4 (`lin4`)."""
     t, k = idx.shape
+    x, after, down = lin4(x, weights, fp8_acts)
     path = path or moe_path(t, k, cfg.n_routed_experts)
     if layer is not None and (path == "gather" or not all(isinstance(w, jax.Array) for w in (p.w1, p.w3, p.w2))):
         p, layer = expert_layer(p, layer), None  # a gather reads only its experts anyway; quantized: dequantize one layer
     p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     if path == "gather":
-        y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit)
-        return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * weights[..., None], axis=1)
+        y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit, weights, down)
+        return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * after[..., None], axis=1)
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
     y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels, layer=layer,
-                    rows=rows)
-    y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+                    rows=rows, scale=weights.reshape(-1)[order], down=down)
+    y = y.astype(x.dtype).astype(jnp.float32) * after.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[order // k].add(y)
 
 
@@ -165,10 +187,13 @@ def _moe_in_specs(p: MoE, ep: int) -> MoE:
 
 
 def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig, ep: int,
-                     capacity_factor: float | None, *, kernels: str = "reference", rows: int | None = None) -> jax.Array:
+                     capacity_factor: float | None, *, kernels: str = "reference", rows: int | None = None,
+                     fp8_acts: bool = False) -> jax.Array:
     """Per device (inside shard_map): x [T, D] local tokens, idx/weights [T, K] global
-    expert ids; p.w1/w3/w2 hold this device's E / ep experts. -> [T, D] fp32."""
+    expert ids; p.w1/w3/w2 hold this device's E / ep experts. -> [T, D] fp32.
+    fp8_acts: DeepSeek-V4.1's Lin4 (`lin4`): the weights travel with the rows, to apply before W2."""
     t, k = idx.shape
+    x, after, down = lin4(x, weights, fp8_acts)
     d = x.shape[-1]
     local_n = cfg.n_routed_experts // ep
     a = t * k
@@ -189,17 +214,22 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     by_expert = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_n + 1)[:local_n].astype(jnp.int32)
     w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
-    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, rows=rows)
+    scale = None
+    if down is not None:
+        send_s = jnp.zeros((ep * cap,), jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")
+        scale = jax.lax.all_to_all(send_s.reshape(ep, cap), "expert", 0, 0).reshape(ep * cap)[by_expert]
+    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, rows=rows,
+                           scale=scale, down=down)
     y = jnp.zeros((ep * cap, d), jnp.float32).at[by_expert].set(y_sorted).astype(x.dtype)
     back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
     per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
-    contrib = per_assignment.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    contrib = per_assignment.astype(jnp.float32) * after.reshape(-1)[order][:, None]
     return jnp.zeros((t, d), jnp.float32).at[order // k].add(contrib)
 
 
 def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
                            kernels: str = "reference", capacity_factor: float | None = None,
-                           rows: int | None = None) -> jax.Array:
+                           rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
     """x [T, D] and token_ids [T] batch-sharded under the current mesh -> routed-expert
     output [T, D] fp32, same sharding."""
     mesh = current_mesh()
@@ -213,36 +243,40 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
         weights, idx = route(p, x, ids, cfg)
         if ep == 1:
             return routed_experts(p, x, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
-                                  rows=rows)
-        return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels=kernels, rows=rows)
+                                  rows=rows, fp8_acts=fp8_acts)
+        return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels=kernels, rows=rows,
+                                fp8_acts=fp8_acts)
 
     return jax.shard_map(local, in_specs=in_specs, out_specs=P(*batch, None))(_routed_only(p), x, token_ids)
 
 
 # ----------------------------------------------------------------------------- the layer
-def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    h = swiglu(linear(x, p.shared_w1), linear(x, p.shared_w3), cfg.swiglu_limit)
-    return linear(h, p.shared_w2, out_sharding=spec("batch", None))
+def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig, fp8_acts: bool = False) -> jax.Array:
+    """fp8_acts: DeepSeek-V4.1's Lin8 for all three products."""
+    h = swiglu(linear(x, p.shared_w1, fp8_act=fp8_acts), linear(x, p.shared_w3, fp8_act=fp8_acts), cfg.swiglu_limit)
+    return linear(h, p.shared_w2, out_sharding=spec("batch", None), fp8_act=fp8_acts)
 
 
 def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *, kernels: str = "reference",
                 capacity_factor: float | None = None, layer: jax.Array | None = None,
-                rows: int | None = None) -> jax.Array:
+                rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
     """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
     run expert-parallel (`routed_experts_sharded`; `capacity_factor` caps its send buffers).
     `kernels` picks the grouped matmul's implementation (dsjax/pallas_kernels/dispatch.py).
     layer: the routed-expert weights w1 / w3 / w2 are stacked over a scanned layer run and
     this is layer `layer` of them (the other weights are this layer's own).
     rows (batch-invariant mode): the grouped path at any token count, in tiles of this many
-    rows, so a token's expert products do not depend on the others."""
+    rows, so a token's expert products do not depend on the others.
+    fp8_acts: DeepSeek-V4.1's FP8 activations (Lin8 shared expert, Lin4 routed experts with the
+    routing weight before W2; spec deepseek-v41.md §4), with its quantisation round trips."""
     flat = reshape(x, (-1, x.shape[-1]))
     if current_mesh() is not None:
         p = expert_layer(p, layer)
         routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, kernels=kernels,
-                                        capacity_factor=capacity_factor, rows=rows)
+                                        capacity_factor=capacity_factor, rows=rows, fp8_acts=fp8_acts)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
         routed = routed_experts(p, flat, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
-                                layer=layer, rows=rows)
+                                layer=layer, rows=rows, fp8_acts=fp8_acts)
     routed = routed.astype(x.dtype)
-    return reshape(routed + shared_expert(p, flat, cfg), x.shape)
+    return reshape(routed + shared_expert(p, flat, cfg, fp8_acts), x.shape)

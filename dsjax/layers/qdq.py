@@ -37,12 +37,16 @@ rely on; the integer form is RNE from fp32 everywhere.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from dsjax.layers.quantized import E2M1_SIGNED, MXFP4_GROUP, Fp8Weight
+from dsjax.sharding.rules import current_mesh, reshape
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -133,12 +137,28 @@ def pow2_scale(a: jax.Array, m: float) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- grouped round trips
+def _whole_groups(x: jax.Array, group: int) -> jax.Array:
+    """x, with its last axis gathered when it is sharded (tensor parallel) into shards that would
+    split a group or hold a ragged share of them; else as is."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+    last = spec[x.ndim - 1]
+    if last is None:
+        return x
+    shards = math.prod(mesh.shape[a] for a in (last if isinstance(last, tuple) else (last,)))
+    if (x.shape[-1] // group) % shards == 0:
+        return x
+    return jax.sharding.reshard(x, P(*spec[:x.ndim - 1], None))
+
+
 def _groups(x: jax.Array, group: int, what: str) -> jax.Array:
     """bf16 `x` [..., K] -> fp32 [..., K/group, group]."""
     if x.ndim == 0 or x.shape[-1] % group:
         raise ValueError(f"{what}: the last axis of x {tuple(x.shape)} must be a multiple of the group {group}")
-    x = x.astype(jnp.bfloat16).astype(jnp.float32)  # the vendor kernels read bf16
-    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    x = _whole_groups(x.astype(jnp.bfloat16).astype(jnp.float32), group)  # the vendor kernels read bf16
+    return reshape(x, (*x.shape[:-1], x.shape[-1] // group, group))  # a sharded K keeps its sharding
 
 
 def _amax(g: jax.Array, floor: float) -> jax.Array:
@@ -157,14 +177,14 @@ def quant_fp8(x: jax.Array, group: int = FP8_ACT_GROUP) -> tuple[jax.Array, jax.
     """§7.3 activation quantisation of bf16 x [..., K], groups of `group` along K:
     (q float8_e4m3fn [..., K], UE8M0 exponent byte uint8 [..., K/group]) with x ≈ q · 2^(byte-127)."""
     q, e = _fp8_groups(x, group, "quant_fp8")
-    return q.reshape(x.shape).astype(jnp.float8_e4m3fn), (e[..., 0] + 127).astype(jnp.uint8)
+    return reshape(q, x.shape).astype(jnp.float8_e4m3fn), (e[..., 0] + 127).astype(jnp.uint8)
 
 
 def qdq_fp8(x: jax.Array, group: int = FP8_ACT_GROUP) -> jax.Array:
     """QDQ_fp8 (§7.3): bf16(e4m3(x/s) · s), s = P(max(amax, 1e-4), 448) per group of `group` along
     the last axis. Used for window, draft and main-ring KV (16 groups of 32 over 512 channels)."""
     q, e = _fp8_groups(x, group, "qdq_fp8")
-    return (q * _exp2(e)).reshape(x.shape).astype(jnp.bfloat16)  # q · s is exact in fp32 and in bf16
+    return reshape(q * _exp2(e), x.shape).astype(jnp.bfloat16)  # q · s is exact in fp32 and in bf16
 
 
 def qdq_fp4_e8m0(x: jax.Array, group: int = MXFP4_GROUP) -> jax.Array:
@@ -172,7 +192,7 @@ def qdq_fp4_e8m0(x: jax.Array, group: int = MXFP4_GROUP) -> jax.Array:
     s = P(max(amax, 6·2^-126), 6) per group along the last axis."""
     g = _groups(x, group, "qdq_fp4_e8m0")
     e = pow2_exponent(_amax(g, FP4_E8M0_FLOOR), E2M1_MAX)
-    return (e2m1_round(g * _exp2(-e)) * _exp2(e)).reshape(x.shape).astype(jnp.bfloat16)
+    return reshape(e2m1_round(g * _exp2(-e)) * _exp2(e), x.shape).astype(jnp.bfloat16)
 
 
 def qdq_fp4_e4m3(x: jax.Array, group: int = 16) -> jax.Array:
@@ -183,7 +203,7 @@ def qdq_fp4_e4m3(x: jax.Array, group: int = 16) -> jax.Array:
     error of 2^-25 rounds back onto it, and a non-tie lies some 2^-9 (relative) away from one.)"""
     g = _groups(x, group, "qdq_fp4_e4m3")
     s = e4m3_round(_amax(g, FP4_E4M3_FLOOR) / np.float32(E2M1_MAX))
-    return (e2m1_of_quotient(g, s) * s).reshape(x.shape).astype(jnp.bfloat16)
+    return reshape(e2m1_of_quotient(g, s) * s, x.shape).astype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- quantised products

@@ -167,7 +167,8 @@ def index_scores_of(p: IndexQueries, cq: jax.Array, x: jax.Array, keys: jax.Arra
                     kernels: str = "reference", round_trips: bool = False) -> jax.Array:
     """s_{t,j} = sum_h w_h ReLU(q^I_h . k^I_j) with w = W_wp x / sqrt(H_I d_I) (§2.6) -> [B, S, E]
     (fp32; with round trips the reference's FP4 queries and bf16 score pipeline)."""
-    q = reshape(linear(cq, p.q_b_proj), (*cq.shape[:-1], cfg.index_n_heads, cfg.index_head_dim))
+    q = linear(cq, p.q_b_proj, fp8_act=round_trips)
+    q = reshape(q, (*cq.shape[:-1], cfg.index_n_heads, cfg.index_head_dim))
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     if round_trips:
         w = index_head_weights(linear(x, p.weights_proj).astype(jnp.bfloat16), head_dim=cfg.index_head_dim)
@@ -183,10 +184,10 @@ def project_q_kv(p: SharedAttention, x: jax.Array, positions: jax.Array, layer: 
     hd channels, RoPE tail included, §2.3), cos, sin). No per-head q RMS (Δ V4)."""
     cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
     eps = cfg.rms_norm_eps
-    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, eps)
-    q = reshape(linear(cq, p.q_b_proj), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
+    cq = rms_norm(linear(x, p.q_a_proj, fp8_act=round_trips), p.q_a_norm, eps)
+    q = reshape(linear(cq, p.q_b_proj, fp8_act=round_trips), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
-    kv = apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, eps), cos, sin)
+    kv = apply_rope(rms_norm(linear(x, p.kv_proj, fp8_act=round_trips), p.kv_norm, eps), cos, sin)
     return cq, q, round_trip(kv, qdq_fp8, round_trips), cos, sin
 
 
@@ -221,7 +222,7 @@ def index_select(p: SharedAttention, layer: LayerSpec, cq, x, shared: Shared, vi
 
 
 def attend_and_project(p: SharedAttention, q, keys, lo, hi, positions, shared: Shared | None, cos, sin,
-                       cfg: ModelConfig, kernels: str) -> jax.Array:
+                       cfg: ModelConfig, kernels: str, round_trips: bool) -> jax.Array:
     """Sink attention over the window keys and (compressed layers) the top-k latents, then the
     inverse RoPE and the grouped output (§2.9-2.10)."""
     kv_pq = mask_pq = None
@@ -230,7 +231,7 @@ def attend_and_project(p: SharedAttention, q, keys, lo, hi, positions, shared: S
         mask_pq = shared.top_valid
     o = attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
-    return grouped_output(p, o, cfg)
+    return grouped_output(p, o, cfg, round_trips)
 
 
 def select_entries(scores: jax.Array, visible: jax.Array, k: int, candidates: jax.Array | None = None
@@ -241,13 +242,15 @@ def select_entries(scores: jax.Array, visible: jax.Array, k: int, candidates: ja
     return jnp.maximum(top, 0), top >= 0
 
 
-def grouped_output(p: SharedAttention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """o [B, S, H, hd] -> [B, S, D]: per-group W_oa, then W_ob (§2.10)."""
+def grouped_output(p: SharedAttention, o: jax.Array, cfg: ModelConfig, round_trips: bool) -> jax.Array:
+    """o [B, S, H, hd] -> [B, S, D]: per-group W_oa (a plain GEMM), then W_ob (Lin8 with round
+    trips, §2.10)."""
     g = cfg.o_groups
     grouped = reshape(o, (*o.shape[:-2], g, -1))
     w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
     z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
-    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None))
+    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None),
+                  fp8_act=round_trips)
 
 
 # ----------------------------------------------------------------------------- full sequence
@@ -274,7 +277,8 @@ def shared_attention_forward(p: SharedAttention, x: jax.Array, positions: jax.Ar
         if layer.has_indexer:
             shared = index_select(p, layer, cq, x, shared, compressed_visible(positions, n, r), cos, sin, cfg,
                                   kernels, round_trips)
-    out = attend_and_project(p, q, kv, lo, hi, positions, shared if reads else None, cos, sin, cfg, kernels)
+    out = attend_and_project(p, q, kv, lo, hi, positions, shared if reads else None, cos, sin, cfg, kernels,
+                             round_trips)
     return out, shared
 
 
@@ -395,7 +399,8 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
             alt = quirk_keys[:, :n_entries]
             use_alt = (positions % r != r - 1) & (start[:, None] > 0) & (positions // r <= start[:, None])
         shared = index_select(p, layer, cq, x, shared, visible, cos, sin, cfg, kernels, round_trips, alt, use_alt)
-    out = attend_and_project(p, q, keys, lo, hi, positions, shared if r else None, cos, sin, cfg, kernels)
+    out = attend_and_project(p, q, keys, lo, hi, positions, shared if r else None, cos, sin, cfg, kernels,
+                             round_trips)
     keep = valid & (positions >= (start + n_valid)[:, None] - w)
     slot = jnp.where(keep, jnp.mod(positions, w), w)
     state = state.replace(window=state_set(state.window, at, rows, slot, kv))

@@ -68,16 +68,16 @@ def empty_ring(cfg: ModelConfig, batch: int, dtype=jnp.bfloat16) -> DSparkRing:
 
 
 # ----------------------------------------------------------------------------- main-stream keys
-def main_mu(ds: DSparkParams, main_hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """mu = Norm_main(W_main_proj main_hidden): [..., len(targets) * D] -> [..., D] (§6.1)."""
-    return rms_norm(linear(main_hidden, ds.main_proj), ds.main_norm, cfg.rms_norm_eps)
+def main_mu(ds: DSparkParams, main_hidden: jax.Array, cfg: ModelConfig, round_trips: bool) -> jax.Array:
+    """mu = Norm_main(W_main_proj main_hidden) (Lin8 with round trips): [..., len(targets) * D] -> [..., D] (§6.1)."""
+    return rms_norm(linear(main_hidden, ds.main_proj, fp8_act=round_trips), ds.main_norm, cfg.rms_norm_eps)
 
 
 def main_keys(p: SharedAttention, mu: jax.Array, positions: jax.Array, cfg: ModelConfig,
               round_trips: bool) -> jax.Array:
     """rho = fp8(rope_p(Norm_kv(W_kv mu))): mu [B, S, D] at positions [B, S] -> [B, S, hd] (§6.4)."""
     cos, sin = rope_cos_sin(positions, cfg.rope(dspark_layer(cfg).rope), cfg.qk_rope_head_dim)
-    kv = apply_rope(rms_norm(linear(mu, p.kv_proj), p.kv_norm, cfg.rms_norm_eps), cos, sin)
+    kv = apply_rope(rms_norm(linear(mu, p.kv_proj, fp8_act=round_trips), p.kv_norm, cfg.rms_norm_eps), cos, sin)
     return round_trip(kv, qdq_fp8, round_trips)
 
 
@@ -90,7 +90,7 @@ def dspark_seed(ds: DSparkParams, main_hidden: jax.Array, positions: jax.Array, 
     so no two writes of one call meet in a slot."""
     w = cfg.sliding_window
     valid = jnp.ones(positions.shape, bool) if valid is None else valid
-    mu = main_mu(ds, main_hidden, cfg)
+    mu = main_mu(ds, main_hidden, cfg, opts.round_trips)
     rho = jax.vmap(lambda p: main_keys(p, mu, positions, cfg, opts.round_trips))(ds.stages.attn)  # [n, B, S, hd]
     last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
     slot = jnp.where(valid & (positions > last - w), jnp.mod(positions, w), w)  # w: not written
@@ -115,7 +115,7 @@ def dspark_attention(p: SharedAttention, x: jax.Array, positions: jax.Array, rin
     own keys beta, with the sink; inverse rope; grouped output -> [B, K, D]."""
     _, q, beta, cos, sin = project_q_kv(p, x, positions, dspark_layer(cfg), cfg, opts.round_trips)
     keys = jnp.concatenate([ring_keys.astype(beta.dtype), beta], axis=1)
-    return attend_and_project(p, q, keys, lo, hi, positions, None, cos, sin, cfg, opts.kernels)
+    return attend_and_project(p, q, keys, lo, hi, positions, None, cos, sin, cfg, opts.kernels, opts.round_trips)
 
 
 def dspark_stages(ds: DSparkParams, streams: jax.Array, ids: jax.Array, positions: jax.Array, ring: DSparkRing,

@@ -12,6 +12,7 @@ counted, not declared, here.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -115,19 +116,21 @@ def block_apply_lag(p: Block, streams: jax.Array, pi: jax.Array, token_ids: jax.
     f_pre, f_post, f_comb = hc_mixes(p.ffn_hc, streams, cfg)
     h = rms_norm(collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
-                    layer=expert_layer)
+                    layer=expert_layer, fp8_acts=opts.round_trips)
     return expand(y, streams, f_post, f_comb), f_pre, state
 
 
-def engram_before(params: ModelParamsV41, run, streams: jax.Array, engram_rows, cfg: ModelConfig) -> jax.Array:
+def engram_before(params: ModelParamsV41, run, streams: jax.Array, engram_rows, cfg: ModelConfig,
+                  round_trips: bool) -> jax.Array:
     """The Engram update before a run that starts at an Engram layer (§1.3 step 3). A layer's
-    rows are dense [B, S, n_hash, hd] or the stored (E4M3, E8M0 exponents) pair, dequantized here."""
+    rows are dense [B, S, n_hash, hd] or the stored (E4M3, E8M0 exponents) pair, dequantized here.
+    round_trips: its wkv product is Lin8 (§5.6)."""
     if not run.layers[0].engram or engram_rows is None:
         return streams
     k = cfg.v41.engram.layer_ids.index(run.first)
     rows = engram_rows[k]
     rows = dequant_rows(*rows) if isinstance(rows, (tuple, list)) else rows
-    return engram_fuse(params.engram[k], streams, rows)
+    return engram_fuse(params.engram[k], streams, rows, project=functools.partial(linear, fp8_act=round_trips))
 
 
 def first_pi(streams: jax.Array) -> jax.Array:
@@ -176,7 +179,7 @@ def _backbone(params, tokens, cfg, states, n_entries_of, attend_of, engram_rows,
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
     tapped, shared, new_states = {}, None, []
     for k, (run, blocks) in enumerate(zip(cfg.layer_runs, params.blocks)):
-        streams = engram_before(params, run, streams, engram_rows, cfg)
+        streams = engram_before(params, run, streams, engram_rows, cfg, opts.round_trips)
         ratio = max(layer.compress_ratio for layer in run.layers)
         n_entries = n_entries_of(ratio) if ratio else 0
         if ratio and (shared is None or shared.entries.shape[1] != n_entries):

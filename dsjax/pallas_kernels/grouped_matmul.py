@@ -62,11 +62,25 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
                                       preferred_element_type=jnp.float32)
 
 
-def reference(x_sorted, group_sizes, w1, w3, w2, *, limit: float):
+def hidden(gate: jax.Array, up: jax.Array, limit: float, dtype, scale: jax.Array | None = None, down=None
+           ) -> jax.Array:
+    """W2's input from the fp32 products gate, up [..., I]: the SwiGLU, rounded to dtype. With
+    `down` (DeepSeek-V4.1's Lin4, dsjax/layers/moe.py) gate and up are rounded to dtype first, as
+    the reference's Lin4 outputs are, and W2's input is down(h, scale) (scale [...] per row: the
+    routing weight, applied with W2's FP8 activation round trip)."""
+    if down is None:
+        return swiglu(gate, up, limit).astype(dtype)
+    as_out = lambda a: a.astype(dtype).astype(jnp.float32)
+    return down(swiglu(as_out(gate), as_out(up), limit), scale).astype(dtype)
+
+
+def reference(x_sorted, group_sizes, w1, w3, w2, *, limit: float, scale=None, down=None):
     """x_sorted [M, D] rows sorted by expert, group_sizes [E], w1 / w3 [E, I, D], w2 [E, D, I]
-    -> [M, D] fp32 (h rounded to x's dtype between the two products, as in the kernels)."""
-    h = swiglu(_ragged(x_sorted, w1, group_sizes), _ragged(x_sorted, w3, group_sizes), limit)
-    return _ragged(h.astype(x_sorted.dtype), w2, group_sizes)
+    -> [M, D] fp32 (h rounded to x's dtype between the two products, as in the kernels).
+    scale [M] / down: see `hidden`."""
+    h = hidden(_ragged(x_sorted, w1, group_sizes), _ragged(x_sorted, w3, group_sizes), limit, x_sorted.dtype,
+               scale, down)
+    return _ragged(h, w2, group_sizes)
 
 
 def row_tile(m: int, n_experts: int) -> int:
@@ -108,7 +122,7 @@ def scatter_tiles(y_tiles: jax.Array, first: jax.Array, used: jax.Array, m: int)
     return jnp.zeros((m, d), jnp.float32).at[dest.reshape(-1)].set(y_tiles.reshape(-1, d), mode="drop")
 
 
-def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, layer=None):
+def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, layer=None, scale=None, down=None):
     """Same contract as `reference`: a fori_loop over the tile table, one expert's dense
     [rows, D] products per tile. A partial tile's rows past its group are zeroed and then
     overwritten by the next group's tiles (the loop runs in row order).
@@ -117,6 +131,7 @@ def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, lay
     m, d = x_sorted.shape
     expert, first, used = tile_table(group_sizes, m, rows)
     x_padded = jnp.concatenate([x_sorted, jnp.zeros((rows, d), x_sorted.dtype)])
+    s_padded = None if scale is None else jnp.concatenate([scale, jnp.zeros((rows,), scale.dtype)])
 
     def tile(i, out):
         def compute(out):
@@ -124,7 +139,8 @@ def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, lay
             e = expert[i] if layer is None else (layer, expert[i])
             gate = jnp.einsum("rd,id->ri", xt, w1[e].astype(xt.dtype), preferred_element_type=jnp.float32)
             up = jnp.einsum("rd,id->ri", xt, w3[e].astype(xt.dtype), preferred_element_type=jnp.float32)
-            h = swiglu(gate, up, limit).astype(xt.dtype)
+            st = None if scale is None else jax.lax.dynamic_slice_in_dim(s_padded, first[i], rows)
+            h = hidden(gate, up, limit, xt.dtype, st, down)
             y = jnp.einsum("ri,di->rd", h, w2[e].astype(xt.dtype), preferred_element_type=jnp.float32)
             y = jnp.where(jnp.arange(rows)[:, None] < used[i], y, 0.0)
             return jax.lax.dynamic_update_slice_in_dim(out, y, first[i], 0)
@@ -135,18 +151,20 @@ def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, lay
     return jax.lax.fori_loop(0, expert.shape[0], tile, jnp.zeros_like(x_padded, dtype=jnp.float32))[:m]
 
 
-def _kernel(expert_ref, x_ref, w1_ref, w3_ref, w2_ref, o_ref, *, limit: float):
+def _kernel(expert_ref, x_ref, w1_ref, w3_ref, w2_ref, *refs, limit: float, down=None):
+    *s_ref, o_ref = refs  # s_ref: the rows' scales [1, rows] when `down` is given
     i = pl.program_id(0)
     e = expert_ref[i]
     x = x_ref[0]  # [rows, D]
     gate = jnp.einsum("rd,id->ri", x, w1_ref[e], preferred_element_type=jnp.float32)
     up = jnp.einsum("rd,id->ri", x, w3_ref[e], preferred_element_type=jnp.float32)
-    h = swiglu(gate, up, limit).astype(x.dtype)
+    h = hidden(gate, up, limit, x.dtype, s_ref[0][0] if s_ref else None, down)
     o_ref[0] = jnp.einsum("ri,di->rd", h, w2_ref[e], preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "rows", "interpret"))
-def pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int = 32, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("limit", "rows", "interpret", "down"))
+def pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int = 32, interpret: bool = False,
+                       scale=None, down=None):
     """Same contract as `reference`: [M, D] rows sorted by expert -> [M, D] fp32; rows past
     sum(group_sizes) come out 0."""
     m, d = x_sorted.shape
@@ -154,21 +172,23 @@ def pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows:
     n_tiles = expert.shape[0]
     x_tiles = gather_tiles(x_sorted, first, used, rows)
     w1, w3, w2 = (w.astype(x_sorted.dtype) for w in (w1, w3, w2))
+    scales = [] if down is None else [gather_tiles(scale[:, None], first, used, rows)[..., 0]]  # [n_tiles, rows]
     out = pl.pallas_call(
-        functools.partial(_kernel, limit=limit), grid=(n_tiles,),
+        functools.partial(_kernel, limit=limit, down=down), grid=(n_tiles,),
         in_specs=[pl.BlockSpec((n_tiles,), lambda i: (0,)),
                   pl.BlockSpec((1, rows, d), lambda i: (i, 0, 0)),
                   pl.BlockSpec(w1.shape, lambda i: (0, 0, 0)),
                   pl.BlockSpec(w3.shape, lambda i: (0, 0, 0)),
-                  pl.BlockSpec(w2.shape, lambda i: (0, 0, 0))],
+                  pl.BlockSpec(w2.shape, lambda i: (0, 0, 0))]
+        + [pl.BlockSpec((1, rows), lambda i: (i, 0))] * len(scales),
         out_specs=pl.BlockSpec((1, rows, d), lambda i: (i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((n_tiles, rows, d), jnp.float32), interpret=interpret,
-    )(expert, x_tiles, w1, w3, w2)
+    )(expert, x_tiles, w1, w3, w2, *scales)
     return scatter_tiles(out, first, used, m)
 
 
 def _mgpu_swiglu_kernel(expert_gmem, used_gmem, x_gmem, w1_gmem, w3_gmem, h_gmem, *, rows: int, block_n: int,
-                        block_k: int, steps: int, limit: float, interpret: bool):
+                        block_k: int, steps: int, limit: float, interpret: bool, round_products: bool = False):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     t, n = jax.lax.axis_index("tile"), jax.lax.axis_index("n")
@@ -192,6 +212,8 @@ def _mgpu_swiglu_kernel(expert_gmem, used_gmem, x_gmem, w1_gmem, w3_gmem, h_gmem
 
         gate, up = pl.run_scoped(accumulate, plgpu.ACC((rows, block_n), jnp.float32),
                                  plgpu.ACC((rows, block_n), jnp.float32))
+        if round_products:  # DeepSeek-V4.1: the products are Lin4 outputs, bf16 (`hidden`)
+            gate, up = (a.astype(jnp.bfloat16).astype(jnp.float32) for a in (gate, up))
         gate = jnp.minimum(gate, limit)
         h = gate / (1.0 + jnp.exp(-gate)) * jnp.minimum(jnp.maximum(up, -limit), limit)
         store_tile(h.astype(h_gmem.dtype), h_gmem.at[pl.ds(t * rows, rows), pl.ds(n * block_n, block_n)])
@@ -220,11 +242,14 @@ def _mgpu_down_kernel(expert_gmem, used_gmem, h_gmem, w2_gmem, y_gmem, *, rows: 
         store_tile(y, y_gmem.at[pl.ds(t * rows, rows), pl.ds(n * block_n, block_n)])
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "block_n", "block_k", "steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", "block_n", "block_k", "steps", "interpret", "down"))
 def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n: int = 128, block_k: int = 64,
-                     steps: int = 3, interpret: bool = False):
+                     steps: int = 3, interpret: bool = False, scale=None, down=None):
     """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation). D and
-    I are padded to the block sizes with zeros (which add nothing)."""
+    I are padded to the block sizes with zeros (which add nothing). With `down` (`hidden`) the
+    first kernel rounds gate and up to bf16, and `down` applies to its bf16 h between the two
+    kernels (one more rounding than the reference's fp32 h; padding columns stay whole zero
+    groups of the FP8 round trip)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows = 64  # one warpgroup's wgmma M
@@ -239,10 +264,13 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
     w2p = pad_axis(pad_axis(w2.astype(dt), 1, dp), 2, ip)
     common = dict(rows=rows, block_n=block_n, block_k=block_k, steps=steps, interpret=interpret)
     h = plgpu.kernel(
-        functools.partial(_mgpu_swiglu_kernel, limit=limit, **common),
+        functools.partial(_mgpu_swiglu_kernel, limit=limit, round_products=down is not None, **common),
         out_type=jax.ShapeDtypeStruct((n_tiles * rows, ip), dt), grid=(n_tiles, ip // block_n),
         grid_names=("tile", "n"), interpret=interpret_params(interpret),
     )(expert, used, x_tiles, w1p, w3p)
+    if down is not None:
+        s_tiles = gather_tiles(scale[:, None], first, used, rows).reshape(n_tiles * rows)
+        h = down(h.astype(jnp.float32), s_tiles).astype(dt)
     y = plgpu.kernel(
         functools.partial(_mgpu_down_kernel, **common),
         out_type=jax.ShapeDtypeStruct((n_tiles * rows, dp), jnp.float32), grid=(n_tiles, dp // block_n),
@@ -252,24 +280,27 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
 
 
 def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = "reference", layer=None,
-                rows: int | None = None):
+                rows: int | None = None, scale=None, down=None):
     """THE dispatch (dispatch.py's rule), same contract as `reference`: "reference" runs
     ragged_dot, or the tile loop on CPU; "pallas": the Mosaic GPU kernels on Hopper+, else
     the generic kernel (interpreted on CPU); "mosaic_gpu": the Mosaic GPU kernels (GPU
     interpret mode off the GPU). layer: w1 / w3 / w2 are stacked over a layer run
     ([R, E, ...]) and this is layer `layer` of them. rows: the tile loop's / generic
     kernel's rows per tile (default `row_tile`; batch-invariant mode fixes it, so a row's
-    products do not change with how many rows run)."""
+    products do not change with how many rows run). scale [M] / down: W2's input is
+    `down(h, scale)` (`hidden`; DeepSeek-V4.1's Lin4)."""
     rows = rows or row_tile(x_sorted.shape[0], group_sizes.shape[0])
     kind, interpret = kernel_choice(impl)
+    down_args = {} if down is None else dict(scale=scale, down=down)
     if layer is not None and not (kind not in ("mosaic_gpu", "pallas") and jax.default_backend() == "cpu"):
         w1, w3, w2, layer = w1[layer], w3[layer], w2[layer], None
     if layer is not None:
-        return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, layer=layer)
+        return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, layer=layer, **down_args)
     if kind == "mosaic_gpu":
-        return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret)
+        return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret, **down_args)
     if kind == "pallas":
-        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret)
+        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret,
+                                  **down_args)
     if jax.default_backend() == "cpu":
-        return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows)
-    return reference(x_sorted, group_sizes, w1, w3, w2, limit=limit)
+        return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, **down_args)
+    return reference(x_sorted, group_sizes, w1, w3, w2, limit=limit, **down_args)
