@@ -13,9 +13,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dsjax.config import load_config
 from dsjax.layers import qdq
 from dsjax.layers.linear import linear
+from dsjax.layers.norms import rms_norm
 from dsjax.layers.quantized import Fp8Weight
+from dsjax.layers.rope import apply_rope, rope_cos_sin
+from dsjax.layers.shared_attention import SharedAttention, grouped_output, project_q_kv
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -371,3 +375,39 @@ def test_lin4_against_numpy_block_loop(rng):
     for i in range(2):
         want = block_linear_ref(x[i], values[i], np.ldexp(1.0, e[i].astype(np.int64) - 127))
         assert_within_one_bf16_ulp(got[i], want)
+
+
+def test_v41_attention_products_are_lin8(rng):
+    """With round trips, V4.1 attention's FP8-weight products are Lin8 (spec §2.2, §2.3, §2.10):
+    q_a, q_b and kv in `project_q_kv`, o_b after the plain per-group wo_a GEMM in
+    `grouped_output`, against qdq.lin8 on the same FP8 weights (tiny-v41's shapes)."""
+    cfg = load_config("tiny-v41")
+    layer = cfg.layers[0]
+    d, h, hd, rq = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    g, ro = cfg.o_groups, cfg.o_lora_rank
+    (wqa, *_), (wqb, *_), (wkv, *_), (wob, *_) = (random_fp8_weight(rng, (), o, i) for o, i in
+                                                  ((rq, d), (h * hd, rq), (hd, d), (d, g * ro)))
+    norm = lambda n: jnp.asarray(1 + 0.2 * rng.standard_normal(n), jnp.float32)
+    woa = jnp.asarray(rng.standard_normal((g * ro, h * hd // g)) * 0.05, jnp.bfloat16)
+    p = SharedAttention(q_a_proj=wqa, q_a_norm=norm(rq), q_b_proj=wqb, kv_proj=wkv, kv_norm=norm(hd),
+                        o_a_proj=woa, o_b_proj=wob, sinks=jnp.zeros(h, jnp.float32))
+    x = jnp.asarray(bf16_input(rng, (2, 3, d)), jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(3), (2, 3))
+    o = jnp.asarray(bf16_input(rng, (2, 3, h, hd)), jnp.bfloat16)
+
+    def model(round_trips):
+        cq, q, kv, _, _ = project_q_kv(p, x, positions, layer, cfg, round_trips)
+        return cq, q, kv, grouped_output(p, o, cfg, round_trips)
+
+    cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
+    cq = rms_norm(lin8(x, wqa), p.q_a_norm, cfg.rms_norm_eps)
+    q = apply_rope(lin8(cq, wqb).reshape(2, 3, h, hd), cos[..., None, :], sin[..., None, :])
+    kv = qdq.qdq_fp8(apply_rope(rms_norm(lin8(x, wkv), p.kv_norm, cfg.rms_norm_eps), cos, sin))
+    z = jnp.einsum("bsgi,goi->bsgo", o.reshape(2, 3, g, -1), woa.reshape(g, ro, -1),
+                   preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    want = [f64(a) for a in (cq, q, kv, lin8(z.reshape(2, 3, -1), wob))]
+    got, plain = jax.jit(model, static_argnums=0)(True), jax.jit(model, static_argnums=0)(False)
+    for name, w, a, b in zip(("cq", "q", "kv", "o_b"), want, got, plain):
+        # fp32 sums in another order may round a bf16 output (and so a later FP8 code) the other way
+        assert np.mean(np.abs(f64(a) - w) <= bf16_ulp(w)) > 0.97, name
+        assert np.mean(np.abs(f64(b) - w) <= bf16_ulp(w)) < 0.6, name  # without the activations' round trips
