@@ -54,6 +54,14 @@ def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
     assert engine.generate(prompts, sampling) == plain
     m = engine.spec_metrics()
     assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
+    # confidence scheduling (DSpark's sigma(c_k), the cost curve pinned so nothing is timed): rows
+    # verify fewer drafts than the maximum, and the tokens are still plain decoding's
+    engine = Engine(tiny8, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5,
+                    spec_policy="confidence", verify_costs=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5])
+    assert engine.generate(prompts, sampling) == plain
+    m = engine.spec_metrics()
+    assert 0 < m["drafts_proposed"] < 5 * m["row_steps"]
+    assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
 
 
 def test_engine_sampled_dspark_speculation_keeps_the_distribution(tiny8):
