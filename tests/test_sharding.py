@@ -83,9 +83,10 @@ def test_greedy_speculation_on_mesh_matches_plain_engine():
     """Speculative decoding (the MTP drafter, 2 drafts) on data=2,expert=4: each slot's row on
     its own batch shard, prefill chunks over every row at once, the verify step's rollback and
     the drafter's ring row by row. tiny cut to a 6-token vocabulary (a random drafter then
-    both hits and misses; seed 6: outputs that change token, not one token repeated): greedy requests equal the plain engine's on the same mesh; a
-    sampled request in the batch sends the greedy rows through the sampling variant (draft
-    distributions, acceptance draws on each shard's rows)."""
+    both hits and misses; seed 6: outputs that change token, not one token repeated): greedy
+    requests equal the plain engine's on the same mesh; a sampled request in the batch sends
+    the greedy rows through the sampling variant (draft distributions, acceptance draws on
+    each shard's rows)."""
     cfg = dsjax.load_config("tiny").replace(vocab_size=6, name="tiny-v6")
     mesh = make_mesh("data=2,expert=4")
     specs, m_specs = model_specs(cfg, jnp.float32), mtp_specs(cfg, jnp.float32)
