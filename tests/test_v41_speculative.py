@@ -12,31 +12,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 from scipy import stats
 
+from dsjax.api import Model
+from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.config import load_config
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
 from dsjax.model.v41 import dspark_specs, v41_model_specs
 from dsjax.params import init_params
+from dsjax.sharding.rules import make_mesh, shardings_for
 
 CAP = 64
 
 
-@pytest.fixture(scope="module")
-def tiny8():
+def _tiny8(mesh=None) -> Model:
     """tiny-v41 cut to 8 tokens with seeded Engram tables and the repeating Markov head, as a
-    `dsjax.Model` with its DSpark head (default options: round trips, the reference's keys)."""
-    from dsjax.api import Model
-    from dsjax.checkpoint.engram_tables import EngramStore
-
+    `dsjax.Model` with its DSpark head (default options: round trips, the reference's keys);
+    its weights sharded over `mesh` if given."""
     cfg = load_config("tiny-v41")
     cfg = cfg.replace(vocab_size=8, eos_token_ids=(1,), pad_token_id=2,
                       v41=dataclasses.replace(cfg.v41, dspark=dataclasses.replace(cfg.v41.dspark, noise_token_id=7)))
-    params = init_params(v41_model_specs(cfg, jnp.float32), seed=0).replace(engram_tables=EngramStore.seeded(cfg, 1))
-    ds = init_params(dspark_specs(cfg, jnp.float32), seed=1).replace(markov_embed=4 * jnp.eye(8),
-                                                                     markov_head=4 * jnp.eye(8))
-    return Model(cfg, params, jnp.float32, mtp=ds)
+    specs, ds_specs = v41_model_specs(cfg, jnp.float32), dspark_specs(cfg, jnp.float32)
+    on_mesh = (lambda s: None) if mesh is None else (lambda s: shardings_for(s, mesh))  # noqa: E731
+    markov = 4 * jnp.eye(8) if mesh is None else jax.device_put(4 * jnp.eye(8), NamedSharding(mesh, P()))
+    params = init_params(specs, seed=0, shardings=on_mesh(specs)).replace(engram_tables=EngramStore.seeded(cfg, 1))
+    ds = init_params(ds_specs, seed=1, shardings=on_mesh(ds_specs)).replace(markov_embed=markov, markov_head=markov)
+    return Model(cfg, params, jnp.float32, mesh, mtp=ds)
+
+
+@pytest.fixture(scope="module")
+def tiny8():
+    return _tiny8()
 
 
 def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
@@ -62,6 +70,22 @@ def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
     m = engine.spec_metrics()
     assert 0 < m["drafts_proposed"] < 5 * m["row_steps"]
     assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_engine_dspark_speculation_on_a_mesh_equals_the_plain_engine():
+    """The same on a mesh (data=2: each slot's row on its own batch shard; prefill chunks over
+    every row at once, the DSpark rings written, the Engram id history rolled back and the
+    drafts drawn row by row): greedy tokens equal the plain engine's on that mesh."""
+    model = _tiny8(make_mesh("data=2"))
+    prompts = np.random.default_rng(2).integers(0, 8, (3, 7)).tolist()
+    prompts[2] = prompts[2][:2]
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8).generate(prompts, sampling)
+    engine = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5, spec_policy="fixed")
+    assert engine.generate(prompts, sampling) == plain
+    m = engine.spec_metrics()
+    assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
 
 
 def test_engine_sampled_dspark_speculation_keeps_the_distribution(tiny8):

@@ -49,7 +49,8 @@ from dsjax.model.cache import batch_axes
 from dsjax.model.decoder import INVARIANT_ROWS
 from dsjax.engine.policy import SpeculationPolicy, check_draft_vocab, check_speculation, max_drafts
 from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
-                                   prefill_step, spec_decode_step, spec_prefill_step, start_decoding)
+                                   prefill_step, spec_decode_step, spec_prefill_rows, spec_prefill_step,
+                                   start_decoding)
 from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
                                    context_bucket, context_buckets, stop_ids)
 from dsjax.engine.sampler import SamplingParams
@@ -99,8 +100,12 @@ class Engine:
     a scan over tiles, or on a mesh one tile per device; prefill: the slot's tile, one
     chunk width per call), the MoE sums in expert order over fixed row tiles, and there is
     one context bucket, the capacity. The device state has max_slots rounded up to whole
-    tiles (`rows`; on a mesh one tile per batch shard). With speculation (one device):
-    the fixed policy, each verify step in tiles too (README "Batch invariance").
+    tiles (`rows`; on a mesh one tile per batch shard). With speculation: the fixed policy,
+    each verify step in tiles too (on a mesh one tile per device; README "Batch invariance").
+
+    On a mesh, speculation runs as on one device but for the prefill, which (as a plain
+    engine's) runs every row at once (`spec_prefill_rows`); the drafter's state (`spec`) is
+    batch-major like the cache, each row on its own batch shard.
 
     Arguments are checked here, and the cache is checked to fit before it is allocated:
     in `device_memory_bytes` per device if given, else in what the device reports free
@@ -138,7 +143,7 @@ class Engine:
         spec_policy = spec_policy or ("fixed" if batch_invariant else "confidence")
         self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, self.rows)
         check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=max_drafts(cfg),
-                          unsupported={"a mesh": self.mesh is not None, "decode_steps > 1": decode_steps > 1,
+                          unsupported={"decode_steps > 1": decode_steps > 1,
                                        # a step's verify length is the batch's, from measured timings
                                        "spec_policy='confidence' in batch-invariant mode (use 'fixed')":
                                            batch_invariant and spec_policy == "confidence"})
@@ -147,9 +152,9 @@ class Engine:
         self._draft = (gather_draft_vocab(model.params, self.draft_vocab)  # the programs' argument
                        if num_draft_tokens and self.draft_vocab is not None else None)
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
-        cache, slots, self.spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
-                                             num_draft_tokens=num_draft_tokens)
-        self.cache, self.slots = self._place(cache), self._place(slots)
+        cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
+                                        num_draft_tokens=num_draft_tokens)
+        self.cache, self.slots, self.spec = self._place(cache), self._place(slots), self._place(spec)
         self._cancelled: set[int] = set()  # slots cancelled while decoding: stopped by the next decode step
         self._none_cancelled = self._place(jax.device_put(np.zeros(self.rows, bool)))
         self.requests: dict[str, Request] = {}  # by id: the latest request of each id
@@ -364,10 +369,16 @@ class Engine:
         [rows, words] uint32) which first tokens a row whose prompt ends here may take."""
         params, slot = self.model.params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
         if self.spec is not None:
-            self.cache, self.spec, self.slots, out = spec_prefill_step(
-                params, self.model.mtp, self.cache, self.spec, self.slots, slot, tokens, following, n_valid, is_last,
-                admits, first_mask, self.policy.schedule, self._draft, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
-                sampled=sampled, n_logprobs=self.max_logprobs)
+            static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled,
+                          n_logprobs=self.max_logprobs)
+            chunk = (tokens, following, n_valid, is_last, admits, first_mask)
+            state = (params, self.model.mtp, self.cache, self.spec, self.slots)
+            if self.mesh is not None:
+                self.cache, self.spec, self.slots, out = spec_prefill_rows(
+                    *state, *self._place(chunk), self.policy.schedule, self._draft, **static)
+            else:
+                self.cache, self.spec, self.slots, out = spec_prefill_step(
+                    *state, slot, *chunk, self.policy.schedule, self._draft, **static)
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
                 params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits, first_mask)),

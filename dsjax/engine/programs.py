@@ -30,7 +30,7 @@ from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_spe
 from dsjax.model.cache import Cache, init_cache, over_tiles, put_rows, take_rows
 from dsjax.model.decoder import INVARIANT_ROWS
 from dsjax.model.forward_pass import forward
-from dsjax.sharding.rules import per_row, rows
+from dsjax.sharding.rules import current_mesh, per_row, rows
 
 
 @struct.dataclass
@@ -172,31 +172,52 @@ def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: ja
     return put_rows(cache, row_cache, slot), put_rows(slots, row_slots, slot), out
 
 
+def _spec_prefill(params, mtp, cache: Cache, spec: Speculation, slots: Slots, tokens, next_tokens, n_valid, is_last,
+                  admission: Admission, first_mask, schedule, vocab, cfg: ModelConfig, opts: RuntimeOptions,
+                  ctx_bucket: int, sampled: bool, n_logprobs: int):
+    slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
+    cache = cache.admit(length, admission.reset)
+
+    def emit(logits, length, last):
+        state, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, logits, length, last,
+                                                                                        first_mask)
+        return out.tokens, state.sampling, (state, out)
+
+    cache, spec, (slots, out) = prefill_chunk(params, mtp, cache, spec, tokens, next_tokens, n_valid, is_last, emit,
+                                              cfg=cfg, ctx_bucket=ctx_bucket, schedule=schedule, sampled=sampled,
+                                              vocab=vocab, opts=opts)
+    return cache, spec, slots, _one_step(out)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
+                   donate_argnames=("cache", "spec", "slots"))
+def spec_prefill_rows(params, mtp, cache: Cache, spec: Speculation, slots: Slots, tokens: jax.Array,
+                      next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission,
+                      first_mask: jax.Array, schedule, vocab: DraftVocab | None, *, cfg: ModelConfig,
+                      opts: RuntimeOptions, ctx_bucket: int, sampled: bool, n_logprobs: int):
+    """prefill_rows for speculative engines (every slot at once, tokens [B, C]: the path under a
+    mesh): the chunk also goes through the drafter's ring (next_tokens [B, C]: the token after
+    each), and a prompt's last chunk drafts the first speculation after the sampled first
+    token. sampled=False: the rows are greedy (drafts by argmax, no draft distributions).
+    vocab: the drafter's reduced vocabulary (None: the full one)."""
+    return _spec_prefill(params, mtp, cache, spec, slots, tokens, next_tokens, n_valid, is_last, admission,
+                         first_mask, schedule, vocab, cfg, opts, ctx_bucket, sampled, n_logprobs)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
                       next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission,
                       first_mask: jax.Array, schedule, vocab: DraftVocab | None, *, cfg: ModelConfig,
                       opts: RuntimeOptions, ctx_bucket: int, sampled: bool, n_logprobs: int):
-    """prefill_step for speculative engines (the n rows from `slot` on, tokens [n, C]): the
-    chunk also goes through the MTP ring, and a prompt's last chunk drafts the first
-    speculation after the sampled first token. sampled=False: the rows are greedy (drafts by
-    argmax, no draft distributions). vocab: the drafter's reduced vocabulary (None: the
-    full one)."""
+    """spec_prefill_rows for the n rows from `slot` on (tokens [n, C]; n = 1, or a
+    batch-invariant tile): the cost of those rows, not of the whole batch."""
     n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
-    row_cache = take_rows(cache, slot, n)
-    row_slots, length = take_prompt_chunk(take_rows(slots, slot, n), row_cache.length, tokens, n_valid, admission)
-    row_cache = row_cache.admit(length, admission.reset)
-
-    def emit(logits, length, last):
-        state, out = sample_and_emit(row_slots, logits, length, last, first_mask, n_logprobs=n_logprobs)
-        return out.tokens, state.sampling, (state, out)
-
-    row_cache, row_spec, (row_slots, out) = prefill_chunk(
-        params, mtp, row_cache, take_rows(spec, slot, n), tokens, next_tokens, n_valid, is_last, emit,
-        cfg=cfg, ctx_bucket=ctx_bucket, schedule=schedule, sampled=sampled, vocab=vocab, opts=opts)
-    return (put_rows(cache, row_cache, slot), put_rows(spec, row_spec, slot), put_rows(slots, row_slots, slot),
-            _one_step(out))
+    row_cache, row_spec, row_slots, out = _spec_prefill(
+        params, mtp, take_rows(cache, slot, n), take_rows(spec, slot, n), take_rows(slots, slot, n), tokens,
+        next_tokens, n_valid, is_last, admission, first_mask, schedule, vocab, cfg, opts, ctx_bucket, sampled,
+        n_logprobs)
+    return put_rows(cache, row_cache, slot), put_rows(spec, row_spec, slot), put_rows(slots, row_slots, slot), out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled", "n_logprobs"),
@@ -210,7 +231,8 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
     drafter's confidence in each). Rows `cancelled` [B] stop first. sampled=False: every
     decoding row is greedy (argmax on the logits; no distributions formed). vocab: the
     drafter's reduced vocabulary (None: the full one). Batch-invariant mode: the whole step
-    runs in tiles of INVARIANT_ROWS rows (`over_tiles`), as `forward` does."""
+    runs in tiles of INVARIANT_ROWS rows (`over_tiles`; on a mesh, one tile per device), as
+    `forward` does."""
 
     def step(state, cancelled):
         cache, spec, slots = state
@@ -228,7 +250,7 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
                          top_values, top_ids, v.checked, v.accepted, spec.limit, judged)
         return (cache, spec, slots), out
 
-    if opts.batch_invariant:
+    if opts.batch_invariant and current_mesh() is None:  # on a mesh each device holds one tile, as in `forward`
         (cache, spec, slots), out = over_tiles(step, (cache, spec, slots), cancelled, INVARIANT_ROWS)
     else:
         (cache, spec, slots), out = step((cache, spec, slots), cancelled)

@@ -40,6 +40,8 @@ rollback also puts back the Engram id history (`kept_history`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,7 @@ from dsjax.layers.engram import kept_history
 from dsjax.model.dspark import DSparkRing, dspark_draft, dspark_seed, empty_ring
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
 from dsjax.model.v41 import DSparkParams, quirk_source, v41_forward_rows
+from dsjax.sharding.rules import per_row
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
 
@@ -105,7 +108,12 @@ def draft_vocab(params: ModelParams, ids) -> DraftVocab:
 def processed_probs(logits: jax.Array, s: SamplingState) -> jax.Array:
     """The distribution a request samples from: softmax(filter(logits / T)); greedy rows get
     a one-hot on the first maximum. logits [B, ..., V] -> probs (same shape, fp32). The
-    softmax and the top-k / top-p / min-p threshold search run only when some row needs them."""
+    softmax and the top-k / top-p / min-p threshold search run only when some row needs them
+    (on a mesh: on each batch shard's own rows, `per_row`, like all sampling here)."""
+    return per_row(_processed_probs)(logits, s)
+
+
+def _processed_probs(logits: jax.Array, s: SamplingState) -> jax.Array:
     shape = logits.shape
     flat = logits.reshape(shape[0], -1, shape[-1]).astype(jnp.float32)
     rows = jnp.repeat(jnp.arange(shape[0]), flat.shape[1])
@@ -127,11 +135,20 @@ def _salted(seed, position, salt):
 
 def draw(probs: jax.Array, seeds: jax.Array, positions: jax.Array, salt: int) -> jax.Array:
     """One draw per row from probs [B, V] with the key of (seed, position, salt)."""
+    return per_row(functools.partial(_draw, salt=salt))(probs, seeds, positions)
+
+
+def _draw(probs: jax.Array, seeds: jax.Array, positions: jax.Array, salt: int) -> jax.Array:
     keys = jax.vmap(lambda s, p: _salted(s, p, salt))(seeds, positions)
     return categorical(keys, jnp.log(jnp.maximum(probs, 0.0)))
 
 
 def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, limit: jax.Array, s: SamplingState, start: jax.Array):
+    """`_accept` on each batch shard's own rows (`per_row`)."""
+    return per_row(_accept)(p, q, drafts, limit, s, start)
+
+
+def _accept(p: jax.Array, q: jax.Array, drafts: jax.Array, limit: jax.Array, s: SamplingState, start: jax.Array):
     """Lossless acceptance of the first `limit` [B] of k drafts. p [B, k+1, V] target, q
     [B, k, V] draft distributions, drafts [B, k]; start [B] = position of the pending token.
     -> (accepted count a [B], next token [B]): a drafts accepted, then `next`: drawn from the
@@ -151,7 +168,7 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, limit: jax.Array, s: S
     residual = jnp.maximum(p_a - jnp.where((a < limit)[:, None], q_a, 0.0), 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 1e-8, residual / jnp.maximum(mass, 1e-30), p_a)
-    nxt = draw(residual, s.seed, start + 1 + a, TOKEN)
+    nxt = _draw(residual, s.seed, start + 1 + a, TOKEN)  # in per_row already
     return a, jnp.where(greedy, argmax_first(p_a), nxt)
 
 
@@ -187,6 +204,15 @@ def init_speculation(cfg: ModelConfig, batch: int, n_drafts: int, dtype) -> Spec
     return Speculation(ring, drafts, jnp.zeros((batch,), jnp.int32))
 
 
+def calibrated(confidence: jax.Array, acceptance: jax.Array) -> jax.Array:
+    """np.interp(confidence, calibration_centres(), acceptance), clamped at the end centres,
+    as a sum of hat functions over the equally spaced centres: elementwise, so batch-major
+    confidences stay on their batch shards (jnp.interp's table lookup is a gather)."""
+    u = jnp.clip(confidence * CALIBRATION_BINS - 0.5, 0, CALIBRATION_BINS - 1)[..., None]
+    hats = jnp.maximum(1.0 - jnp.abs(u - jnp.arange(CALIBRATION_BINS, dtype=u.dtype)), 0.0)
+    return jnp.sum(hats * acceptance, axis=-1)
+
+
 def choose_limits(confidence: jax.Array, costs: jax.Array | None, acceptance: jax.Array | None = None) -> jax.Array:
     """How many drafts to verify per row. Fixed (costs None): all of them. Otherwise the k
     maximising expected tokens per unit cost, (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k]:
@@ -196,11 +222,12 @@ def choose_limits(confidence: jax.Array, costs: jax.Array | None, acceptance: ja
     is given: interpolated between the centres."""
     b, k = confidence.shape
     if costs is None:
-        return jnp.full((b,), k, jnp.int32)
+        return jnp.zeros_like(confidence[:, 0], jnp.int32) + k  # batch-major like confidence (a mesh)
     if acceptance is not None:
-        confidence = jnp.interp(confidence, jnp.asarray(calibration_centres(), jnp.float32), acceptance)
+        confidence = calibrated(confidence, acceptance)
     survival = jnp.cumprod(confidence, axis=1)
-    expected = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(survival, axis=1)], axis=1)  # [B, K+1]
+    expected = 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]), jnp.cumsum(survival, axis=1)],
+                                     axis=1)  # [B, K+1]
     return jnp.argmax(expected / costs[None, :], axis=1).astype(jnp.int32)
 
 
@@ -264,6 +291,12 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
     return mtp_state, chain() if draft is True else jax.lax.cond(jnp.any(draft), chain, lambda: old)
 
 
+def at(x: jax.Array, i: jax.Array) -> jax.Array:
+    """x [B, C, ...] at position i [B] of each row -> [B, ...] (take_along_axis: row-local on a
+    mesh, where indexing by an arange of rows would gather across the batch shards)."""
+    return jnp.take_along_axis(x, i.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
 def dspark_commit_and_draft(params, ds: DSparkParams, ring: DSparkRing, hidden: jax.Array, next_tokens: jax.Array,
                             start: jax.Array, n_valid: jax.Array, s: SamplingState, old: Drafts, cfg: ModelConfig, *,
                             sampled: bool, confidence: bool, draft=True, vocab: DraftVocab | None = None,
@@ -279,7 +312,6 @@ def dspark_commit_and_draft(params, ds: DSparkParams, ring: DSparkRing, hidden: 
     i = jnp.arange(c)
     ring = dspark_seed(ds, hidden, start[:, None] + i, ring, cfg, i[None] < n_valid[:, None], opts=opts)
     last = jnp.maximum(n_valid - 1, 0)
-    rows = jnp.arange(hidden.shape[0])
     t = start + last  # the last committed position: the drafts are for t + 2 ..
     row_sampled = s.temperature > 0
 
@@ -289,7 +321,7 @@ def dspark_commit_and_draft(params, ds: DSparkParams, ring: DSparkRing, hidden: 
         return jnp.where(row_sampled, draw(processed_probs(logits, s), s.seed, t + 2 + j, DRAFT), argmax_first(logits))
 
     def chain() -> Drafts:  # the ring it returns is `ring` again (rho_t is written above), unless n_valid is 0
-        _, tokens, logits, conf = dspark_draft(ds, params, next_tokens[rows, last], hidden[rows, last], t, ring, cfg,
+        _, tokens, logits, conf = dspark_draft(ds, params, at(next_tokens, last), at(hidden, last), t, ring, cfg,
                                                pick=pick, opts=opts)
         k = old.tokens.shape[1]
         return Drafts(tokens[:, :k], processed_probs(logits[:, :k], s) if sampled else old.q,
@@ -400,8 +432,8 @@ def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Specu
     last = jnp.maximum(n_valid - 1, 0)
     logits = logits[:, 0]
     first, sampling, aux = emit(logits, cache.length, is_last)
-    rows = jnp.arange(tokens.shape[0])
-    next_tokens = next_tokens.at[rows, last].set(jnp.where(is_last, first, next_tokens[rows, last]))
+    at_last = (jnp.arange(tokens.shape[1])[None] == last[:, None]) & is_last[:, None]  # row-local: no gather
+    next_tokens = jnp.where(at_last, first[:, None], next_tokens)
     mtp_state, drafts = _drafter(cfg)(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
                                       spec.drafts, cfg, sampled=sampled, confidence=schedule is not None,
                                       draft=is_last, vocab=vocab, opts=opts)

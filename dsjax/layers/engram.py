@@ -34,6 +34,7 @@ from flax import struct
 
 from dsjax.layers.linear import linear
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import lookup
 
 DEAD = -1  # compressed id of an image-span token: blocks every shift that reaches it
 BEFORE_START = -2  # history slot before position 0: blocks like DEAD (the "t < s" rule)
@@ -214,7 +215,7 @@ def ngram_row_ids(layout: EngramLayout, layer_k: int, kappa: np.ndarray, history
 def kept_history(token_map: np.ndarray, history: jax.Array, tokens: jax.Array, kept: jax.Array) -> jax.Array:
     """On the device: the history [B, h] int32 after the first kept [B] of tokens [B, C] (a
     speculative step keeps the accepted prefix of its chunk; `next_history`'s rule)."""
-    kappa = jnp.asarray(token_map, jnp.int32)[jnp.clip(tokens, 0, len(token_map) - 1)]
+    kappa = lookup(jnp.asarray(token_map, jnp.int32), jnp.clip(tokens, 0, len(token_map) - 1))
     ext = jnp.concatenate([history, kappa], axis=1)
     return jnp.take_along_axis(ext, kept[:, None] + jnp.arange(history.shape[1]), axis=1)
 

@@ -181,11 +181,11 @@ def written_rows(state: AttentionState | SharedAttentionState, ratio: int, posit
 
 def save_rows(cache: Cache, positions: jax.Array, cfg: ModelConfig) -> tuple[tuple[AttentionState, ...], ...]:
     """What an extend over positions [B, n] will overwrite, per layer (each field [R, B, n, ...])."""
-    rows = jnp.arange(positions.shape[0])[:, None]
+    # row by row (vmap over the batch): a gather of each row's own entries, also on a mesh's batch shards
+    take = jax.vmap(lambda a, idx: a.at[idx].get(mode="fill", fill_value=0))
 
     def one(st, ratio):
-        return jax.tree.map(lambda a, idx: a.at[rows, idx].get(mode="fill", fill_value=0), st,
-                            written_rows(st, ratio, positions))
+        return jax.tree.map(take, st, written_rows(st, ratio, positions))
 
     return tuple(tuple(jax.vmap(lambda st, r=layer.compress_ratio: one(st, r))(st)
                        for st, layer in zip(period, run.layers))
@@ -197,11 +197,10 @@ def restore_rows(cache: Cache, saved: tuple[tuple[AttentionState, ...], ...], po
     """Put back the rows that the positions marked rejected [B, n] wrote. A rejected
     position's entry index holds its pre-step value: every position of that group at or
     after it was rejected too, so no kept position wrote it."""
-    rows = jnp.arange(positions.shape[0])[:, None]
+    put = jax.vmap(lambda a, idx, old: a.at[idx].set(old, mode="drop"))  # row by row, as save_rows
 
     def put_back(a, idx, old):
-        idx = jnp.where(rejected, idx, a.shape[1])  # out of bounds: dropped
-        return a.at[rows, idx].set(old, mode="drop")
+        return put(a, jnp.where(rejected, idx, a.shape[1]), old)  # out of bounds: dropped
 
     def one(st, old, ratio):
         return jax.tree.map(put_back, st, written_rows(st, ratio, positions), old)

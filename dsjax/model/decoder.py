@@ -31,7 +31,7 @@ from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
 from dsjax.model.cache import Cache
 from dsjax.params import ParamSpec, stack_specs
-from dsjax.sharding.rules import spec
+from dsjax.sharding.rules import lookup, spec
 
 DEFAULT_OPTIONS = RuntimeOptions()
 
@@ -97,8 +97,7 @@ def layer_block(params: ModelParams, cfg: ModelConfig, i: int) -> Block:
 # ----------------------------------------------------------------------------- pieces
 def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
     """token_ids [B, S] -> X [B, S, N, D]: the embedding copied to the N streams."""
-    rows = spec("batch", None, None)
-    e = params.embed[token_ids] if rows is None else params.embed.at[token_ids].get(out_sharding=rows)
+    e = lookup(params.embed, token_ids)
     return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
 
 

@@ -35,6 +35,7 @@ from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.layers.shared_attention import SharedAttention, attend_and_project, project_q_kv, round_trip
 from dsjax.model.decoder import DEFAULT_OPTIONS, embed_streams
 from dsjax.model.v41 import DSparkParams, ModelParamsV41, block_apply_lag, dspark_config, first_pi
+from dsjax.sharding.rules import lookup
 
 
 @struct.dataclass
@@ -94,9 +95,11 @@ def dspark_seed(ds: DSparkParams, main_hidden: jax.Array, positions: jax.Array, 
     rho = jax.vmap(lambda p: main_keys(p, mu, positions, cfg, opts.round_trips))(ds.stages.attn)  # [n, B, S, hd]
     last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
     slot = jnp.where(valid & (positions > last - w), jnp.mod(positions, w), w)  # w: not written
-    rows = jnp.arange(positions.shape[0])[:, None]
-    return DSparkRing(keys=ring.keys.at[:, rows, slot].set(rho.astype(ring.keys.dtype), mode="drop"),
-                      positions=ring.positions.at[rows, slot].set(positions.astype(jnp.int32), mode="drop"))
+    # row by row (vmap over the batch): each row writes its own ring, also on a mesh's batch shards
+    put = lambda a, i, v: a.at[..., i, :].set(v, mode="drop")  # noqa: E731
+    keys = jax.vmap(put, in_axes=(1, 0, 1), out_axes=1)(ring.keys, slot, rho.astype(ring.keys.dtype))
+    put_positions = jax.vmap(lambda a, i, v: a.at[i].set(v, mode="drop"))
+    return DSparkRing(keys=keys, positions=put_positions(ring.positions, slot, positions.astype(jnp.int32)))
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -105,7 +108,7 @@ def draft_intervals(ring_positions: jax.Array, t: jax.Array, window: int, block:
     block query iff it holds a position in max(0, t-W+1)..t, a block key always (bidirectional).
     -> (lo, hi) [B, W + block]."""
     seen = (ring_positions >= jnp.maximum(t[:, None] - window + 1, 0)) & (ring_positions <= t[:, None])
-    seen = jnp.concatenate([seen, jnp.ones((t.shape[0], block), bool)], axis=1)
+    seen = jnp.pad(seen, ((0, 0), (0, block)), constant_values=True)  # keeps a batch-major seen's sharding
     return jnp.where(seen, 0, 1), jnp.where(seen, FOREVER, 0)
 
 
@@ -160,7 +163,7 @@ def markov_correct(ds: DSparkParams, logits: jax.Array, anchor: jax.Array, tempe
 
     def step(o, xs):
         l, k, j = xs
-        e = ds.markov_embed[o]  # [B, rank]
+        e = lookup(ds.markov_embed, o)  # [B, rank]
         l = l + jnp.einsum("br,vr->bv", e.astype(jnp.float32), head)
         nxt = sample_tokens(l, temperature, k) if pick is None else pick(l, j)
         return nxt, (nxt, l, e)
@@ -182,8 +185,7 @@ def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main
     ds_cfg = cfg.v41.dspark
     b, k = anchor.shape[0], ds_cfg.block_size
     ring = dspark_seed(ds, main_hidden_t[:, None], t[:, None], ring, cfg, opts=opts)
-    ids = jnp.concatenate([anchor[:, None].astype(jnp.int32),
-                           jnp.full((b, k - 1), ds_cfg.noise_token_id, jnp.int32)], axis=1)
+    ids = jnp.where(jnp.arange(k) == 0, anchor[:, None], ds_cfg.noise_token_id).astype(jnp.int32)  # [B, K]
     positions = t[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)
     streams, pi = dspark_stages(ds, embed_streams(main, ids, cfg), ids, positions, ring, t, cfg, opts)
     h = collapse(streams, pi)  # [B, K, D], un-normed

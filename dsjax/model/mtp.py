@@ -26,6 +26,7 @@ from dsjax.layers.norms import rms_norm
 from dsjax.model.decoder import (DEFAULT_OPTIONS, Block, ModelParams, attention_call, block_apply, block_specs,
                                  head_logits, lm_head_weight, norm_spec)
 from dsjax.params import ParamSpec
+from dsjax.sharding.rules import lookup
 
 
 @struct.dataclass
@@ -53,7 +54,7 @@ def mtp_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> MTPParams:
 def mtp_inputs(mtp: MTPParams, main: ModelParams, streams: jax.Array, next_tokens: jax.Array,
                cfg: ModelConfig) -> jax.Array:
     """streams [B, S, N, D] (main state at t), next_tokens [B, S] (x_{t+1}) -> [B, S, N, D]."""
-    e = linear(rms_norm(main.embed[next_tokens], mtp.enorm, cfg.rms_norm_eps), mtp.e_proj)
+    e = linear(rms_norm(lookup(main.embed, next_tokens), mtp.enorm, cfg.rms_norm_eps), mtp.e_proj)
     h = linear(rms_norm(streams, mtp.hnorm, cfg.rms_norm_eps), mtp.h_proj)
     return (e[:, :, None, :] + h).astype(streams.dtype)
 

@@ -277,7 +277,7 @@ def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array,
                       ordered=False)
     rows = tuple((jax.lax.bitcast_convert_type(out[2 * k], jnp.float8_e4m3fn), out[2 * k + 1])
                  for k in range(len(e.layer_ids)))
-    return rows, out[-1]
+    return rows, batch_major(out[-1])  # the callback's outputs are replicated; the cache's history is batch-major
 
 
 def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,

@@ -121,6 +121,14 @@ def batch_major(x: jax.Array) -> jax.Array:
     return x if s is None else jax.sharding.reshard(x, s)
 
 
+def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids]: entries of a (replicated) table [V, ...] for batch-major ids [B, ...] ->
+    [B, ..., ...], batch-major under a mesh (the gather's output sharding is not implied by
+    its operands)."""
+    s = spec("batch", *([None] * (ids.ndim + table.ndim - 2)))
+    return table[ids] if s is None else table.at[ids].get(out_sharding=s)
+
+
 def present_axes(axes, mesh):
     """Drop mesh axes of size 1 (they shard nothing and only complicate types) and axes
     that are manual here (inside shard_map each device already holds its own rows)."""
