@@ -9,7 +9,7 @@ are real bytes, so a large table costs no disk), then decode steps run three way
 
   fetch   the host lookup alone (`EngramStore.fetch`: hash, gather the rows, next history)
   device  the jitted step with the rows given up front (no host work inside the step)
-  inside  the jitted step with the lookup inside it (`engram_fetch`, an unordered io_callback)
+  inside  the jitted step with the lookup inside it (`engram_fetch`, a pure_callback)
 
 hidden = 1 - (inside - device) / fetch, clipped to [0, 1]: the share of the lookup that
 overlaps the device work before the first Engram layer (1 = fully hidden, 0 = the step

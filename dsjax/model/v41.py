@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.experimental import io_callback
 
 from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.engram import BEFORE_START, Engram, dequant_rows, engram_fuse, engram_specs
@@ -264,17 +263,20 @@ def quirk_source(cfg: ModelConfig) -> int | None:
 
 def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array, n_valid: jax.Array):
     """The Engram rows of a chunk from host tables, inside a jitted program: `fetch(tokens
-    [B, C], history [B, h], n_valid [B])` runs on the host (an unordered `io_callback`: nothing
-    before the first Engram layer waits for it) and returns, per Engram layer, the stored
+    [B, C], history [B, h], n_valid [B])` runs on the host and returns, per Engram layer, the stored
     (E4M3 bytes [B, C, n_hash, hd], E8M0 bytes [B, C, n_hash, hd / 32]) of the rows the
     chunk's n-grams hash to, then the history after the n_valid committed tokens
-    (`dsjax.checkpoint.engram_tables.EngramStore.fetch`). -> (rows per layer, history)."""
+    (`dsjax.checkpoint.engram_tables.EngramStore.fetch`). -> (rows per layer, history).
+    A `pure_callback`: the lookup is a function of its operands (the tables do not change), so XLA
+    may schedule it beside the layers before the first Engram layer. An `io_callback` (effectful,
+    even unordered) cost a CPU decode step of tiny-v41 ~7.5 ms for a 0.7 ms lookup; this hides it
+    (benchmarks/engram_transfer.py)."""
     e = cfg.v41.engram
     b, c = tokens.shape
     shapes = [jax.ShapeDtypeStruct((b, c, e.n_hash, width), jnp.uint8)
               for _ in e.layer_ids for width in (e.head_dim, e.head_dim // 32)]
-    out = io_callback(fetch, (*shapes, jax.ShapeDtypeStruct(history.shape, jnp.int32)), tokens, history, n_valid,
-                      ordered=False)
+    out = jax.pure_callback(fetch, (*shapes, jax.ShapeDtypeStruct(history.shape, jnp.int32)), tokens, history,
+                            n_valid)
     rows = tuple((jax.lax.bitcast_convert_type(out[2 * k], jnp.float8_e4m3fn), out[2 * k + 1])
                  for k in range(len(e.layer_ids)))
     return rows, batch_major(out[-1])  # the callback's outputs are replicated; the cache's history is batch-major
