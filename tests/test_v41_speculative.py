@@ -47,29 +47,35 @@ def tiny8():
     return _tiny8()
 
 
-def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
-    """Greedy requests through `Engine(num_draft_tokens=5)` with the
-    DSpark head (prefill seeding its rings, verify steps rolling back the caches and the
-    Engram id history, drafts committed and redrawn; 3 requests over 2 slots, one prompt of 2
-    tokens) give the plain engine's tokens, under the default options (quantisation round
-    trips, the reference's index keys) and with seeded Engram tables; drafts are both
-    accepted and rejected."""
+def _greedy_equals_plain(model, max_tokens: int, *spec_options) -> list[dict]:
+    """Greedy requests (3 over 2 slots, one prompt of 2 tokens) through a speculative engine with
+    5 drafts per each of `spec_options` (Engine keywords) give the plain engine's tokens.
+    -> each speculative engine's metrics."""
     prompts = np.random.default_rng(2).integers(0, 8, (3, 7)).tolist()
     prompts[2] = prompts[2][:2]  # from start 2 a 6-position chunk is past the key rule's exact range: fewer drafts
-    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
-    plain = Engine(tiny8, max_slots=2, capacity=CAP, prefill_chunk=8).generate(prompts, sampling)
-    engine = Engine(tiny8, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5, spec_policy="fixed")
-    assert engine.generate(prompts, sampling) == plain
-    m = engine.spec_metrics()
-    assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
-    # confidence scheduling (DSpark's sigma(c_k), the cost curve pinned so nothing is timed): rows
-    # verify fewer drafts than the maximum, and the tokens are still plain decoding's
-    engine = Engine(tiny8, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5,
-                    spec_policy="confidence", verify_costs=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5])
-    assert engine.generate(prompts, sampling) == plain
-    m = engine.spec_metrics()
-    assert 0 < m["drafts_proposed"] < 5 * m["row_steps"]
-    assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    plain = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8).generate(prompts, sampling)
+    metrics = []
+    for options in spec_options:
+        engine = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5, **options)
+        assert engine.generate(prompts, sampling) == plain, options
+        metrics.append(engine.spec_metrics())
+    return metrics
+
+
+def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
+    """Greedy requests through `Engine(num_draft_tokens=5)` with the DSpark head (prefill
+    seeding its rings, verify steps rolling back the caches and the Engram id history, drafts
+    committed and redrawn) give the plain engine's tokens, under the default options
+    (quantisation round trips, the reference's index keys) and with seeded Engram tables;
+    drafts are both accepted and rejected. Also with confidence scheduling (DSpark's
+    sigma(c_k), the cost curve pinned so nothing is timed): rows verify fewer drafts than
+    the maximum, and the calibration books every judged draft."""
+    fixed, confidence = _greedy_equals_plain(tiny8, 20, dict(spec_policy="fixed"), dict(
+        spec_policy="confidence", verify_costs=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5]))
+    assert 0 < fixed["drafts_accepted"] < fixed["drafts_proposed"]
+    assert 0 < confidence["drafts_proposed"] < 5 * confidence["row_steps"]
+    assert sum(confidence["calibration"]["judged"]) == sum(confidence["judged_by_position"]) > 0
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
@@ -77,14 +83,7 @@ def test_engine_dspark_speculation_on_a_mesh_equals_the_plain_engine():
     """The same on a mesh (data=2: each slot's row on its own batch shard; prefill chunks over
     every row at once, the DSpark rings written, the Engram id history rolled back and the
     drafts drawn row by row): greedy tokens equal the plain engine's on that mesh."""
-    model = _tiny8(make_mesh("data=2"))
-    prompts = np.random.default_rng(2).integers(0, 8, (3, 7)).tolist()
-    prompts[2] = prompts[2][:2]
-    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
-    plain = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8).generate(prompts, sampling)
-    engine = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5, spec_policy="fixed")
-    assert engine.generate(prompts, sampling) == plain
-    m = engine.spec_metrics()
+    (m,) = _greedy_equals_plain(_tiny8(make_mesh("data=2")), 12, dict(spec_policy="fixed"))
     assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
 
 
