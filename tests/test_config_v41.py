@@ -12,6 +12,7 @@ import pytest
 
 from dsjax.config import CSA, SLIDING, ConfigError, from_hf_dict, load_config, to_hf_dict
 from dsjax.config.io import from_flat_v41, to_flat_v41
+from dsjax.engine.policy import engine_draft_vocab
 from dsjax.model.cache import cache_bytes
 from dsjax.param_count import count_params
 
@@ -189,3 +190,16 @@ def test_load_model_v41_refusals_are_named(tmp_path):
     path.write_text(json.dumps(to_hf_dict(load_config("tiny-v41").replace(num_nextn_predict_layers=0))))
     with pytest.raises(ValueError, match="has no DSpark drafter"):
         dsjax.load_model(path, mtp=True)
+
+
+def test_engine_refuses_a_draft_vocabulary_for_dspark():
+    """An Engine's drafter vocabulary (dsjax.engine.policy.engine_draft_vocab): DSpark drafts over
+    the whole vocabulary, so a V4.1 model takes no `draft_vocab` list, while V4's MTP drafter
+    does (sorted, checked) and False means the full vocabulary for both."""
+    v41, v4 = load_config("tiny-v41"), load_config("tiny")
+    with pytest.raises(ValueError, match="DSpark head drafts over the whole vocabulary"):
+        engine_draft_vocab([3, 1, 2], None, v41)
+    assert engine_draft_vocab(False, None, v41) is None and engine_draft_vocab(None, None, v41) is None
+    assert engine_draft_vocab([3, 1, 2], None, v4).tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="must be None .* got True"):
+        engine_draft_vocab(True, None, v4)

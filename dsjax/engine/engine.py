@@ -43,16 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.engine.constraints import Constraint, fill_masks, mask_words, pack_mask
+from dsjax.engine.constraints import Constraint, fill_masks, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args
 from dsjax.model.cache import batch_axes
 from dsjax.model.decoder import INVARIANT_ROWS
-from dsjax.engine.policy import SpeculationPolicy, check_draft_vocab, check_speculation, max_drafts
+from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
 from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, spec_decode_step, spec_prefill_rows, spec_prefill_step,
                                    start_decoding)
-from dsjax.engine.requests import (Request, TokenEvent, admission, check_request, chunk_length, chunk_lengths,
-                                   context_bucket, context_buckets, stop_ids)
+from dsjax.engine.requests import (Request, TokenEvent, admission, check_constraint, check_request, chunk_length,
+                                   chunk_lengths, context_bucket, context_buckets, first_tokens_mask, stop_ids)
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.speculative import Schedule, calibration_centres
 from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
@@ -148,7 +148,8 @@ class Engine:
                                        "spec_policy='confidence' in batch-invariant mode (use 'fixed')":
                                            batch_invariant and spec_policy == "confidence"})
         self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
-        self.draft_vocab = self._check_draft_vocab(draft_vocab)  # sorted ids [|D|] or None (full vocabulary)
+        # sorted ids [|D|] or None (the full vocabulary)
+        self.draft_vocab = engine_draft_vocab(draft_vocab, model.draft_vocab, cfg)
         self._draft = (gather_draft_vocab(model.params, self.draft_vocab)  # the programs' argument
                        if num_draft_tokens and self.draft_vocab is not None else None)
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
@@ -173,20 +174,6 @@ class Engine:
                             batch_axes(tree))
 
     # ------------------------------------------------------------------ speculation
-    def _check_draft_vocab(self, draft_vocab):
-        if draft_vocab is None:
-            ids = self.model.draft_vocab
-            return None if ids is None else check_draft_vocab(ids, self.cfg.vocab_size, "model.draft_vocab")
-        if draft_vocab is False:
-            return None
-        if self.cfg.v41 is not None:
-            raise ValueError("draft_vocab is for the MTP drafter; DeepSeek-V4.1's DSpark head drafts over the whole "
-                             "vocabulary (leave draft_vocab None)")
-        if draft_vocab is True:
-            raise ValueError("draft_vocab must be None (the model's), False (the full vocabulary) or a list of "
-                             "token ids, got True")
-        return check_draft_vocab(draft_vocab, self.cfg.vocab_size)
-
     # the policy's, under the names callers use: [K + 1] verify costs on the device (None: fixed
     # policy or not measured yet), the same as floats, the counters (a benchmark resets them)
     costs = property(lambda self: self.policy.costs)
@@ -228,7 +215,7 @@ class Engine:
         `Tokenizer.heal`), applied by the prefill that samples it: no other program, and
         speculation works as usual."""
         stops = self.validate(prompt, params, constraint)
-        first_mask = None if first_tokens is None else self._first_mask(first_tokens, constraint)
+        first_mask = None if first_tokens is None else first_tokens_mask(first_tokens, constraint, self.cfg.vocab_size)
         prompt = [int(t) for t in prompt]  # checked above: ints (numpy's too), so nothing changes but the type
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests and not self.requests[request_id].done:
@@ -250,40 +237,9 @@ class Engine:
                       max_positions=self.cfg.max_position_embeddings, capacity=self.capacity,
                       num_draft_tokens=self.num_draft_tokens, max_logprobs=self.max_logprobs)
         if constraint is not None:
-            self._check_constraint(constraint, params)
+            check_constraint(constraint, params, vocab_size=self.cfg.vocab_size,
+                             speculative=bool(self.num_draft_tokens))
         return stops
-
-    def _check_constraint(self, constraint, params: SamplingParams) -> None:
-        if not isinstance(constraint, Constraint):
-            raise TypeError(f"constraint must be a Constraint (ConstraintCompiler.compile), got "
-                            f"{type(constraint).__name__}")
-        if self.num_draft_tokens:
-            raise ValueError("structured output (constraint=) is not supported with speculative decoding: drafts "
-                             "would have to be drawn and verified under the grammar; use an engine with "
-                             "num_draft_tokens=0")
-        if constraint.claimed:
-            raise ValueError("this Constraint already serves a request; compile one per request")
-        if constraint.vocab_size != self.cfg.vocab_size:
-            raise ValueError(f"the constraint was compiled for a vocabulary of {constraint.vocab_size} tokens, the "
-                             f"model has {self.cfg.vocab_size}")
-        if params.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with a constraint: the grammar decides where the "
-                             "output ends (EOS is allowed exactly when it is complete)")
-
-    def _first_mask(self, first_tokens, constraint) -> np.ndarray:
-        """first_tokens (a non-empty sequence of ids in the vocabulary) packed as a mask row."""
-        ids = np.asarray(first_tokens)
-        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
-            raise ValueError(f"first_tokens must be a non-empty list of token ids, got {str(first_tokens)[:80]}")
-        ids = ids.astype(np.int64)
-        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0])
-            raise ValueError(f"first_tokens: token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if constraint is not None:
-            raise ValueError("first_tokens cannot be combined with a constraint (the grammar decides the first token)")
-        allowed = np.zeros(self.cfg.vocab_size, bool)
-        allowed[ids] = True
-        return pack_mask(allowed)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished or cancelled request from `requests` (a long-running server would

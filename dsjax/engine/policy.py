@@ -57,6 +57,23 @@ def check_speculation(num_draft_tokens: int, *, has_mtp: bool, max_drafts: int, 
             raise ValueError(f"speculative decoding (num_draft_tokens > 0) does not support {name}")
 
 
+def engine_draft_vocab(draft_vocab, model_ids, cfg: ModelConfig) -> np.ndarray | None:
+    """The drafter vocabulary an Engine uses: `draft_vocab` None = the model's (`model_ids`, maybe
+    None), False = the full vocabulary (None), else a list of ids, checked. DeepSeek-V4.1's
+    DSpark head drafts over the whole vocabulary and takes none."""
+    if draft_vocab is None:
+        return None if model_ids is None else check_draft_vocab(model_ids, cfg.vocab_size, "model.draft_vocab")
+    if draft_vocab is False:
+        return None
+    if cfg.v41 is not None:
+        raise ValueError("draft_vocab is for the MTP drafter; DeepSeek-V4.1's DSpark head drafts over the whole "
+                         "vocabulary (leave draft_vocab None)")
+    if draft_vocab is True:
+        raise ValueError("draft_vocab must be None (the model's), False (the full vocabulary) or a list of "
+                         "token ids, got True")
+    return check_draft_vocab(draft_vocab, cfg.vocab_size)
+
+
 def check_draft_vocab(ids, vocab_size: int, where: str = "draft_vocab") -> np.ndarray:
     """A drafter vocabulary (token ids the MTP drafter may propose) -> sorted int32 [|D|].
     Refused, naming `where`: not a 1-D list of integers, empty, out of [0, vocab_size),

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from dsjax.config import ModelConfig
-from dsjax.engine.constraints import Constraint
+from dsjax.engine.constraints import Constraint, pack_mask
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import MAX_STOP_IDS, Admission
 
@@ -230,3 +230,39 @@ def max_capacity(cfg: ModelConfig) -> int:
     """The largest cache capacity a slot can use: what `bucket_capacity` gives the model's
     longest sequence (`max_position_embeddings`): `dsjax.generate` sizes capacities so."""
     return bucket_capacity(cfg.max_position_embeddings, cfg)
+
+
+def check_constraint(constraint, params: SamplingParams, *, vocab_size: int, speculative: bool) -> None:
+    """A request's structured-output `constraint` against the engine: a fresh Constraint for this
+    vocabulary, an engine without speculation, a request that lets the grammar end it."""
+    if not isinstance(constraint, Constraint):
+        raise TypeError(f"constraint must be a Constraint (ConstraintCompiler.compile), got "
+                        f"{type(constraint).__name__}")
+    if speculative:
+        raise ValueError("structured output (constraint=) is not supported with speculative decoding: drafts "
+                         "would have to be drawn and verified under the grammar; use an engine with "
+                         "num_draft_tokens=0")
+    if constraint.claimed:
+        raise ValueError("this Constraint already serves a request; compile one per request")
+    if constraint.vocab_size != vocab_size:
+        raise ValueError(f"the constraint was compiled for a vocabulary of {constraint.vocab_size} tokens, the "
+                         f"model has {vocab_size}")
+    if params.ignore_eos:
+        raise ValueError("ignore_eos cannot be combined with a constraint: the grammar decides where the "
+                         "output ends (EOS is allowed exactly when it is complete)")
+
+
+def first_tokens_mask(first_tokens, constraint, vocab_size: int) -> np.ndarray:
+    """first_tokens (a non-empty sequence of ids in the vocabulary) packed as a mask row."""
+    ids = np.asarray(first_tokens)
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"first_tokens must be a non-empty list of token ids, got {str(first_tokens)[:80]}")
+    ids = ids.astype(np.int64)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise ValueError(f"first_tokens: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if constraint is not None:
+        raise ValueError("first_tokens cannot be combined with a constraint (the grammar decides the first token)")
+    allowed = np.zeros(vocab_size, bool)
+    allowed[ids] = True
+    return pack_mask(allowed)
