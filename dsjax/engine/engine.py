@@ -47,6 +47,7 @@ from dsjax.engine.constraints import Constraint, fill_masks, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args
 from dsjax.model.cache import batch_axes
 from dsjax.model.decoder import INVARIANT_ROWS
+from dsjax.engine.prefix_cache import PrefixCacheOptions, PrefixCaching, check_prefix_cache
 from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
 from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, spec_decode_step, spec_prefill_rows, spec_prefill_step,
@@ -109,12 +110,20 @@ class Engine:
 
     Arguments are checked here, and the cache is checked to fit before it is allocated:
     in `device_memory_bytes` per device if given, else in what the device reports free
-    (the weights already loaded deducted)."""
+    (the weights already loaded deducted).
+
+    prefix_cache: keep what prompts leave in the cache across requests
+    (`dsjax.engine.prefix_cache`): a prompt's longest cached prefix of whole prefill_chunk
+    blocks is put back at admission and only the rest is prefilled. Prompts are then cut into
+    chunks on the absolute prefill_chunk grid (the last one narrower), so that every chunk
+    ends a block; outputs with a hit equal those without (bitwise in batch-invariant mode).
+    `prefix_metrics()` counts hits, tokens saved and tier traffic."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
                  num_draft_tokens: int = 0, spec_policy: str | None = None, verify_costs: list[float] | None = None,
-                 draft_vocab=None, device_memory_bytes: int | None = None):
+                 draft_vocab=None, device_memory_bytes: int | None = None,
+                 prefix_cache: PrefixCacheOptions | None = None):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                           decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
@@ -152,6 +161,8 @@ class Engine:
         self.draft_vocab = engine_draft_vocab(draft_vocab, model.draft_vocab, cfg)
         self._draft = (gather_draft_vocab(model.params, self.draft_vocab)  # the programs' argument
                        if num_draft_tokens and self.draft_vocab is not None else None)
+        if prefix_cache is not None:
+            check_prefix_cache(cfg, prefill_chunk, self.mesh)
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                         num_draft_tokens=num_draft_tokens)
@@ -165,6 +176,7 @@ class Engine:
         self._outbox: collections.deque[tuple[Request, StepOutput, int, int]] = collections.deque()  # read back
         self._ids = itertools.count()
         self.steps = 0
+        self.prefix = None if prefix_cache is None else PrefixCaching(self, prefix_cache)
 
     def _place(self, tree):
         """Batch-major state onto the mesh: rows over the batch axes."""
@@ -179,6 +191,10 @@ class Engine:
     costs = property(lambda self: self.policy.costs)
     verify_costs = property(lambda self: self.policy.verify_costs)
     spec_totals = property(lambda self: self.policy.totals, lambda self, t: setattr(self.policy, "totals", t))
+
+    def prefix_metrics(self) -> dict:
+        """Prefix-cache counters since construction (`PrefixCache.metrics`; {} without one)."""
+        return {} if self.prefix is None else self.prefix.pool.metrics()
 
     def spec_metrics(self) -> dict:
         """Speculation counters since construction (`SpeculationPolicy.metrics`)."""
@@ -272,10 +288,14 @@ class Engine:
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (chunk width, context bucket) a prefill call may have. Chunks narrower than
-        prefill_chunk are a prompt's first (`Request.next_chunk`), at the smallest bucket;
-        full chunks at each bucket from `_prefill_bucket(0, prefill_chunk)` up."""
+        prefill_chunk are a prompt's first (`Request.next_chunk`), at the smallest bucket (with
+        a prefix cache its last, at any bucket); full chunks at each bucket from
+        `_prefill_bucket(0, prefill_chunk)` up."""
         shapes = {(w, self._prefill_bucket(0, w)) for w in chunk_lengths(self.prefill_chunk)}
         lowest = self._prefill_bucket(0, self.prefill_chunk)
+        if self.prefix is not None:  # a prompt's last chunk is the narrower one, at any position
+            shapes |= {(w, b) for w in chunk_lengths(self.prefill_chunk) for b in self._buckets()
+                       if b >= self._prefill_bucket(0, w)}
         return sorted(shapes | {(self.prefill_chunk, b) for b in self._buckets() if b >= lowest})
 
     def warmup(self, *, constrained: bool = False, progress: Callable[[int, int, str], None] | None = None) -> int:
@@ -307,6 +327,8 @@ class Engine:
             steps.append(("structured output: start a slot", start))
             steps += [(f"structured output: decode, context {b}", functools.partial(self._split_decode_call, b, ones))
                       for b in self._buckets()]
+        if self.prefix is not None:
+            steps += self.prefix.warmup_steps()
         with self.model.mesh_context():
             self._measure_costs()
             for i, (what, run) in enumerate(steps, 1):
@@ -314,7 +336,8 @@ class Engine:
                     progress(i, len(steps), what)
                 run()
             jax.block_until_ready(self.cache)
-        return (len(shapes) + len(self._buckets()) * len(ks)) * len(variants) + (len(self._buckets()) + 2) * constrained
+        return ((len(shapes) + len(self._buckets()) * len(ks)) * len(variants) + (len(self._buckets()) + 2) * constrained
+                + 2 * (self.prefix is not None))  # the prefix cache's save and restore
 
     # ------------------------------------------------------------------ device calls
     def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, first_mask, bucket: int,
@@ -390,6 +413,8 @@ class Engine:
             req.state, req.slot = "prefilling", slot
             self.policy.admit(slot)
             self.slot_owner[slot] = req
+            if self.prefix is not None:
+                self.prefix.restore(req)
 
     def _bucket(self, tokens_needed: int) -> int:
         return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
@@ -422,7 +447,7 @@ class Engine:
             return [list(reqs)] if self.mesh is not None else [[r] for r in reqs]
         groups = {}
         for r in reqs:
-            width = chunk_length(len(r.next_chunk(self.prefill_chunk)), self.prefill_chunk)
+            width = chunk_length(len(r.next_chunk(self.prefill_chunk, aligned=self.prefix is not None)), self.prefill_chunk)
             groups.setdefault((width, 0 if self.mesh is not None else r.slot // INVARIANT_ROWS), []).append(r)
         return list(groups.values())
 
@@ -433,7 +458,7 @@ class Engine:
         n = self._prefill_rows
         for group in self._prefill_groups(reqs):
             rows = [r.slot % n for r in group]
-            chunks = [r.next_chunk(self.prefill_chunk) for r in group]
+            chunks = [r.next_chunk(self.prefill_chunk, aligned=self.prefix is not None) for r in group]
             width = chunk_length(max(len(c) for c in chunks), self.prefill_chunk)
             tokens, following, n_valid, is_last, _, first_mask = self._chunk_arrays(width)
             by_row = dict(zip(rows, group))
@@ -456,6 +481,8 @@ class Engine:
                     r.state, owners[row] = "decoding", r
             if owners:
                 self._pending.append((out, owners))
+            if self.prefix is not None:
+                self.prefix.save(group)
 
     def _start_constrained(self) -> None:
         """Constrained requests whose prompt is cached but for its last token start decoding
@@ -516,6 +543,8 @@ class Engine:
                 self._prefill(*prefilling)
             self._start_constrained()
             dispatched = self._decode()
+            if self.prefix is not None:
+                self.prefix.pool.settle()  # host-tier copies, now that the device has work
             self.steps += 1
             keep = 1 if (dispatched and self.overlap) else 0
             while len(self._pending) > keep:

@@ -9,6 +9,9 @@ batch-sharded cache cannot be sliced out) and `decode_step`. Speculative engines
 `spec_prefill_step` and `spec_decode_step` (a verify step over k drafts,
 `dsjax.engine.speculative`). Every one of them books its tokens with `emit_tokens`.
 
+Prefix caching (`dsjax.engine.prefix_cache`) adds two: `save_block` copies a block of a row
+out, `restore_block` puts one back into a row (and admits its request with block 0).
+
 Compile time is part of performance, so the engine's life needs no other program: the
 state is made by one program (`init_state`), a prompt's first chunk admits its request
 (the prefill programs take an `Admission`) and a cancel reaches the device with the next
@@ -27,7 +30,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import sample_tokens, top_logprobs
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
 from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
-from dsjax.model.cache import Cache, init_cache, over_tiles, put_rows, take_rows
+from dsjax.model.cache import Block, Cache, init_cache, over_tiles, put_block, put_rows, take_block, take_rows
 from dsjax.model.decoder import INVARIANT_ROWS
 from dsjax.model.forward_pass import forward
 from dsjax.sharding.rules import current_mesh, per_row, rows
@@ -258,3 +261,24 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
     out = out.replace(**{f: per_position(getattr(out, f)) for f in ("tokens", "emitted", "finished", "logprob",
                                                                      "top_values", "top_ids")})
     return cache, spec, slots, out
+
+
+@functools.partial(jax.jit, static_argnames=("block", "ratios"))
+def save_block(cache: Cache, drafter, row, j, *, block: int, ratios: tuple[int, ...]) -> Block:
+    """Block j of cache row `row` (with its drafter ring, or None), copied out at its end."""
+    return take_block(cache, drafter, row, j, block=block, ratios=ratios)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "ratios"), donate_argnames=("cache", "slots", "drafter"))
+def restore_block(cache: Cache, slots: Slots, drafter, blk: Block, tokens: jax.Array, row, j, admission: Admission, *,
+                  block: int, ratios: tuple[int, ...]):
+    """Put cached block j (tokens [1, block]) into row `row` as if its prompt chunk had run
+    there: the tokens are booked (`take_prompt_chunk`; block 0's admission resets the row to
+    its request), the row's length becomes (j + 1) * block, the block's entries and end state
+    are put in place. -> (cache, slots, drafter)."""
+    row_slots, length = take_prompt_chunk(take_rows(slots, row), jax.lax.dynamic_slice_in_dim(cache.length, row, 1),
+                                          tokens, jnp.full((1,), block, jnp.int32), admission)
+    slots = put_rows(slots, row_slots, row)
+    cache = cache.replace(length=jax.lax.dynamic_update_slice_in_dim(cache.length, length + block, row, 0))
+    cache, drafter = put_block(cache, drafter, blk, row, j, block=block, ratios=ratios)
+    return cache, slots, drafter

@@ -36,6 +36,7 @@ class TokenEvent:
     logprob: float | None  # raw-distribution logprob (engines with max_logprobs > 0)
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None  # None while running; "stop" | "length" when this is the last token
+    cached_tokens: int | None = None  # a request's first event: its prompt tokens taken from the prefix cache
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: two requests may share an id, never an object
@@ -59,6 +60,9 @@ class Request:
     drafts_proposed: int = 0  # drafts sent to verification
     drafts_accepted: int = 0
     decode_tokens: int = 0  # tokens those steps produced (all but the prefill's first)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
+    replayed_tokens: int = 0  # prompt tokens a cached block held but that were prefilled again
+    block_keys: list | None = None  # the prefix cache's chain keys of its prompt's blocks
 
     @property
     def done(self) -> bool:
@@ -70,14 +74,19 @@ class Request:
         first decode step, so that its first token is sampled under the grammar's mask."""
         return len(self.prompt) - (self.constraint is not None)
 
-    def next_chunk(self, prefill_chunk: int) -> list[int]:
+    def next_chunk(self, prefill_chunk: int, aligned: bool = False) -> list[int]:
         """The next prompt chunk. The first takes what whole chunks leave over (1 to
         prefill_chunk tokens), every later one prefill_chunk tokens: only a prompt's first
         chunk is narrower than prefill_chunk, and it starts at position 0, so prefill
         compiles (widths + context buckets) programs, not (widths x buckets), and pads at
         most one chunk per prompt. Chunks cover `prefill_len` tokens: a constrained
-        request's one-token prompt gets one empty chunk (it only admits the request)."""
-        n = (self.prefill_len - 1) % prefill_chunk + 1 if self.prefilled == 0 else prefill_chunk
+        request's one-token prompt gets one empty chunk (it only admits the request).
+        aligned (a prefix cache's engine): chunks end on the absolute prefill_chunk grid,
+        every one a whole block but the last."""
+        if aligned:
+            n = prefill_chunk - self.prefilled % prefill_chunk
+        else:
+            n = (self.prefill_len - 1) % prefill_chunk + 1 if self.prefilled == 0 else prefill_chunk
         return self.prompt[self.prefilled: self.prefilled + min(n, self.prefill_len - self.prefilled)]
 
     def book(self, host, step: int, row: int) -> TokenEvent:
@@ -95,7 +104,8 @@ class Request:
         logprob = float(host.logprob[step, row]) if host.logprob is not None else None
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        return TokenEvent(self.request_id, token, logprob, top, finish)
+        return TokenEvent(self.request_id, token, logprob, top, finish,
+                          self.cached_tokens if len(self.tokens) == 1 else None)
 
 
 _SETTINGS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,

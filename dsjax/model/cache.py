@@ -224,3 +224,70 @@ def min_ring(cfg: ModelConfig) -> int:
         if layer.has_indexer:
             sizes.append(2 * layer.compress_ratio)
     return min(sizes)
+
+
+# ----------------------------------------------------------------------------- prefix blocks
+@struct.dataclass
+class Block:
+    """One sequence's cache over `block` aligned tokens (`dsjax.engine.prefix_cache`): the
+    compressed entries and index keys those tokens completed, per layer ([R, 1, block / ratio,
+    ...] each), and the fixed-size state at the block's end: windows, compressor rings and
+    tails ([R, 1, ...]), the Engram history (V4.1) and the drafter's ring (speculative
+    engines). With `block` a multiple of every compression ratio no group straddles two blocks,
+    so a prefix's blocks put back in order give the cache its prompt made, bit for bit."""
+
+    entries: tuple[jax.Array, ...]
+    rings: tuple[jax.Array, ...]
+    history: jax.Array | None
+    drafter: object = None
+
+
+def growth_ratios(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> tuple[int, ...]:
+    """Per leaf of `Cache.layers`: tokens per row of its axis 2 where it grows with the
+    capacity (compressed entries, index keys), 0 where its size is fixed (rings)."""
+    small = jax.tree.leaves(cache_shapes(cfg, 1, capacity, dtype).layers)
+    large = jax.tree.leaves(cache_shapes(cfg, 1, 2 * capacity, dtype).layers)
+    ratios = []
+    for a, b in zip(small, large):
+        if a.shape == b.shape:
+            ratios.append(0)
+        elif b.shape[2] == 2 * a.shape[2] and capacity % a.shape[2] == 0:
+            ratios.append(capacity // a.shape[2])
+        else:
+            raise ValueError(f"cache leaf of shape {a.shape} grows unevenly with the capacity")
+    return tuple(ratios)
+
+
+def _at(leaf, row, start: int | jax.Array = 0, axis: int = 2):
+    """The start index of a [R, B, n, ...] leaf's row `row` at `start` along `axis`."""
+    zero = jnp.int32(0)
+    idx = [zero] * leaf.ndim
+    idx[1] = jnp.asarray(row, jnp.int32)
+    if axis < leaf.ndim:
+        idx[axis] = jnp.asarray(start, jnp.int32)
+    return idx
+
+
+def take_block(cache: Cache, drafter, row, j, *, block: int, ratios: tuple[int, ...]) -> Block:
+    """Block j (tokens j*block .. (j+1)*block) of cache row `row`, read at the block's end."""
+    entries, rings = [], []
+    for leaf, r in zip(jax.tree.leaves(cache.layers), ratios):
+        n = block // r if r else leaf.shape[2]
+        part = jax.lax.dynamic_slice(leaf, _at(leaf, row, j * (block // r) if r else 0),
+                                     (leaf.shape[0], 1, n, *leaf.shape[3:]))
+        (entries if r else rings).append(part)
+    history = None if cache.history is None else take_rows(cache.history, row)
+    return Block(tuple(entries), tuple(rings), history, None if drafter is None else take_rows(drafter, row))
+
+
+def put_block(cache: Cache, drafter, blk: Block, row, j, *, block: int, ratios: tuple[int, ...]):
+    """Cache row `row` (and the drafter's) with block j put back: its entries at their place,
+    its rings as the row's. -> (cache, drafter)."""
+    leaves, tree = jax.tree.flatten(cache.layers)
+    entries, rings = iter(blk.entries), iter(blk.rings)
+    new = [jax.lax.dynamic_update_slice(leaf, next(entries) if r else next(rings),
+                                        _at(leaf, row, j * (block // r) if r else 0))
+           for leaf, r in zip(leaves, ratios)]
+    history = cache.history if blk.history is None else put_rows(cache.history, blk.history, row)
+    drafter = drafter if blk.drafter is None else put_rows(drafter, blk.drafter, row)
+    return cache.replace(layers=jax.tree.unflatten(tree, new), history=history), drafter

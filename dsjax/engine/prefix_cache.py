@@ -1,0 +1,301 @@
+"""The prefix cache: what earlier prompts left in the cache, kept across requests.
+
+A prompt is cut into blocks of `block` tokens on the absolute grid (block = the engine's
+prefill chunk, a multiple of every compression ratio, so no compression group straddles
+two blocks). Block j of a prompt is keyed by a hash chain over its tokens and every block
+before (`block_keys`); with speculation also over the token after it, which the drafter's
+ring at the block's end has read. A cached block (`dsjax.model.cache.Block`) holds the
+compressed entries and index keys its tokens completed, per layer, and the fixed-size state
+at its end (window, compressor rings, Engram history, the drafter's ring).
+
+Why the window ring is stored, not rebuilt by replaying the last window: layer l's window
+keys at a token depend on layer l-1's window at the tokens before it, so replaying the last
+W tokens from the stored entries gives exact windows only for the first layer; the replay
+that rebuilds every layer exactly grows with depth (layers x W tokens). Each block keeps the
+ring state at its end instead (for V4: per layer one window of 128 latents, about as many
+bytes as the block's compressed entries at ratio 4).
+
+On admission the longest cached chain of a prompt is put back into the request's cache row
+(`Engine._restore_prefix`), leaving at least one token to prefill (the first output token is
+sampled from its logits); prefill goes on from there. The part of a prompt that matched
+a cached block's tokens but ends inside it is prefilled again: `replayed` tokens, fewer than
+`block` per hit. After each full prefill chunk the engine stores that block (`save_block`).
+
+Eviction is LRU under `device_bytes`; with `host_bytes` an evicted block moves to host memory
+(its copy starts at once and is collected after the next step was dispatched, so it overlaps
+compute) and comes back on a hit. Dropping a block drops the blocks chained after it, which
+no prompt can reach any more.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import jax
+import numpy as np
+
+from dsjax.engine.programs import restore_block, save_block
+from dsjax.engine.requests import admission
+from dsjax.model.cache import growth_ratios
+
+ROOT = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheOptions:
+    """device_bytes: blocks kept on the device (LRU beyond); host_bytes: the host-memory tier
+    evicted blocks move to (0: none, they are dropped)."""
+
+    device_bytes: int = 1 << 30
+    host_bytes: int = 0
+
+    def __post_init__(self):
+        for name in ("device_bytes", "host_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PrefixCacheOptions: {name} must be an int >= 0, got {value!r}")
+
+
+def block_keys(prompt: list[int], block: int, n: int, lookahead: bool) -> list[bytes]:
+    """The chain keys of a prompt's first n blocks: key j covers tokens 0 .. (j+1)*block
+    (and with `lookahead` the token after them)."""
+    tokens = np.asarray(prompt, np.int64)
+    keys, key = [], ROOT
+    for j in range(n):
+        h = hashlib.blake2b(key, digest_size=16)
+        h.update(tokens[j * block: (j + 1) * block + lookahead].tobytes())
+        key = h.digest()
+        keys.append(key)
+    return keys
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+    block: object  # a Block of device arrays, or of numpy arrays on the host tier
+    nbytes: int
+    tier: str = "device"  # device | host
+    children: set = dataclasses.field(default_factory=set)
+
+
+class PrefixCache:
+    """Host-side index of the cached blocks of one engine (its device arrays are the
+    engine's cache rows' copies)."""
+
+    def __init__(self, options: PrefixCacheOptions, block: int, lookahead: bool):
+        self.options, self.block, self.lookahead = options, block, lookahead
+        self.entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # LRU first
+        self.children: dict[bytes, set[bytes]] = collections.defaultdict(set)  # ROOT's too
+        self.device_bytes = self.host_bytes = 0
+        self._moving: list[_Entry] = []  # evicted to the host, copies in flight
+        self.counts = collections.Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.options.device_bytes > 0
+
+    def usable_blocks(self, prompt: list[int], usable_tokens: int) -> int:
+        """Blocks a request may take from the cache: whole blocks within `usable_tokens`."""
+        return max(usable_tokens, 0) // self.block
+
+    def lookup(self, prompt: list[int], keys: list[bytes], usable_tokens: int) -> tuple[list[_Entry], int]:
+        """The longest cached chain of `keys` within `usable_tokens`, and how many prompt
+        tokens after it a cached block also holds (those are prefilled again: `replayed`).
+        Counts the lookup; touches the chain (most recent last, the chain's head after its
+        tail, so eviction takes tails first)."""
+        chain, parent = [], ROOT
+        for key in keys[: self.usable_blocks(prompt, usable_tokens)]:
+            entry = self.entries.get(key)
+            if entry is None:
+                break
+            chain.append(entry)
+            parent = key
+        start = len(chain) * self.block
+        rest = prompt[start: start + self.block]
+        replayed = max((_common(rest, self.entries[k].tokens) for k in self.children.get(parent, ())), default=0)
+        replayed = min(replayed, max(len(prompt) - 1 - start, 0))
+        for entry in reversed(chain):
+            self.entries.move_to_end(entry.key)
+        self.counts["lookups"] += 1
+        self.counts["hits"] += bool(chain)
+        self.counts["hit_tokens"] += start
+        self.counts["replayed_tokens"] += replayed
+        self.counts["lookup_tokens"] += len(prompt)
+        return chain, replayed
+
+    def device_block(self, entry: _Entry):
+        """The block's arrays on the device (a host-tier block is sent back: device_put is
+        asynchronous, the restore program waits for it)."""
+        if entry.tier == "host":
+            self.counts["host_to_device_blocks"] += 1
+            self.counts["host_to_device_bytes"] += entry.nbytes
+            return jax.device_put(entry.block)
+        return entry.block
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.entries
+
+    def touch(self, key: bytes) -> None:
+        self.entries.move_to_end(key)
+
+    def insert(self, key: bytes, parent: bytes, tokens, block) -> None:
+        """Keep a block the engine just computed (device arrays); evicts over the budget."""
+        nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(block))
+        entry = _Entry(key, parent, tuple(int(t) for t in tokens), block, nbytes)
+        self.entries[key] = entry
+        self.children[parent].add(key)
+        self.device_bytes += nbytes
+        self.counts["stored_blocks"] += 1
+        self._evict()
+
+    def _evict(self) -> None:
+        for entry in list(self.entries.values()):  # least recently used first
+            if self.device_bytes <= self.options.device_bytes:
+                break
+            if entry.tier != "device" or entry.key not in self.entries:
+                continue
+            self.device_bytes -= entry.nbytes
+            if entry.nbytes <= self.options.host_bytes:
+                for leaf in jax.tree.leaves(entry.block):
+                    leaf.copy_to_host_async()
+                entry.tier = "host"
+                self.host_bytes += entry.nbytes
+                self._moving.append(entry)
+                self.counts["device_to_host_blocks"] += 1
+                self.counts["device_to_host_bytes"] += entry.nbytes
+            else:
+                self._drop(entry, counted=False)
+        for entry in list(self.entries.values()):
+            if self.host_bytes <= self.options.host_bytes:
+                break
+            if entry.tier == "host" and entry.key in self.entries:
+                self._drop(entry)
+
+    def _drop(self, entry: _Entry, counted: bool = True) -> None:
+        """Forget a block and the blocks chained after it."""
+        for child in list(self.children.pop(entry.key, ())):
+            if child in self.entries:
+                self._drop(self.entries[child])
+        del self.entries[entry.key]
+        self.children[entry.parent].discard(entry.key)
+        if entry.tier == "host":
+            self.host_bytes -= entry.nbytes
+        elif counted:
+            self.device_bytes -= entry.nbytes
+        self.counts["evicted_blocks"] += 1
+
+    def settle(self) -> None:
+        """Finish the host copies started by evictions (called after a step was dispatched)."""
+        for entry in self._moving:
+            if entry.tier == "host" and entry.key in self.entries:
+                entry.block = jax.tree.map(np.asarray, entry.block)
+        self._moving.clear()
+
+    def metrics(self) -> dict:
+        c = self.counts
+        return {"lookups": c["lookups"], "hits": c["hits"],
+                "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else 0.0,
+                "prefill_tokens_saved": c["hit_tokens"],
+                "token_hit_rate": c["hit_tokens"] / c["lookup_tokens"] if c["lookup_tokens"] else 0.0,
+                "replayed_tokens": c["replayed_tokens"], "stored_blocks": c["stored_blocks"],
+                "evicted_blocks": c["evicted_blocks"],
+                "blocks_on_device": sum(e.tier == "device" for e in self.entries.values()),
+                "blocks_on_host": sum(e.tier == "host" for e in self.entries.values()),
+                "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
+                **{k: c[k] for k in ("device_to_host_blocks", "device_to_host_bytes", "host_to_device_blocks",
+                                     "host_to_device_bytes")}}
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------- the engine's side
+def check_prefix_cache(cfg, prefill_chunk: int, mesh) -> None:
+    """Refuse what the prefix cache cannot serve, naming the setting."""
+    ratios = [layer.compress_ratio for layer in cfg.layers if layer.compress_ratio]
+    largest = max(ratios, default=1)
+    if prefill_chunk % largest:
+        raise ValueError(f"prefix_cache: prefill_chunk={prefill_chunk} must be a multiple of the largest compression "
+                         f"ratio ({largest}); it is the cache's block, and no compression group may straddle two")
+    if mesh is not None:
+        raise ValueError("prefix_cache is not supported on a mesh yet (use one device)")
+
+
+class PrefixCaching:
+    """What an `Engine` with a prefix cache does at admission (`restore`) and after a
+    prefill call (`save`); the engine owns the device state, this the pool."""
+
+    def __init__(self, engine, options: PrefixCacheOptions):
+        self.engine = engine
+        self.pool = PrefixCache(options, engine.prefill_chunk, lookahead=bool(engine.num_draft_tokens))
+        self.static = dict(block=engine.prefill_chunk,
+                           ratios=growth_ratios(engine.cfg, engine.capacity, engine.model.dtype))
+
+    def _keys(self, req) -> list[bytes]:
+        if req.block_keys is None:  # every whole block whose end state a later prompt may take
+            n = (len(req.prompt) - self.pool.lookahead) // self.pool.block
+            req.block_keys = block_keys(req.prompt, self.pool.block, n, self.pool.lookahead)
+        return req.block_keys
+
+    def _drafter(self):
+        spec = self.engine.spec
+        return None if spec is None else spec.mtp
+
+    def restore(self, req) -> None:
+        """A request just given a slot: put its longest cached prefix into the slot's row (the
+        first block admits it) and start its prefill after it. At least one prompt token is
+        left to prefill (its logits give the first token), all but a constrained request's
+        last, which its first decode step takes."""
+        e = self.engine
+        usable = req.prefill_len if req.constraint is not None else len(req.prompt) - 1
+        chain, req.replayed_tokens = self.pool.lookup(req.prompt, self._keys(req), usable)
+        b = self.pool.block
+        for j, entry in enumerate(chain):
+            tokens = np.asarray(req.prompt[j * b: (j + 1) * b], np.int32)[None]
+            admits = admission([req] if j == 0 else [None])
+            e.cache, e.slots, drafter = restore_block(e.cache, e.slots, self._drafter(), self.pool.device_block(entry),
+                                                      tokens, np.int32(req.slot), np.int32(j), admits, **self.static)
+            if drafter is not None:
+                e.spec = e.spec.replace(mtp=drafter)
+            req.admitted = True
+        req.prefilled = req.dispatched = req.cached_tokens = len(chain) * b
+
+    def save(self, reqs) -> None:
+        """After a prefill call: each request whose chunk ended a whole block stores it (if no
+        earlier prompt did)."""
+        b = self.pool.block
+        for req in reqs:
+            j = req.prefilled // b - 1
+            if req.prefilled % b or not 0 <= j < len(self._keys(req)):
+                continue
+            key = req.block_keys[j]
+            if key in self.pool:
+                self.pool.touch(key)
+                continue
+            blk = save_block(self.engine.cache, self._drafter(), np.int32(req.slot), np.int32(j), **self.static)
+            self.pool.insert(key, req.block_keys[j - 1] if j else ROOT, req.prompt[j * b: (j + 1) * b], blk)
+
+    def warmup_steps(self) -> list:
+        """(what, thunk) of the two programs, run on a copy of row 0 (left as it was)."""
+        e = self.engine
+
+        def run():  # row 0 is empty before any request: putting its own block back changes nothing
+            blk = save_block(e.cache, self._drafter(), np.int32(0), np.int32(0), **self.static)
+            length, slots = np.asarray(e.cache.length), e.slots
+            e.cache, _, drafter = restore_block(
+                e.cache, jax.device_put(jax.tree.map(np.asarray, slots)), self._drafter(), blk,
+                np.zeros((1, self.pool.block), np.int32), np.int32(0), np.int32(0), admission([None]), **self.static)
+            if drafter is not None:
+                e.spec = e.spec.replace(mtp=drafter)
+            e.cache, e.slots = e.cache.replace(length=jax.device_put(length)), slots
+        return [("prefix cache: save and restore a block", run)]
