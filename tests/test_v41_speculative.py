@@ -19,6 +19,7 @@ from dsjax.api import Model
 from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.config import load_config
 from dsjax.engine.engine import Engine
+from dsjax.engine.prefix_cache import PrefixCacheOptions
 from dsjax.engine.sampler import SamplingParams
 from dsjax.model.v41 import dspark_specs, v41_model_specs
 from dsjax.params import init_params
@@ -106,3 +107,26 @@ def test_engine_sampled_dspark_speculation_keeps_the_distribution(tiny8):
     second = first @ probs[:, len(prompt)]  # the marginal of b
     for got, want in ((out[:, 0], first), (out[:, 1], second)):
         assert stats.chisquare(np.bincount(got, minlength=8), n * want / want.sum()).pvalue > 1e-3
+
+
+def test_prefix_cache_hits_equal_fresh_runs(tiny8):
+    """V4.1's prefix-cache blocks carry the KV sources' latents / index keys, the fp32 tails,
+    the Engram id history and (with DSpark) the drafter's rings: prompts sharing 21 / 24 / 35
+    tokens of a cached one hit whole 8-token blocks and give a fresh engine's greedy tokens,
+    plain and speculative (whose block keys also cover the token after the block)."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 8, 40).tolist()
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    for options, hits in ((dict(), (16, 24, 32)), (dict(num_draft_tokens=5, spec_policy="fixed"), (16, 16, 32))):
+        def engine():
+            return Engine(tiny8, max_slots=2, capacity=CAP, prefill_chunk=8, prefix_cache=PrefixCacheOptions(),
+                          **options)
+        warm = engine()
+        warm.generate([base + [1, 2, 3]], sampling)
+        for shared, hit in zip((21, 24, 35), hits):
+            prompt = base[:shared] + rng.integers(0, 8, 5).tolist()
+            rid = warm.add_request(prompt, sampling)
+            for _ in warm.run():
+                pass
+            assert warm.requests[rid].cached_tokens == hit, (options, shared)
+            assert warm.requests[rid].tokens == engine().generate([prompt], sampling)[0], (options, shared)
