@@ -72,14 +72,23 @@ def test_hit_with_speculative_decoding(tiny, rng):
     assert got.tokens == _run(_engine(tiny, num_draft_tokens=2, max_logprobs=0), prompt, greedy).tokens
 
 
-def test_shared_system_prompt_of_200_tokens_hits(tiny, rng):
-    """A 200-token shared prompt is computed once: every later request takes its 192 tokens
-    of whole blocks; and a real config's block is its largest ratio (128), not thousands."""
+def test_shared_system_prompt_of_200_tokens_is_computed_once(tiny, rng):
+    """Four requests arriving together behind a 200-token shared prompt, three slots: the
+    others wait while the first prefills it, then take its 192 tokens of whole blocks (it is
+    stored once: 12 blocks), and give what they give alone; a real config's block is its
+    largest ratio (128), not thousands of tokens."""
     system = rng.integers(2, 5000, 200).tolist()
-    engine = _engine(tiny, max_slots=1)
-    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
-    reqs = [_run(engine, system + rng.integers(2, 5000, 5).tolist(), greedy) for _ in range(3)]
-    assert [r.cached_tokens for r in reqs] == [0, 192, 192]
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = [system + rng.integers(2, 5000, 5).tolist() for _ in range(4)]
+    engine = _engine(tiny, max_slots=3)
+    ids = [engine.add_request(p, greedy) for p in prompts]
+    for _ in engine.run():
+        pass
+    reqs = [engine.requests[i] for i in ids]
+    assert [r.cached_tokens for r in reqs] == [0, 192, 192, 192]
+    assert engine.prefix_metrics()["stored_blocks"] == 12
+    alone = _engine(tiny, PrefixCacheOptions(device_bytes=0), max_slots=3)
+    assert [r.tokens for r in reqs] == alone.generate(prompts[:3], greedy) + alone.generate(prompts[3:], greedy)
     check_prefix_cache(dsjax.load_config("v4-flash"), 128, None)
     with pytest.raises(ValueError, match="prefill_chunk=96 must be a multiple of the largest compression ratio"):
         check_prefix_cache(dsjax.load_config("v4-flash"), 96, None)

@@ -404,11 +404,27 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ stepping
+    def _next_chunk(self, r: Request) -> list[int]:
+        return r.next_chunk(self.prefill_chunk, aligned=self.prefix is not None)
+
+    def _next_waiting(self) -> Request | None:
+        """The request to admit next: the first in line; with a prefix cache the first whose
+        next prompt block no admitted request is prefilling now (the others wait for it to be
+        stored, so a prefix shared by requests arriving together is computed once)."""
+        if self.prefix is None:
+            return self.waiting.popleft() if self.waiting else None
+        busy = self.prefix.in_flight(self.slot_owner)
+        for req in self.waiting:
+            if not self.prefix.waits_for(req, busy):
+                self.waiting.remove(req)
+                return req
+        return None
+
     def _admit(self) -> None:
         for slot in self.free_slots:
-            if not self.waiting:
+            req = self._next_waiting()  # its first prompt chunk resets the slot (`Admission`)
+            if req is None:
                 return
-            req = self.waiting.popleft()  # its first prompt chunk resets the slot (`Admission`)
             self._cancelled.discard(slot)  # ... and stops it, before any later decode step
             req.state, req.slot = "prefilling", slot
             self.policy.admit(slot)
@@ -447,7 +463,7 @@ class Engine:
             return [list(reqs)] if self.mesh is not None else [[r] for r in reqs]
         groups = {}
         for r in reqs:
-            width = chunk_length(len(r.next_chunk(self.prefill_chunk, aligned=self.prefix is not None)), self.prefill_chunk)
+            width = chunk_length(len(self._next_chunk(r)), self.prefill_chunk)
             groups.setdefault((width, 0 if self.mesh is not None else r.slot // INVARIANT_ROWS), []).append(r)
         return list(groups.values())
 
@@ -458,7 +474,7 @@ class Engine:
         n = self._prefill_rows
         for group in self._prefill_groups(reqs):
             rows = [r.slot % n for r in group]
-            chunks = [r.next_chunk(self.prefill_chunk, aligned=self.prefix is not None) for r in group]
+            chunks = [self._next_chunk(r) for r in group]
             width = chunk_length(max(len(c) for c in chunks), self.prefill_chunk)
             tokens, following, n_valid, is_last, _, first_mask = self._chunk_arrays(width)
             by_row = dict(zip(rows, group))

@@ -98,9 +98,14 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.options.device_bytes > 0
 
-    def usable_blocks(self, prompt: list[int], usable_tokens: int) -> int:
-        """Blocks a request may take from the cache: whole blocks within `usable_tokens`."""
-        return max(usable_tokens, 0) // self.block
+    def cached_blocks(self, keys: list[bytes], usable_tokens: int) -> int:
+        """How many blocks of a prompt's chain are cached (nothing counted, nothing touched)."""
+        n = 0
+        for key in keys[: usable_tokens // self.block]:
+            if key not in self.entries:
+                break
+            n += 1
+        return n
 
     def lookup(self, prompt: list[int], keys: list[bytes], usable_tokens: int) -> tuple[list[_Entry], int]:
         """The longest cached chain of `keys` within `usable_tokens`, and how many prompt
@@ -108,7 +113,7 @@ class PrefixCache:
         Counts the lookup; touches the chain (most recent last, the chain's head after its
         tail, so eviction takes tails first)."""
         chain, parent = [], ROOT
-        for key in keys[: self.usable_blocks(prompt, usable_tokens)]:
+        for key in keys[: usable_tokens // self.block]:
             entry = self.entries.get(key)
             if entry is None:
                 break
@@ -247,6 +252,28 @@ class PrefixCaching:
             req.block_keys = block_keys(req.prompt, self.pool.block, n, self.pool.lookahead)
         return req.block_keys
 
+    @staticmethod
+    def _usable(req) -> int:
+        """Prompt tokens a request may take from the cache: all but one (its logits give the
+        first token), all but a constrained request's last (its first decode step takes it)."""
+        return req.prefill_len if req.constraint is not None else len(req.prompt) - 1
+
+    def in_flight(self, owners) -> set[bytes]:
+        """Keys of the blocks that admitted requests are prefilling and will store."""
+        busy = set()
+        for r in owners:
+            if r is not None and r.state == "prefilling":
+                busy.update(self._keys(r)[r.prefilled // self.pool.block:])
+        return busy
+
+    def waits_for(self, req, busy: set[bytes]) -> bool:
+        """Whether the next block `req` would take from the cache is being computed now."""
+        if not self.pool.enabled:  # nothing is stored: waiting gains nothing
+            return False
+        keys = self._keys(req)
+        n = self.pool.cached_blocks(keys, self._usable(req))
+        return n < self._usable(req) // self.pool.block and keys[n] in busy
+
     def _drafter(self):
         spec = self.engine.spec
         return None if spec is None else spec.mtp
@@ -257,8 +284,7 @@ class PrefixCaching:
         left to prefill (its logits give the first token), all but a constrained request's
         last, which its first decode step takes."""
         e = self.engine
-        usable = req.prefill_len if req.constraint is not None else len(req.prompt) - 1
-        chain, req.replayed_tokens = self.pool.lookup(req.prompt, self._keys(req), usable)
+        chain, req.replayed_tokens = self.pool.lookup(req.prompt, self._keys(req), self._usable(req))
         b = self.pool.block
         for j, entry in enumerate(chain):
             tokens = np.asarray(req.prompt[j * b: (j + 1) * b], np.int32)[None]
