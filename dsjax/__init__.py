@@ -13,10 +13,11 @@ from dsjax.api import Model, load_model
 from dsjax.chat import Chat
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ConfigError, ModelConfig, RuntimeOptions, load_config
-from dsjax.engine import Engine, SamplingParams, TokenEvent
+from dsjax.engine import Engine, PrefixCacheOptions, SamplingParams, TokenEvent
 from dsjax.generate import Completion, generate
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["Chat", "Completion", "ConfigError", "Engine", "Model", "ModelConfig", "RuntimeOptions", "SamplingParams",
-           "TokenEvent", "Tokenizer", "generate", "load_config", "load_model", "load_tokenizer", "setup_compile_cache"]
+__all__ = ["Chat", "Completion", "ConfigError", "Engine", "Model", "ModelConfig", "PrefixCacheOptions",
+           "RuntimeOptions", "SamplingParams", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model",
+           "load_tokenizer", "setup_compile_cache"]
 __version__ = "0.1.0"

@@ -262,6 +262,7 @@ def _cmd_convert(args, say) -> int:
 
 
 def _cmd_serve(args, say) -> int:
+    from dsjax.engine.prefix_cache import options_from_mib
     from dsjax.serving.protocol import Limits
     from dsjax.serving.server import build, run
 
@@ -286,12 +287,22 @@ def _cmd_serve(args, say) -> int:
                        max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
                        default_thinking=args.thinking_default == "on", max_thinking_tokens=args.max_thinking_tokens,
                        warmup=not args.no_warmup,
+                       prefix_cache=options_from_mib(args.prefix_cache_mb, args.prefix_host_mb),
                        on_warmup=lambda i, n, what: say(f"compiling {i}/{n}: {what} ..."))
     say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
         f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "
         f"/v1/completions, /v1/responses; Anthropic /v1/messages; /v1/models, /health, /metrics")
     run(served, args.host, args.port, log_level="warning" if args.quiet else "info")
     return 0
+
+
+def add_prefix_cache_args(parser) -> None:
+    """--prefix-cache-mb / --prefix-host-mb (dsjax serve, dsjax batch)."""
+    parser.add_argument("--prefix-cache-mb", type=float, default=0, metavar="MIB", help="keep prompts' cache "
+                        "blocks across requests in up to MIB of device memory (0: off). A block is --prefill-chunk "
+                        "tokens, which must be a multiple of the largest compression ratio (128 for V4)")
+    parser.add_argument("--prefix-host-mb", type=float, default=0, metavar="MIB", help="host-memory tier for the "
+                        "blocks the device budget evicts (0: they are dropped)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=256)
     s.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (more: higher "
                    "throughput, burstier streams)")
+    add_prefix_cache_args(s)
     s.add_argument("--num-draft-tokens", type=int, default=0, help="speculative decoding with the MTP layer")
     s.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent of "
                    "its batch (README 'Batch invariance'; about 1.2x slower decode on CPU)")
@@ -429,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh", default="expert=8", help="e.g. 'data=2,expert=4,tensor=2'")
     from dsjax.batch.command import add_parsers  # dsjax batch, dsjax verify
 
-    add_parsers(sub, common, load=_load, setup_cache=_setup_cache, compiling=_compiling)
+    add_parsers(sub, common, load=_load, setup_cache=_setup_cache, compiling=_compiling,
+                prefix_cache_args=add_prefix_cache_args)
     return p
 
 

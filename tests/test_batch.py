@@ -299,3 +299,26 @@ def test_verify_refuses_another_environment(job, tmp_path, capsys):
     assert cli.main(["verify", str(copy), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert 'jax: "0.0.1" -> ' in err and "cannot verify" in err, err
+
+
+def test_prefix_cache_job_computes_a_shared_prompt_once(tmp_path, capsys):
+    """--prefix-cache-mb: records behind a 100-token shared prompt take its 96 tokens of whole
+    16-token blocks from the cache after the first, and the output file is byte for byte the
+    one of the same job whose budget holds no block (the same chunk grid, no hits); the
+    manifest records the grid."""
+    shared = [100 + (7 * j) % 900 for j in range(100)]
+    records = [{"id": f"s{i}", "prompt_ids": shared + [200 + i] * (i + 1), "max_tokens": 4, "logprobs": 2}
+               for i in range(6)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    outputs, said = [], []
+    for mib in ("8", "0.01"):  # 0.01 MiB: under one block of tiny (51 KiB): every block is dropped at once
+        out = tmp_path / f"out-{mib}.jsonl"
+        assert cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype",
+                         "float32", *SLOTS, "--prefill-chunk", "16", "--prefix-cache-mb", mib]) == 0
+        outputs.append(out.read_text())
+        said.append(capsys.readouterr().err)
+        assert json.loads(manifest_path(out).read_text())["settings"]["prefix_cache"] is True
+    assert outputs[0] == outputs[1]
+    assert "prefix cache: 5 of 6 records hit, 480 prompt tokens taken from it" in said[0]
+    assert "prefix cache: 0 of 6 records hit" in said[1]

@@ -374,3 +374,33 @@ def test_readme_engine_warmup_compiles_eight_programs_and_serving_none(tiny, rng
     for rid in short + [mid[0], long, late]:
         assert reqs[rid].finish_reason in ("stop", "length") and reqs[rid].tokens, rid
     assert len(reqs[late].tokens) == 8
+
+
+def test_prefix_cache_shapes_cover_every_prompt_and_serving_compiles_nothing(tiny, rng):
+    """With a prefix cache, chunks lie on the absolute prefill_chunk grid from any hit: every
+    chunk of every prompt length, from every block boundary a hit may end at, runs a shape
+    of prefill_shapes() (the README's engine; host logic only). And a tiny engine (the shapes
+    of test_prefix_cache's) compiles nothing after warmup() while requests hit, miss, store
+    and restore blocks."""
+    engine = Engine(tiny, **README_ENGINE, prefix_cache=dsjax.PrefixCacheOptions())
+    shapes, block, used = engine.prefill_shapes(), engine.prefill_chunk, set()
+    for n in range(1, engine.capacity):
+        for hit in range(0, n, block):
+            req = Request("r", list(range(n)), SamplingParams(), ())
+            req.prefilled = hit
+            while req.prefilled < n:
+                chunk = engine._next_chunk(req)
+                assert len(chunk) == block or req.prefilled + len(chunk) == n
+                width = chunk_length(len(chunk), block)
+                used.add((width, engine._prefill_bucket(req.prefilled, width)))
+                req.prefilled += len(chunk)
+    assert used == set(shapes)
+    small = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=16, max_logprobs=2,
+                   prefix_cache=dsjax.PrefixCacheOptions())
+    small.warmup()
+    base = rng.integers(2, 5000, 90).tolist()
+    with count_compiles() as serving:
+        small.generate([base, base[:40] + [5] * 30, base[:70]], SamplingParams(max_tokens=4, ignore_eos=True))
+        small.generate([base[:50] + [9, 9]], SamplingParams(temperature=0.7, seed=1, max_tokens=3))
+    assert small.prefix_metrics()["hits"] >= 2
+    assert serving["n"] == 0, serving["names"]

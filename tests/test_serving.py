@@ -487,3 +487,37 @@ def test_dsjax_serve_cli_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# --------------------------------------------------------------------------- prefix cache
+@pytest.fixture(scope="module")
+def cached_server(model, served):
+    """The same shapes with a prefix cache (compiled on first use)."""
+    s = build(model, name=NAME, **SHAPES, warmup=False, prefix_cache=dsjax.PrefixCacheOptions(device_bytes=8 << 20))
+    srv = BackgroundServer(s.app).start()
+    yield s, srv
+    srv.stop()
+    s.close()
+
+
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(cached_server):
+    """A conversation sent again (OpenAI Chat, then Anthropic Messages on the same prompt
+    ids) takes its whole 64-token blocks from the prefix cache: usage says how many (OpenAI
+    prompt_tokens_details.cached_tokens; Anthropic cache_read_input_tokens, input_tokens then
+    counting the rest), the answer is the same, and /metrics counts the hits."""
+    url = cached_server[1].url
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": "You answer in one word. " * 30}, {"role": "user", "content": "Hi?"}]
+    kw = dict(model=NAME, messages=messages, max_tokens=4, temperature=0, extra_body=NO_THINKING)
+    first, second = oai.chat.completions.create(**kw), oai.chat.completions.create(**kw)
+    n = len(recipe_ids({"model": NAME, "messages": messages, **NO_THINKING}))
+    assert n > 128 and first.usage.prompt_tokens == second.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details is None or not first.usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 64 * 64
+    assert second.choices[0].message.content == first.choices[0].message.content
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    m = claude.messages.create(model=NAME, max_tokens=4, system=messages[0]["content"], messages=messages[1:],
+                               thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    total = m.usage.input_tokens + m.usage.cache_read_input_tokens  # Anthropic: input_tokens are the uncached ones
+    assert total == n and m.usage.cache_read_input_tokens == (n - 1) // 64 * 64
+    assert metric(url, "dsjax_prefix_cache_hits") >= 2 and metric(url, "dsjax_prefix_cache_prefill_tokens_saved") > 0

@@ -23,6 +23,7 @@ from dsjax.batch.manifest import (FORMAT, config_hash, differences, environment,
 from dsjax.batch.ray_data import dispatch, require_ray
 from dsjax.batch.records import read_lines
 from dsjax.batch.runner import check, effective_decode_steps, execute, make_engine
+from dsjax.engine.prefix_cache import options_from_mib
 from dsjax.sharding.distributed import barrier, broadcast_bytes, broadcast_json, initialize, is_lead
 from dsjax.tokenizer import load_tokenizer
 from dsjax.weights import DEFAULT_MODEL
@@ -49,9 +50,9 @@ JAX_PROCESS_ID) and a --mesh over every process's devices. Process 0 reads the i
 writes the output and manifest; the output equals a one-process run's on the same mesh."""
 
 
-def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
+def add_parsers(sub, common, *, load, setup_cache, compiling, prefix_cache_args) -> None:
     """`dsjax batch` and `dsjax verify` on the CLI's subparsers; load(args, say),
-    setup_cache(args), compiling(say, cache) are the CLI's own helpers."""
+    setup_cache(args), compiling(say, cache), prefix_cache_args(parser) are the CLI's own helpers."""
     helpers = SimpleNamespace(load=load, setup_cache=setup_cache, compiling=compiling)
     b = sub.add_parser("batch", parents=[common], help="run a JSONL file of requests (crash-safe, resumable)",
                        description=BATCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +75,7 @@ def add_parsers(sub, common, *, load, setup_cache, compiling) -> None:
     b.add_argument("--batch-invariant", action="store_true", help="each record's logits bitwise independent of "
                    "its batch (a little slower): an interrupted and resumed job then equals an uninterrupted one "
                    "exactly, at any --max-slots")
+    prefix_cache_args(b)
     b.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="bad input lines: write an error "
                    "line and go on (skip), or stop before running anything (fail, exit status 1)")
     b.add_argument("--ray", type=int, default=0, metavar="N", help="run on N model replicas with Ray Data (pip "
@@ -103,7 +105,9 @@ def _settings(args, model, input_sha: str, name: str) -> dict:
             "max_new_tokens": args.max_new_tokens, "max_slots": args.max_slots,
             "decode_steps": effective_decode_steps(args.decode_steps, args.num_draft_tokens),
             "prefill_chunk": args.prefill_chunk, "input_sha256": input_sha,
-            **({"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens else {})}  # absent: 0
+            **({"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens else {}),  # absent: 0
+            # the prompt chunks' grid (a hit itself changes no bit): absent when off
+            **({"prefix_cache": True} if getattr(args, "prefix_cache_mb", 0) else {})}
 
 
 def _prepare(args, say, helpers, data: bytes):
@@ -117,7 +121,9 @@ def _prepare(args, say, helpers, data: bytes):
                     max_new_tokens=args.max_new_tokens)
     engine = make_engine(model, checked, max_slots=args.max_slots, batch_invariant=args.batch_invariant or None,
                          decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
-                         num_draft_tokens=args.num_draft_tokens)
+                         num_draft_tokens=args.num_draft_tokens,
+                         prefix_cache=options_from_mib(getattr(args, "prefix_cache_mb", 0),
+                                                       getattr(args, "prefix_host_mb", 0)))
     helpers.compiling(say, cache)
     return checked, engine, current
 
@@ -169,6 +175,8 @@ def _batch(args, say, helpers) -> int:
     inp, out = Path(args.input), Path(args.output)
     if args.ray < 0 or args.ray_batch_size < 0:
         raise JobRefused("--ray and --ray-batch-size must be >= 0")
+    if args.ray and args.prefix_cache_mb:
+        raise JobRefused("--prefix-cache-mb is not supported with --ray yet (each replica would need its own)")
     if args.ray and jax.process_count() > 1:
         raise JobRefused("--ray runs replicas of one-process engines; it cannot be combined with a multi-process job")
     if args.ray:
@@ -234,6 +242,10 @@ def _batch(args, say, helpers) -> int:
         output.finalize(checked, done)
         write(mpath, {**manifest, "complete": True})
     barrier("dsjax batch: output written")
+    if engine is not None and engine.prefix is not None:
+        m = engine.prefix_metrics()
+        say(f"prefix cache: {m['hits']} of {m['lookups']} records hit, {m['prefill_tokens_saved']} prompt tokens "
+            f"taken from it ({m['token_hit_rate']:.0%})")
     say(f"done: {len(checked.lines)} records ({len(todo)} run now, {len(checked.errors)} errors), {tokens} tokens "
         f"in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tok/s; {time.perf_counter() - t0:.1f} s in all) "
         f"-> {out}")
@@ -287,7 +299,8 @@ def _verify(args, say, helpers) -> int:
                         seed=s["seed"], mesh=s["mesh"], kernels=s["kernels"], batch_invariant=s["batch_invariant"],
                         max_new_tokens=s["max_new_tokens"], max_slots=s["max_slots"],
                         decode_steps=s["decode_steps"], prefill_chunk=s["prefill_chunk"],
-                        num_draft_tokens=s.get("num_draft_tokens", 0))
+                        num_draft_tokens=s.get("num_draft_tokens", 0),
+                        prefix_cache_mb=256 if s.get("prefix_cache") else 0, prefix_host_mb=0)
     data = Path(recorded["input"]).read_bytes()
     results = finished(out.read_bytes(), out)
     checked, engine, current = _prepare(job, say, helpers, data)

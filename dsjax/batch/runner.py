@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dsjax.api import Model
 from dsjax.batch.records import Record, RecordError, parse, read_lines, record_id
-from dsjax.engine import Engine
+from dsjax.engine import Engine, PrefixCacheOptions
 from dsjax.engine.requests import bucket_capacity, max_capacity
 from dsjax.serving.protocol import Context, Limits
 from dsjax.tokenizer import Tokenizer, load_tokenizer
@@ -81,11 +81,12 @@ def check(model: Model, items: list[tuple[int, Any, str | None]], *, tokenizer: 
 
 def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_invariant: bool | None = None,
                 decode_steps: int = 4, prefill_chunk: int = 256, capacity: int | None = None,
-                num_draft_tokens: int = 0) -> Engine | None:
+                num_draft_tokens: int = 0, prefix_cache: PrefixCacheOptions | None = None) -> Engine | None:
     """One engine for every record (capacity: the longest prompt + max_tokens over all of
     them, so a resumed run has the same shapes; or `capacity`, the whole job's, when these
     records are one part of it); records it refuses become error lines. num_draft_tokens >
-    0: speculative decoding with the model's MTP layer (one decode step per dispatch)."""
+    0: speculative decoding with the model's MTP layer (one decode step per dispatch).
+    prefix_cache: records sharing a prompt prefix compute it once (`Engine(prefix_cache=)`)."""
     limit = model.config.max_position_embeddings
     for r in checked.records:  # before sizing: one over-long record must not size every slot's cache
         if len(r.prompt) + r.params.max_tokens > limit:
@@ -100,7 +101,7 @@ def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_inv
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     batch_invariant=batch_invariant, num_draft_tokens=num_draft_tokens,
                     decode_steps=effective_decode_steps(decode_steps, num_draft_tokens),
-                    max_logprobs=max(r.params.logprobs for r in checked.records))
+                    max_logprobs=max(r.params.logprobs for r in checked.records), prefix_cache=prefix_cache)
     kept = []
     for r in checked.records:
         try:

@@ -58,6 +58,17 @@ class PrefixCacheOptions:
                 raise ValueError(f"PrefixCacheOptions: {name} must be an int >= 0, got {value!r}")
 
 
+def options_from_mib(device_mib: float, host_mib: float = 0) -> PrefixCacheOptions | None:
+    """The CLI's `--prefix-cache-mb` / `--prefix-host-mb` (MiB): None (no prefix cache) for 0."""
+    if device_mib < 0 or host_mib < 0:
+        raise ValueError("--prefix-cache-mb and --prefix-host-mb must be >= 0")
+    if not device_mib:
+        if host_mib:
+            raise ValueError("--prefix-host-mb needs --prefix-cache-mb (the device budget blocks are evicted from)")
+        return None
+    return PrefixCacheOptions(device_bytes=int(device_mib * 2**20), host_bytes=int(host_mib * 2**20))
+
+
 def block_keys(prompt: list[int], block: int, n: int, lookahead: bool) -> list[bytes]:
     """The chain keys of a prompt's first n blocks: key j covers tokens 0 .. (j+1)*block
     (and with `lookahead` the token after them)."""

@@ -126,16 +126,17 @@ class Server:
                 await merged.put((i, e))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        open_ = set(range(len(streams)))
+        open_, started = set(range(len(streams))), set()
         try:
-            for choice in job.choices:
-                for item in choice.translator.start():
-                    yield item
             while open_:
                 i, item = await merged.get()
                 if i not in open_:
                     continue
                 translator, stream = job.choices[i].translator, streams[i]
+                if i not in started:  # opened on its first event, which says what the prefix cache held
+                    started.add(i)
+                    for event in translator.start(item[0].cached_tokens or 0 if isinstance(item, list) else 0):
+                        yield event
                 if isinstance(item, EngineFailed):
                     raise item
                 out = translator.push(item) if item is not None else []

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+PREFIX_METRICS = {  # `Engine.prefix_metrics()` keys shown
+    "lookups": "requests looked up", "hits": "requests that took cached blocks", "hit_rate": "hits / lookups",
+    "prefill_tokens_saved": "prompt tokens taken from the cache", "replayed_tokens": "prompt tokens a cached "
+    "block held that were prefilled again", "stored_blocks": "blocks stored", "evicted_blocks": "blocks dropped",
+    "device_bytes": "bytes of blocks on the device (now)", "host_bytes": "bytes of blocks in host memory (now)",
+    "device_to_host_bytes": "bytes moved to the host tier", "host_to_device_bytes": "bytes brought back from it"}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -31,6 +37,9 @@ class Metrics:
         self.drafts_accepted = Gauge("dsjax_spec_drafts_accepted", "speculative drafts accepted (since start)",
                                      registry=r)
 
+        self.prefix = {name: Gauge(f"dsjax_prefix_cache_{name}", f"prefix cache: {what} (since start)", registry=r)
+                       for name, what in PREFIX_METRICS.items()}
+
     def observe_tokens(self, n: int, ttft: float | None, per_token_gap: float | None) -> None:
         """n tokens of one request arrived; ttft for its first batch, else the gap since
         its previous batch per token."""
@@ -50,6 +59,9 @@ class Metrics:
             spec = loop.engine.spec_metrics()
             self.drafts_proposed.set(spec.get("drafts_proposed", 0))
             self.drafts_accepted.set(spec.get("drafts_accepted", 0))
+        for name, value in loop.engine.prefix_metrics().items():
+            if name in self.prefix:
+                self.prefix[name].set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -192,8 +192,10 @@ class RecipeTranslator:
             return []
         return [(self.api.response_cls.sse_event_name(e), e.to_json()) for e in events]
 
-    def start(self):
-        usage = recipe.PromptUsage(prompt_tokens=self.prompt_tokens)
+    def start(self, cached_tokens: int = 0):
+        """The API's opening events; cached_tokens: prompt tokens the prefix cache held (known
+        once the request was admitted, from its first event)."""
+        usage = recipe.PromptUsage(prompt_tokens=self.prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._out(self.processor.push(recipe.InferenceChunk.ready(prompt_usage=usage)))
 
     def push(self, events: list[TokenEvent]):
@@ -343,6 +345,7 @@ class CompletionTranslator:
         self.run = TextRun(ctx.tokenizer, stop, logprobs is not None)
         self.finish_reason: str | None = None
         self.keep = False
+        self.cached_tokens = 0
 
     @property
     def stopped(self) -> bool:
@@ -366,7 +369,8 @@ class CompletionTranslator:
                 "top_logprobs": [{tok.decode([t["token"]], skip_special_tokens=False): t["logprob"]
                                   for t in e["top_logprobs"]} for e in entries], "text_offset": offsets}
 
-    def start(self):
+    def start(self, cached_tokens: int = 0):
+        self.cached_tokens = cached_tokens  # for usage.prompt_tokens_details
         return []
 
     def push(self, events: list[TokenEvent]):
@@ -476,7 +480,8 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
         choices.append(Choice(p, params, translator))
     usage = lambda: {"prompt_tokens": sum(len(p) for p in prompts),  # noqa: E731
                      "completion_tokens": sum(c.translator.tokens for c in choices),
-                     "total_tokens": sum(len(p) for p in prompts) + sum(c.translator.tokens for c in choices)}
+                     "total_tokens": sum(len(p) for p in prompts) + sum(c.translator.tokens for c in choices),
+                     "prompt_tokens_details": {"cached_tokens": sum(c.translator.cached_tokens for c in choices)}}
 
     def response():
         return {**head, "choices": [c.translator.choice() for c in choices], "usage": usage()}

@@ -17,6 +17,7 @@ import uvicorn
 from dsjax.api import Model
 from dsjax.engine import Engine
 from dsjax.engine.constraints import ConstraintCompiler
+from dsjax.engine.prefix_cache import PrefixCacheOptions
 from dsjax.serving.app import create_app
 from dsjax.serving.loop import EngineLoop
 from dsjax.serving.metrics import Metrics
@@ -40,13 +41,16 @@ def build(model: Model, *, name: str = "dsjax", tokenizer: Tokenizer | None = No
           capacity: int = 4096, prefill_chunk: int = 256, decode_steps: int = 1, num_draft_tokens: int = 0,
           batch_invariant: bool | None = None, max_logprobs: int = 0, limits: Limits = Limits(),
           api_key: str | None = None, default_thinking: bool = True, max_thinking_tokens: int | None = None,
-          warmup: bool = True, on_warmup: Callable[[int, int, str], None] | None = None) -> Served:
+          warmup: bool = True, on_warmup: Callable[[int, int, str], None] | None = None,
+          prefix_cache: PrefixCacheOptions | None = None) -> Served:
     """The engine (its cache checked to fit, then allocated), warmed up unless warmup=False
     (then the first requests of each shape compile; on_warmup(i, total, what) hears of each
-    program, `Engine.warmup`'s progress), its loop thread started, and the app."""
+    program, `Engine.warmup`'s progress), its loop thread started, and the app. prefix_cache:
+    the engine keeps prompts' cache blocks across requests (usage then reports the prompt
+    tokens taken from it, as OpenAI's cached_tokens / Anthropic's cache_read_input_tokens)."""
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     decode_steps=decode_steps, num_draft_tokens=num_draft_tokens, batch_invariant=batch_invariant,
-                    max_logprobs=max_logprobs)
+                    max_logprobs=max_logprobs, prefix_cache=prefix_cache)
     structured = num_draft_tokens == 0  # the engine refuses grammar constraints with speculation
     if warmup:
         engine.warmup(constrained=structured, progress=on_warmup)
