@@ -53,6 +53,7 @@ def test_hit_equals_a_run_without_the_cache(tiny, rng, batch_invariant):
         prompt = base[:shared] + rng.integers(2, 5000, 9).tolist()
         got = _run(warm, prompt, SAMPLED)
         assert (got.cached_tokens, got.replayed_tokens) == (hit, shared - hit)
+        assert got.replayed_tokens <= tiny.config.sliding_window + BLOCK  # window + largest ratio
         _same(got, _run(_engine(tiny, batch_invariant=batch_invariant), prompt, SAMPLED), bitwise=batch_invariant)
     metrics = warm.prefix_metrics()
     assert metrics["hits"] == 3 and metrics["lookups"] == 4

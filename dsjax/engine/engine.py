@@ -408,17 +408,11 @@ class Engine:
         return r.next_chunk(self.prefill_chunk, aligned=self.prefix is not None)
 
     def _next_waiting(self) -> Request | None:
-        """The request to admit next: the first in line; with a prefix cache the first whose
-        next prompt block no admitted request is prefilling now (the others wait for it to be
-        stored, so a prefix shared by requests arriving together is computed once)."""
-        if self.prefix is None:
-            return self.waiting.popleft() if self.waiting else None
-        busy = self.prefix.in_flight(self.slot_owner)
-        for req in self.waiting:
-            if not self.prefix.waits_for(req, busy):
-                self.waiting.remove(req)
-                return req
-        return None
+        """The request to admit next: the first in line (with a prefix cache,
+        `PrefixCaching.take_next`)."""
+        if self.prefix is not None:
+            return self.prefix.take_next(self.waiting, self.slot_owner)
+        return self.waiting.popleft() if self.waiting else None
 
     def _admit(self) -> None:
         for slot in self.free_slots:

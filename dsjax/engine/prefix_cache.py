@@ -269,21 +269,22 @@ class PrefixCaching:
         first token), all but a constrained request's last (its first decode step takes it)."""
         return req.prefill_len if req.constraint is not None else len(req.prompt) - 1
 
-    def in_flight(self, owners) -> set[bytes]:
-        """Keys of the blocks that admitted requests are prefilling and will store."""
-        busy = set()
+    def take_next(self, waiting, owners):
+        """The waiting request to admit next (removed from `waiting`), or None: the first in
+        line whose next prompt block no admitted request (`owners`) is prefilling now. The
+        others wait for that block to be stored, so a prefix shared by requests arriving
+        together is computed once."""
+        busy = set()  # keys of the blocks admitted requests are prefilling and will store
         for r in owners:
-            if r is not None and r.state == "prefilling":
+            if r is not None and r.state == "prefilling" and self.pool.enabled:
                 busy.update(self._keys(r)[r.prefilled // self.pool.block:])
-        return busy
-
-    def waits_for(self, req, busy: set[bytes]) -> bool:
-        """Whether the next block `req` would take from the cache is being computed now."""
-        if not self.pool.enabled:  # nothing is stored: waiting gains nothing
-            return False
-        keys = self._keys(req)
-        n = self.pool.cached_blocks(keys, self._usable(req))
-        return n < self._usable(req) // self.pool.block and keys[n] in busy
+        for req in waiting:
+            keys = self._keys(req)
+            n = self.pool.cached_blocks(keys, self._usable(req))
+            if not (n < self._usable(req) // self.pool.block and keys[n] in busy):
+                waiting.remove(req)
+                return req
+        return None
 
     def _drafter(self):
         spec = self.engine.spec
