@@ -73,6 +73,25 @@ def test_hit_with_speculative_decoding(tiny, rng):
     assert got.tokens == _run(_engine(tiny, num_draft_tokens=2, max_logprobs=0), prompt, greedy).tokens
 
 
+def test_next_chat_turn_hits_the_generated_reply(tiny, rng):
+    """Blocks of generated tokens are stored too (plain decode, one step per dispatch): a
+    40-token prompt and its 30-token reply leave 64 tokens in whole blocks, which the next
+    turn (prompt + reply + its own message) takes, giving a fresh engine's greedy tokens. In
+    batch-invariant mode only the prompt's blocks are kept (a hit must equal a prefill bit for
+    bit, and a decode step's numerics are not a prefill's)."""
+    first = rng.integers(2, 5000, 40).tolist()
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    for batch_invariant, hit in ((False, 64), (True, 32)):
+        engine = _engine(tiny, batch_invariant=batch_invariant, max_logprobs=0)
+        reply = _run(engine, first, greedy).tokens
+        turn = first + reply + rng.integers(2, 5000, 6).tolist()
+        got = _run(engine, turn, greedy)
+        assert got.cached_tokens == hit
+        # blocks ending at 48, 64 (the first reply) and 80, 96 (the second: a 76-token prompt + 30 tokens)
+        assert engine.prefix_metrics()["generated_blocks"] == (0 if batch_invariant else 4)
+        assert got.tokens == _run(_engine(tiny, batch_invariant=batch_invariant, max_logprobs=0), turn, greedy).tokens
+
+
 def test_shared_system_prompt_of_200_tokens_is_computed_once(tiny, rng):
     """Four requests arriving together behind a 200-token shared prompt, three slots: the
     others wait while the first prefills it, then take its 192 tokens of whole blocks (it is
@@ -95,15 +114,17 @@ def test_shared_system_prompt_of_200_tokens_is_computed_once(tiny, rng):
         check_prefix_cache(dsjax.load_config("v4-flash"), 96, None)
 
 
-def test_eviction_and_host_tier_never_corrupt_outputs(tiny, rng):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_eviction_and_host_tier_never_corrupt_outputs(tiny, rng, batch_invariant):
     """Random prompts over a few shared prefixes through an engine whose device budget holds
     a few blocks, with a host tier that holds a few more: admissions, hits, evictions and
-    host round trips all happen, and every request's logits equal (bitwise, batch-invariant
-    mode) a run of it on an engine that keeps nothing."""
+    host round trips all happen, and every request's output equals a run of it on an engine
+    that keeps nothing (bitwise logits in batch-invariant mode; tokens otherwise, where the
+    replies' blocks are kept too)."""
     block_bytes = 52480  # one tiny block, float32 (checked below)
     cache = PrefixCacheOptions(device_bytes=5 * block_bytes, host_bytes=6 * block_bytes)
-    engine = _engine(tiny, cache, batch_invariant=True, max_slots=3)
-    reference = _engine(tiny, PrefixCacheOptions(device_bytes=0), batch_invariant=True, max_slots=3)
+    engine = _engine(tiny, cache, batch_invariant=batch_invariant, max_slots=3)
+    reference = _engine(tiny, PrefixCacheOptions(device_bytes=0), batch_invariant=batch_invariant, max_slots=3)
     prefixes = [rng.integers(2, 5000, n).tolist() for n in (40, 75, 110)]
     jobs = []
     for i in range(14):
@@ -117,7 +138,7 @@ def test_eviction_and_host_tier_never_corrupt_outputs(tiny, rng):
         for _ in engine.run():
             pass
         for rid, (prompt, params) in zip(ids, jobs[start: start + 3]):
-            _same(engine.requests[rid], _run(reference, prompt, params), bitwise=True)
+            _same(engine.requests[rid], _run(reference, prompt, params), bitwise=batch_invariant)
     m = engine.prefix_metrics()
     assert engine.prefix.pool.entries and all(e.nbytes == block_bytes for e in engine.prefix.pool.entries.values())
     assert m["hits"] > 3 and m["evicted_blocks"] > 0

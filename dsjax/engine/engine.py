@@ -537,6 +537,8 @@ class Engine:
         out = self._decode_call(self._bucket(needed), k, any(r.params.temperature > 0 for r in decoding))
         for r in decoding:
             r.dispatched += n
+        if self.prefix is not None:
+            self.prefix.after_decode(decoding)
         self._pending.append((out, {r.slot: r for r in decoding}))
         return True
 
@@ -546,6 +548,8 @@ class Engine:
         the device runs while the host makes the previous step's events."""
         with self.model.mesh_context():
             self._measure_costs()
+            if self.prefix is not None:
+                self.prefix.key_generated()  # blocks of generated tokens, now that those are read back
             self._admit()
             prefilling = [r for r in self.slot_owner
                           if r is not None and r.state == "prefilling" and (r.prefilled < r.prefill_len or not r.admitted)]

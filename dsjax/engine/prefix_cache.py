@@ -218,6 +218,7 @@ class PrefixCache:
                 "prefill_tokens_saved": c["hit_tokens"],
                 "token_hit_rate": c["hit_tokens"] / c["lookup_tokens"] if c["lookup_tokens"] else 0.0,
                 "replayed_tokens": c["replayed_tokens"], "stored_blocks": c["stored_blocks"],
+                "generated_blocks": c["generated_blocks"],
                 "evicted_blocks": c["evicted_blocks"],
                 "blocks_on_device": sum(e.tier == "device" for e in self.entries.values()),
                 "blocks_on_host": sum(e.tier == "host" for e in self.entries.values()),
@@ -256,6 +257,12 @@ class PrefixCaching:
         self.pool = PrefixCache(options, engine.prefill_chunk, lookahead=bool(engine.num_draft_tokens))
         self.static = dict(block=engine.prefill_chunk,
                            ratios=growth_ratios(engine.cfg, engine.capacity, engine.model.dtype))
+        # blocks of generated tokens: one decode step per dispatch, no speculation (each step moves a
+        # row by one token, so a block's end is the state after a known step); not in batch-invariant
+        # mode, where a hit must be bitwise a prefill's and a decode step's numerics are not
+        self.keeps_generated = (not engine.batch_invariant and not engine.num_draft_tokens
+                                and engine.decode_steps == 1)
+        self._generated: list = []  # (request, block index, Block) copied out, keyed once its tokens are read
 
     def _keys(self, req) -> list[bytes]:
         if req.block_keys is None:  # every whole block whose end state a later prompt may take
@@ -322,6 +329,37 @@ class PrefixCaching:
                 continue
             blk = save_block(self.engine.cache, self._drafter(), np.int32(req.slot), np.int32(j), **self.static)
             self.pool.insert(key, req.block_keys[j - 1] if j else ROOT, req.prompt[j * b: (j + 1) * b], blk)
+
+    def after_decode(self, decoding) -> None:
+        """After a plain decode step: each row whose cache would now end a block inside its
+        generated tokens copies that block out (the next step moves its rings on). Whether the
+        row was still decoding, and the block's tokens, are known when its outputs are read
+        back (`key_generated`)."""
+        if not self.keeps_generated:
+            return
+        b = self.pool.block
+        for r in decoding:
+            if r.dispatched % b == 0 and r.dispatched > len(r.prompt):
+                j = r.dispatched // b - 1
+                self._generated.append((r, j, save_block(self.engine.cache, None, np.int32(r.slot), np.int32(j),
+                                                         **self.static)))
+
+    def key_generated(self) -> None:
+        """Store the generated-token blocks whose rows had the block's last position cached by a
+        decoding step (the token after it was generated); drop those of requests that ended
+        before; keep the rest for later."""
+        b, waiting = self.pool.block, []
+        for r, j, blk in self._generated:
+            tokens = r.prompt + r.tokens
+            if len(tokens) > (j + 1) * b:
+                keys = block_keys(tokens, b, j + 1, False)
+                parent = keys[j - 1] if j else ROOT
+                if keys[j] not in self.pool and (parent == ROOT or parent in self.pool):  # reachable
+                    self.pool.insert(keys[j], parent, tokens[j * b: (j + 1) * b], blk)
+                    self.pool.counts["generated_blocks"] += 1
+            elif not r.done:
+                waiting.append((r, j, blk))
+        self._generated = waiting
 
     def warmup_steps(self) -> list:
         """(what, thunk) of the two programs, run on a copy of row 0 (left as it was)."""
