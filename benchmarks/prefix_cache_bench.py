@@ -4,7 +4,8 @@ hits), in two workloads at several prompt lengths:
 - shared system prompt: a batch of requests behind one system prompt of L tokens (+ a short
   question each), all submitted at once;
 - multi-turn chat: each turn's prompt is the previous prompt + the reply + a new user message,
-  starting from a system prompt of L tokens.
+  starting from a system prompt of L tokens; also with only prompts' blocks kept (no blocks
+  of generated tokens), to show what caching the replies adds.
 Every run with the cache is checked to give the tokens the run without it gives (greedy).
 Writes JSON (and a PNG when matplotlib is installed).
 
@@ -29,9 +30,10 @@ from dsjax.engine.prefix_cache import PrefixCacheOptions
 from dsjax.engine.sampler import SamplingParams
 
 
-def _engine(model, args, cached: bool) -> Engine:
+def _engine(model, args, cached: bool, replies: bool = True) -> Engine:
     engine = Engine(model, max_slots=args.slots, capacity=args.capacity, prefill_chunk=args.block,
                     prefix_cache=PrefixCacheOptions(device_bytes=(1 << 30) if cached else 0))
+    engine.prefix.keeps_generated &= replies  # replies=False: only prompts' blocks are kept
     engine.warmup()
     return engine
 
@@ -64,12 +66,13 @@ def shared_prompt(model, args, rng, length: int) -> dict:
 
 
 def chat(model, args, rng, length: int) -> dict:
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    out = {"system_tokens": length, "turns": args.turns}
+    params = SamplingParams(max_tokens=args.reply_tokens, ignore_eos=True)
+    out = {"system_tokens": length, "turns": args.turns, "reply_tokens": args.reply_tokens}
     tokens, seed = {}, int(rng.integers(1 << 30))
-    for name, cached in (("without", False), ("with", True)):
-        turn_rng = np.random.default_rng(seed)  # the same user messages in both runs
-        engine = _engine(model, args, cached)
+    for name, cached, replies in (("without", False, False), ("with_prompt_blocks_only", True, False),
+                                  ("with", True, True)):
+        turn_rng = np.random.default_rng(seed)  # the same user messages in every run
+        engine = _engine(model, args, cached, replies)
         prompt = turn_rng.integers(10, model.config.vocab_size, length).tolist()
         turns, tokens[name] = [], []
         for _ in range(args.turns):
@@ -81,7 +84,7 @@ def chat(model, args, rng, length: int) -> dict:
         out[name] = {"turns": turns, "ttft_total_s": sum(t["ttft_s"] for t in turns),
                      "prefill_tokens": sum(t["prefill_tokens"] for t in turns),
                      "prefix_metrics": engine.prefix_metrics()}
-    out["same_tokens"] = tokens["with"] == tokens["without"]
+    out["same_tokens"] = tokens["with"] == tokens["without"] == tokens["with_prompt_blocks_only"]
     out["ttft_speedup"] = out["without"]["ttft_total_s"] / out["with"]["ttft_total_s"]
     return out
 
@@ -104,9 +107,9 @@ def plot(result: dict, path: str) -> None:
               "tokens", ylabel="s")
     ax[1].set(title="prompt tokens prefilled", xlabel="system prompt tokens", ylabel="tokens")
     for r in result["chat"]:
-        for name, style in (("without", "--"), ("with", "-")):
+        for name, style in (("without", "--"), ("with_prompt_blocks_only", ":"), ("with", "-")):
             ax[2].plot(range(1, r["turns"] + 1), [t["ttft_s"] for t in r[name]["turns"]], style, marker="o",
-                       label=f"system {r['system_tokens']}, {name} cache")
+                       label=f"system {r['system_tokens']}, {name.replace('_', ' ')} cache")
     ax[2].set(title="multi-turn chat: TTFT per turn", xlabel="turn", ylabel="s")
     for a in ax:
         a.legend(fontsize=7)
@@ -126,7 +129,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128, help="prefill chunk = prefix-cache block")
     p.add_argument("--capacity", type=int, default=4096)
     p.add_argument("--question", type=int, default=32, help="tokens of each request's own question / user turn")
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens each shared-prompt request generates")
+    p.add_argument("--reply-tokens", type=int, default=96, help="tokens of each chat reply")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--out", default="benchmarks/results/prefix_cache_cpu_small.json")
     p.add_argument("--plot", default=None)
@@ -146,8 +150,10 @@ def main() -> None:
               f"{r['with']['prefill_tokens']} tokens, same tokens {r['same_tokens']}")
     for r in result["chat"]:
         print(f"chat {r['system_tokens']:5d}: TTFT over {r['turns']} turns {r['without']['ttft_total_s']:.3f} -> "
-              f"{r['with']['ttft_total_s']:.3f} s ({r['ttft_speedup']:.2f}x), prefill {r['without']['prefill_tokens']}"
-              f" -> {r['with']['prefill_tokens']} tokens, same tokens {r['same_tokens']}")
+              f"{r['with_prompt_blocks_only']['ttft_total_s']:.3f} (prompt blocks) -> {r['with']['ttft_total_s']:.3f} "
+              f"s ({r['ttft_speedup']:.2f}x), prefill {r['without']['prefill_tokens']} -> "
+              f"{r['with_prompt_blocks_only']['prefill_tokens']} -> {r['with']['prefill_tokens']} tokens, "
+              f"same tokens {r['same_tokens']}")
     write_result(result, args.out)
     if args.plot:
         plot(result, args.plot)

@@ -312,7 +312,7 @@ def test_prefix_cache_job_computes_a_shared_prompt_once(tmp_path, capsys):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in records))
     outputs, said = [], []
-    for mib in ("8", "0.01"):  # 0.01 MiB: under one block of tiny (51 KiB): every block is dropped at once
+    for mib in ("8", "0.01"):  # 0.01 MiB: under one block of tiny (43 KiB): every block is dropped at once
         out = tmp_path / f"out-{mib}.jsonl"
         assert cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype",
                          "float32", *SLOTS, "--prefill-chunk", "16", "--prefix-cache-mb", mib]) == 0

@@ -121,7 +121,7 @@ def test_eviction_and_host_tier_never_corrupt_outputs(tiny, rng, batch_invariant
     host round trips all happen, and every request's output equals a run of it on an engine
     that keeps nothing (bitwise logits in batch-invariant mode; tokens otherwise, where the
     replies' blocks are kept too)."""
-    block_bytes = 52480  # one tiny block, float32 (checked below)
+    block_bytes = 44288  # one tiny block, float32 (checked below)
     cache = PrefixCacheOptions(device_bytes=5 * block_bytes, host_bytes=6 * block_bytes)
     engine = _engine(tiny, cache, batch_invariant=batch_invariant, max_slots=3)
     reference = _engine(tiny, PrefixCacheOptions(device_bytes=0), batch_invariant=batch_invariant, max_slots=3)

@@ -12,14 +12,16 @@ Why the window ring is stored, not rebuilt by replaying the last window: layer l
 keys at a token depend on layer l-1's window at the tokens before it, so replaying the last
 W tokens from the stored entries gives exact windows only for the first layer; the replay
 that rebuilds every layer exactly grows with depth (layers x W tokens). Each block keeps the
-ring state at its end instead (for V4: per layer one window of 128 latents, about as many
-bytes as the block's compressed entries at ratio 4).
+ring state at its end instead (for V4 per layer one window of 128 latents: most of a block's
+bytes, 5.4 of V4-Flash's 7.0 MiB per 128 tokens in bf16).
 
 On admission the longest cached chain of a prompt is put back into the request's cache row
 (`Engine._restore_prefix`), leaving at least one token to prefill (the first output token is
 sampled from its logits); prefill goes on from there. The part of a prompt that matched
 a cached block's tokens but ends inside it is prefilled again: `replayed` tokens, fewer than
-`block` per hit. After each full prefill chunk the engine stores that block (`save_block`).
+`block` per hit. After each full prefill chunk the engine stores that block (`save_block`);
+a plain decode step that ends a block stores it too once its tokens are read back (not in
+batch-invariant mode: a decode step's sums are not a prefill's, and a hit must be bitwise).
 
 Eviction is LRU under `device_bytes`; with `host_bytes` an evicted block moves to host memory
 (its copy starts at once and is collected after the next step was dispatched, so it overlaps
@@ -38,7 +40,7 @@ import numpy as np
 
 from dsjax.engine.programs import restore_block, save_block
 from dsjax.engine.requests import admission
-from dsjax.model.cache import growth_ratios
+from dsjax.model.cache import block_layout
 
 ROOT = b""
 
@@ -256,7 +258,7 @@ class PrefixCaching:
         self.engine = engine
         self.pool = PrefixCache(options, engine.prefill_chunk, lookahead=bool(engine.num_draft_tokens))
         self.static = dict(block=engine.prefill_chunk,
-                           ratios=growth_ratios(engine.cfg, engine.capacity, engine.model.dtype))
+                           layout=block_layout(engine.cfg, engine.capacity, engine.model.dtype))
         # blocks of generated tokens: one decode step per dispatch, no speculation (each step moves a
         # row by one token, so a block's end is the state after a known step); not in batch-invariant
         # mode, where a hit must be bitwise a prefill's and a decode step's numerics are not

@@ -263,15 +263,15 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
     return cache, spec, slots, out
 
 
-@functools.partial(jax.jit, static_argnames=("block", "ratios"))
-def save_block(cache: Cache, drafter, row, j, *, block: int, ratios: tuple[int, ...]) -> Block:
+@functools.partial(jax.jit, static_argnames=("block", "layout"))
+def save_block(cache: Cache, drafter, row, j, *, block: int, layout: tuple[int, ...]) -> Block:
     """Block j of cache row `row` (with its drafter ring, or None), copied out at its end."""
-    return take_block(cache, drafter, row, j, block=block, ratios=ratios)
+    return take_block(cache, drafter, row, j, block=block, layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "ratios"), donate_argnames=("cache", "slots", "drafter"))
+@functools.partial(jax.jit, static_argnames=("block", "layout"), donate_argnames=("cache", "slots", "drafter"))
 def restore_block(cache: Cache, slots: Slots, drafter, blk: Block, tokens: jax.Array, row, j, admission: Admission, *,
-                  block: int, ratios: tuple[int, ...]):
+                  block: int, layout: tuple[int, ...]):
     """Put cached block j (tokens [1, block]) into row `row` as if its prompt chunk had run
     there: the tokens are booked (`take_prompt_chunk`; block 0's admission resets the row to
     its request), the row's length becomes (j + 1) * block, the block's entries and end state
@@ -280,5 +280,5 @@ def restore_block(cache: Cache, slots: Slots, drafter, blk: Block, tokens: jax.A
                                           tokens, jnp.full((1,), block, jnp.int32), admission)
     slots = put_rows(slots, row_slots, row)
     cache = cache.replace(length=jax.lax.dynamic_update_slice_in_dim(cache.length, length + block, row, 0))
-    cache, drafter = put_block(cache, drafter, blk, row, j, block=block, ratios=ratios)
+    cache, drafter = put_block(cache, drafter, blk, row, j, block=block, layout=layout)
     return cache, slots, drafter

@@ -242,20 +242,30 @@ class Block:
     drafter: object = None
 
 
-def growth_ratios(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> tuple[int, ...]:
+DEAD = -1  # `block_layout`: a ring that holds nothing live at a block's end
+
+
+def block_layout(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> tuple[int, ...]:
     """Per leaf of `Cache.layers`: tokens per row of its axis 2 where it grows with the
-    capacity (compressed entries, index keys), 0 where its size is fixed (rings)."""
-    small = jax.tree.leaves(cache_shapes(cfg, 1, capacity, dtype).layers)
-    large = jax.tree.leaves(cache_shapes(cfg, 1, 2 * capacity, dtype).layers)
-    ratios = []
-    for a, b in zip(small, large):
-        if a.shape == b.shape:
-            ratios.append(0)
-        elif b.shape[2] == 2 * a.shape[2] and capacity % a.shape[2] == 0:
-            ratios.append(capacity // a.shape[2])
-        else:
-            raise ValueError(f"cache leaf of shape {a.shape} grows unevenly with the capacity")
-    return tuple(ratios)
+    capacity (compressed entries, index keys); 0 for fixed-size state a block's end must keep
+    (windows, overlapping compressor rings, V4.1's tails); DEAD for the raw kv / gate ring of
+    a non-overlapping compressor (V4's HCA), whose group the block completed: nothing reads
+    it before the next group's tokens overwrite it, so a block neither stores nor restores it
+    (for V4-Flash that is 5.2 of a 128-token block's 12 MB)."""
+    small, large = cache_shapes(cfg, 1, capacity, dtype), cache_shapes(cfg, 1, 2 * capacity, dtype)
+    codes = []
+    for run, run_small, run_large in zip(cfg.layer_runs, small.layers, large.layers):
+        for layer, st, st_large in zip(run.layers, run_small, run_large):
+            comp = getattr(st, "compressor", None)
+            dead = set() if comp is None or layer.overlap else {id(comp.ring_kv), id(comp.ring_gate)}
+            for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_large)):
+                if a.shape == b.shape:
+                    codes.append(DEAD if id(a) in dead else 0)
+                elif b.shape[2] == 2 * a.shape[2] and capacity % a.shape[2] == 0:
+                    codes.append(capacity // a.shape[2])
+                else:
+                    raise ValueError(f"cache leaf of shape {a.shape} grows unevenly with the capacity")
+    return tuple(codes)
 
 
 def _at(leaf, row, start: int | jax.Array = 0, axis: int = 2):
@@ -268,10 +278,13 @@ def _at(leaf, row, start: int | jax.Array = 0, axis: int = 2):
     return idx
 
 
-def take_block(cache: Cache, drafter, row, j, *, block: int, ratios: tuple[int, ...]) -> Block:
-    """Block j (tokens j*block .. (j+1)*block) of cache row `row`, read at the block's end."""
+def take_block(cache: Cache, drafter, row, j, *, block: int, layout: tuple[int, ...]) -> Block:
+    """Block j (tokens j*block .. (j+1)*block) of cache row `row`, read at the block's end
+    (`block_layout` says what each leaf gives)."""
     entries, rings = [], []
-    for leaf, r in zip(jax.tree.leaves(cache.layers), ratios):
+    for leaf, r in zip(jax.tree.leaves(cache.layers), layout):
+        if r == DEAD:
+            continue
         n = block // r if r else leaf.shape[2]
         part = jax.lax.dynamic_slice(leaf, _at(leaf, row, j * (block // r) if r else 0),
                                      (leaf.shape[0], 1, n, *leaf.shape[3:]))
@@ -280,14 +293,14 @@ def take_block(cache: Cache, drafter, row, j, *, block: int, ratios: tuple[int, 
     return Block(tuple(entries), tuple(rings), history, None if drafter is None else take_rows(drafter, row))
 
 
-def put_block(cache: Cache, drafter, blk: Block, row, j, *, block: int, ratios: tuple[int, ...]):
+def put_block(cache: Cache, drafter, blk: Block, row, j, *, block: int, layout: tuple[int, ...]):
     """Cache row `row` (and the drafter's) with block j put back: its entries at their place,
-    its rings as the row's. -> (cache, drafter)."""
+    its rings as the row's (a DEAD ring keeps what the row had). -> (cache, drafter)."""
     leaves, tree = jax.tree.flatten(cache.layers)
     entries, rings = iter(blk.entries), iter(blk.rings)
-    new = [jax.lax.dynamic_update_slice(leaf, next(entries) if r else next(rings),
-                                        _at(leaf, row, j * (block // r) if r else 0))
-           for leaf, r in zip(leaves, ratios)]
+    new = [leaf if r == DEAD else jax.lax.dynamic_update_slice(leaf, next(entries) if r else next(rings),
+                                                               _at(leaf, row, j * (block // r) if r else 0))
+           for leaf, r in zip(leaves, layout)]
     history = cache.history if blk.history is None else put_rows(cache.history, blk.history, row)
     drafter = drafter if blk.drafter is None else put_rows(drafter, blk.drafter, row)
     return cache.replace(layers=jax.tree.unflatten(tree, new), history=history), drafter
