@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument("--capacity", type=int, default=4096)
     p.add_argument("--question", type=int, default=32, help="tokens of each request's own question / user turn")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens each shared-prompt request generates")
-    p.add_argument("--reply-tokens", type=int, default=96, help="tokens of each chat reply")
+    p.add_argument("--reply-tokens", type=int, default=100, help="tokens of each chat reply")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--out", default="benchmarks/results/prefix_cache_cpu_small.json")
     p.add_argument("--plot", default=None)
