@@ -65,12 +65,13 @@ def test_hit_with_speculative_decoding(tiny, rng):
     after it, which that ring has read): greedy tokens with a hit equal a fresh engine's."""
     base = rng.integers(2, 5000, 80).tolist()
     greedy = SamplingParams(max_tokens=10, ignore_eos=True)
-    warm = _engine(tiny, num_draft_tokens=2, max_logprobs=0)
+    warm = _engine(tiny, num_draft_tokens=2, max_logprobs=0, spec_policy="fixed")  # nothing timed: k = 2 only
     _run(warm, base + [7, 8, 9], greedy)
     prompt = base[:70] + [11, 12]
     got = _run(warm, prompt, greedy)
     assert got.cached_tokens == 64
-    assert got.tokens == _run(_engine(tiny, num_draft_tokens=2, max_logprobs=0), prompt, greedy).tokens
+    assert got.tokens == _run(_engine(tiny, num_draft_tokens=2, max_logprobs=0, spec_policy="fixed"), prompt,
+                              greedy).tokens
 
 
 def test_next_chat_turn_hits_the_generated_reply(tiny, rng):
