@@ -275,6 +275,7 @@ def _cmd_serve(args, say) -> int:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_waiting=args.max_queue,
                     request_timeout=args.request_timeout or None)
+    prefix_cache = options_from_mib(args.prefix_cache_mb, args.prefix_host_mb)  # bad flags before the load
     cache = _setup_cache(args)
     model = _load(args, say, mtp=True if args.num_draft_tokens else None)
     name = args.served_model_name or Path(args.model).name
@@ -287,7 +288,7 @@ def _cmd_serve(args, say) -> int:
                        max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
                        default_thinking=args.thinking_default == "on", max_thinking_tokens=args.max_thinking_tokens,
                        warmup=not args.no_warmup,
-                       prefix_cache=options_from_mib(args.prefix_cache_mb, args.prefix_host_mb),
+                       prefix_cache=prefix_cache,
                        on_warmup=lambda i, n, what: say(f"compiling {i}/{n}: {what} ..."))
     say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
         f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "

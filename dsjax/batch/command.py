@@ -112,6 +112,7 @@ def _settings(args, model, input_sha: str, name: str) -> dict:
 
 def _prepare(args, say, helpers, data: bytes):
     """Load the model and check every line: (model, checked, engine, current settings)."""
+    prefix_cache = options_from_mib(getattr(args, "prefix_cache_mb", 0), getattr(args, "prefix_host_mb", 0))
     cache = helpers.setup_cache(args)
     model = helpers.load(args, say, **({"mtp": True} if args.num_draft_tokens else {}))
     name = args.served_model_name or Path(args.model).name
@@ -122,8 +123,7 @@ def _prepare(args, say, helpers, data: bytes):
     engine = make_engine(model, checked, max_slots=args.max_slots, batch_invariant=args.batch_invariant or None,
                          decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
                          num_draft_tokens=args.num_draft_tokens,
-                         prefix_cache=options_from_mib(getattr(args, "prefix_cache_mb", 0),
-                                                       getattr(args, "prefix_host_mb", 0)))
+                         prefix_cache=prefix_cache)
     helpers.compiling(say, cache)
     return checked, engine, current
 
