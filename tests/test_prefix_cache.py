@@ -7,7 +7,8 @@ import pytest
 
 import dsjax
 from dsjax.engine.engine import Engine
-from dsjax.engine.prefix_cache import PrefixCache, PrefixCacheOptions, block_keys, check_prefix_cache
+from dsjax.engine.limits import check_prefix_cache
+from dsjax.engine.prefix_cache import PrefixCache, PrefixCacheOptions, block_keys
 from dsjax.engine.sampler import SamplingParams
 
 BLOCK = 16  # tiny: window 16, compression ratios 4 and 16; the block is the prefill chunk

@@ -44,10 +44,10 @@ import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, fill_masks, mask_words
-from dsjax.engine.limits import check_cache_fits, check_engine_args
+from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.model.cache import batch_axes
 from dsjax.model.decoder import INVARIANT_ROWS
-from dsjax.engine.prefix_cache import PrefixCacheOptions, PrefixCaching, check_prefix_cache
+from dsjax.engine.prefix_cache import PrefixCacheOptions, PrefixCaching
 from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
 from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, spec_decode_step, spec_prefill_rows, spec_prefill_step,

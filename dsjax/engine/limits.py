@@ -60,3 +60,14 @@ def check_cache_fits(model, max_slots: int, capacity: int, device_memory_bytes: 
             f"capacity={capacity} tokens ({per_slot} bytes a slot), but the device has {_size(have)} ({have} bytes) "
             f"free; lower max_slots or capacity (with dsjax.generate: fewer prompts at once, or a "
             f"smaller max_new_tokens / shorter prompts)")
+
+
+def check_prefix_cache(cfg: ModelConfig, prefill_chunk: int, mesh) -> None:
+    """Refuse a prefix cache the engine cannot serve, naming the setting: its block is the
+    prefill chunk, and no compression group may straddle two blocks."""
+    ratio = cfg.max_compress_ratio
+    if prefill_chunk % ratio:
+        raise ValueError(f"prefix_cache: prefill_chunk={prefill_chunk} must be a multiple of the largest compression "
+                         f"ratio ({ratio}); it is the cache's block, and no compression group may straddle two")
+    if mesh is not None:
+        raise ValueError("prefix_cache is not supported on a mesh yet (use one device)")

@@ -16,7 +16,7 @@ ring state at its end instead (for V4 per layer one window of 128 latents: most 
 bytes, 5.4 of V4-Flash's 7.0 MiB per 128 tokens in bf16).
 
 On admission the longest cached chain of a prompt is put back into the request's cache row
-(`Engine._restore_prefix`), leaving at least one token to prefill (the first output token is
+(`PrefixCaching.restore`), leaving at least one token to prefill (the first output token is
 sampled from its logits); prefill goes on from there. The part of a prompt that matched
 a cached block's tokens but ends inside it is prefilled again: `replayed` tokens, fewer than
 `block` per hit. After each full prefill chunk the engine stores that block (`save_block`);
@@ -71,12 +71,14 @@ def options_from_mib(device_mib: float, host_mib: float = 0) -> PrefixCacheOptio
     return PrefixCacheOptions(device_bytes=int(device_mib * 2**20), host_bytes=int(host_mib * 2**20))
 
 
-def block_keys(prompt: list[int], block: int, n: int, lookahead: bool) -> list[bytes]:
+def block_keys(prompt: list[int], block: int, n: int, lookahead: bool, known: list[bytes] = ()) -> list[bytes]:
     """The chain keys of a prompt's first n blocks: key j covers tokens 0 .. (j+1)*block
-    (and with `lookahead` the token after them)."""
+    (and with `lookahead` the token after them). known: the first keys, already made (the
+    chain goes on from them)."""
     tokens = np.asarray(prompt, np.int64)
-    keys, key = [], ROOT
-    for j in range(n):
+    keys = list(known[:n])
+    key = keys[-1] if keys else ROOT
+    for j in range(len(keys), n):
         h = hashlib.blake2b(key, digest_size=16)
         h.update(tokens[j * block: (j + 1) * block + lookahead].tobytes())
         key = h.digest()
@@ -239,17 +241,6 @@ def _common(a, b) -> int:
 
 
 # ----------------------------------------------------------------------------- the engine's side
-def check_prefix_cache(cfg, prefill_chunk: int, mesh) -> None:
-    """Refuse what the prefix cache cannot serve, naming the setting."""
-    ratios = [layer.compress_ratio for layer in cfg.layers if layer.compress_ratio]
-    largest = max(ratios, default=1)
-    if prefill_chunk % largest:
-        raise ValueError(f"prefix_cache: prefill_chunk={prefill_chunk} must be a multiple of the largest compression "
-                         f"ratio ({largest}); it is the cache's block, and no compression group may straddle two")
-    if mesh is not None:
-        raise ValueError("prefix_cache is not supported on a mesh yet (use one device)")
-
-
 class PrefixCaching:
     """What an `Engine` with a prefix cache does at admission (`restore`) and after a
     prefill call (`save`); the engine owns the device state, this the pool."""
@@ -283,6 +274,8 @@ class PrefixCaching:
         line whose next prompt block no admitted request (`owners`) is prefilling now. The
         others wait for that block to be stored, so a prefix shared by requests arriving
         together is computed once."""
+        if not waiting:
+            return None
         busy = set()  # keys of the blocks admitted requests are prefilling and will store
         for r in owners:
             if r is not None and r.state == "prefilling" and self.pool.enabled:
@@ -353,8 +346,9 @@ class PrefixCaching:
         b, waiting = self.pool.block, []
         for r, j, blk in self._generated:
             tokens = r.prompt + r.tokens
-            if len(tokens) > (j + 1) * b:
-                keys = block_keys(tokens, b, j + 1, False)
+            if len(tokens) > (j + 1) * b:  # the chain goes on from the prompt's keys (and earlier replies')
+                keys = block_keys(tokens, b, j + 1, False, known=self._keys(r))
+                r.block_keys = max(keys, r.block_keys, key=len)
                 parent = keys[j - 1] if j else ROOT
                 if keys[j] not in self.pool and (parent == ROOT or parent in self.pool):  # reachable
                     self.pool.insert(keys[j], parent, tokens[j * b: (j + 1) * b], blk)
