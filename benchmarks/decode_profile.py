@@ -132,7 +132,7 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
     groups["sampler"] = median_seconds(jax.jit(lambda lg, s, p: sample_tokens(lg, s, p)), logits, slots.sampling,
                                        start, repeats=repeats)
     parts = sum(v for k, v in groups.items() if k != "whole_decode_program")
-    need = decode_step_bytes(cfg, batch=batch, context=context + 8)
+    need = decode_step_bytes(cfg, batch=batch, context=context + 8, dtype=model.params.embed.dtype)
     roofline = batch * bandwidth / need["total"]
     return {"batch": batch, "engine_step_s": engine_step, "tokens_per_s": batch / engine_step,
             "step_bytes": need, "roofline_tokens_per_s": roofline,
@@ -148,11 +148,13 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=128, help="tokens in each row's cache")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="how the weights are stored (activations are fp32 either way)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "decode_profile_cpu.json"))
     args = ap.parse_args()
     cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
-    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
+    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.dtype(args.weight_dtype)), 0), jnp.float32, None)
     bandwidth = memory_bandwidth()
     print(f"read bandwidth: {bandwidth['best'] / 1e9:.1f} GB/s (XLA sum {bandwidth['xla'] / 1e9:.1f}, numpy 1 thread "
           f"{bandwidth['numpy_1_thread'] / 1e9:.1f}, threaded {bandwidth['numpy_threads'] / 1e9:.1f})")
@@ -164,7 +166,7 @@ def main():
               f"host {r['host_overhead_s'] * 1e3:.2f} ms")
         for k, v in sorted(r["groups_s"].items(), key=lambda kv: -kv[1]):
             print(f"  {k:28s} {v * 1e3:8.3f} ms")
-    write_result({"config": cfg.name, "dtype": "float32", "context": args.context, "jax": jax.__version__,
+    write_result({"config": cfg.name, "dtype": "float32", "weight_dtype": args.weight_dtype, "context": args.context, "jax": jax.__version__,
                   "read_bandwidth_bytes_per_s": bandwidth,
                   "device": str(jax.devices()[0]), "platform": platform.platform(), "runs": runs}, args.out)
 

@@ -9,7 +9,7 @@
     tok = dsjax.load_tokenizer()                            # encode / decode, bos_id / eos_id
 """
 
-from dsjax.api import Model, load_model
+from dsjax.api import Model, load_model, store_weights
 from dsjax.chat import Chat
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ConfigError, ModelConfig, RuntimeOptions, load_config
@@ -18,6 +18,6 @@ from dsjax.generate import Completion, generate
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Chat", "Completion", "ConfigError", "Engine", "Model", "ModelConfig", "PrefixCacheOptions",
-           "RuntimeOptions", "SamplingParams", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model",
+           "RuntimeOptions", "SamplingParams", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model", "store_weights",
            "load_tokenizer", "setup_compile_cache"]
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
-from dsjax.layers.quantized import resident_specs
+from dsjax.layers.quantized import Bf16Weight, resident_specs
 from dsjax.engine.policy import check_draft_vocab
 from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory
@@ -213,6 +213,33 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         params = init_params(specs, seed, shardings)
         mtp_params = init_params(m_specs, seed + 1, m_shardings) if want_mtp else None
     return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized), draft_ids)
+
+
+def store_weights(model: Model, dtype="bfloat16") -> Model:
+    """`model` with its projection matrices (attention, compressor and indexer projections,
+    router, experts, vocabulary head) stored in bf16 and everything else (activations, cache,
+    norms, mHC mixes, biases, the embedding) left in model.dtype: under a float32 model,
+    16-bit weights with fp32 compute, half the bytes a CPU decode step reads. Each product
+    widens its weight where it reads it (exact: the results are the float32 model's on the
+    bf16-rounded weights). Quantized (resident) weights stay as stored."""
+    if resolve_dtype(dtype) != jnp.bfloat16 or jnp.dtype(model.dtype) != jnp.float32:
+        raise ValueError(f"store_weights stores bfloat16 weights under a float32 model, not {dtype!r} weights "
+                         f"under {jnp.dtype(model.dtype).name}; a bfloat16 model already is one (load_model(dtype=))")
+
+    def narrow(path, leaf):
+        name = str(getattr(path[-1], "name", getattr(path[-1], "key", "")))
+        if isinstance(leaf, jax.Array) and leaf.dtype == jnp.float32 and name in STORED_NARROW:
+            return Bf16Weight.of(leaf)
+        return leaf
+
+    params = jax.tree_util.tree_map_with_path(narrow, model.params)
+    mtp = None if model.mtp is None else jax.tree_util.tree_map_with_path(narrow, model.mtp)
+    return dataclasses.replace(model, params=params, mtp=mtp, options=model.options.replace(compute_dtype="float32"))
+
+
+STORED_NARROW = frozenset(("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "gate_proj", "weights_proj",
+                           "router", "w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3", "lm_head", "e_proj",
+                           "h_proj"))  # the matrices every product reads through `dense`
 
 
 SEEDED_ENGRAM_BYTES = 1 << 30  # a named V4.1 config gets seeded Engram tables in memory up to this size

@@ -30,7 +30,9 @@ class RuntimeOptions:
     even position scores the keys the last KV source published (spec deepseek-v41.md §2.7).
     round_trips (V4.1): the reference's FP8 / FP4 round trips of cached rows, index queries and
     keys, and its bf16 index scores (part of the trained numerics, so on by default; off for
-    fp32 checks of the mechanisms)."""
+    fp32 checks of the mechanisms).
+    compute_dtype: the activations' dtype when the weights are stored narrower ("float32" with
+    16-bit weights: `dsjax.store_weights`); None: the embedding's dtype."""
 
     kernels: str = "reference"
     moe_capacity_factor: float | None = None
@@ -38,6 +40,7 @@ class RuntimeOptions:
     quantized: str = "dequantize"
     index_keys_from_owner: bool = False
     round_trips: bool = True
+    compute_dtype: str | None = None
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -47,6 +50,8 @@ class RuntimeOptions:
             raise ValueError(f"moe_capacity_factor must be a positive number or None, got {cf!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or None, got {self.compute_dtype!r}")
         if self.quantized not in QUANTIZED:
             raise ValueError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
 

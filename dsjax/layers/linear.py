@@ -1,10 +1,46 @@
-"""Dense projections. Weights are stored [out, in] as in the checkpoints."""
+"""Dense projections. Weights are stored [out, in] as in the checkpoints.
+
+On XLA:CPU a decode step's projections have a handful of rows, and how the product is
+written decides whether it runs at memory speed (benchmarks/decode_profile.py; issue: CPU
+decode speed). `linear` picks by the static row count:
+
+    1 row         x @ w.T          a matrix-vector loop that reads w once, converting a
+                                   16-bit or dequantized w as it goes
+    2..16 rows    sum(w * x, -1)   a fused multiply-reduce: w read once for all rows
+    more / GPU    einsum           the library GEMM
+
+The choice is static (it depends on shapes only), so a program computes a row the same way
+whatever the other rows hold; batch-invariant mode runs fixed-size tiles and so one choice.
+"""
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers.quantized import dense
+
+FEW_ROWS = 16  # up to this many rows, XLA:CPU reads a weight fastest through a fused multiply-reduce
+
+
+def few_rows(rows: int) -> bool:
+    """Whether a product of `rows` rows takes the XLA:CPU decode forms (`linear`)."""
+    return rows <= FEW_ROWS and jax.default_backend() == "cpu"
+
+
+def _cpu_product(x: jax.Array, w: jax.Array) -> jax.Array | None:
+    """x [..., I] @ w[O, I].T in fp32 on XLA:CPU with few rows, or None (use the GEMM). w is
+    what `dense` made of the stored weight: its widening fuses into the product."""
+    rows = math.prod(x.shape[:-1])
+    if not few_rows(rows):
+        return None
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        y = flat @ w.T
+    else:
+        y = jnp.sum(w[:, None, :] * flat[None], axis=-1).T
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_act: bool = False) -> jax.Array:
@@ -16,8 +52,10 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_ac
     so the product is the reference's up to the order of the fp32 sums)."""
     if fp8_act:
         x = qdq_fp8(x).astype(x.dtype)
-    y = jnp.einsum("...i,oi->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32,
-                   out_sharding=out_sharding)
+    w = dense(w, x.dtype)
+    y = None if out_sharding is not None or x.dtype != jnp.float32 else _cpu_product(x, w)
+    if y is None:
+        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32, out_sharding=out_sharding)
     return y.astype(out_dtype or x.dtype)
 
 

@@ -42,8 +42,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
-from dsjax.layers.linear import linear, linear_f32
-from dsjax.layers.quantized import dense
+from dsjax.layers.linear import few_rows, linear, linear_f32
+from dsjax.layers.quantized import dense, take
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.pallas_kernels.grouped_matmul import grouped_ffn, hidden, swiglu
 from dsjax.params import ParamSpec
@@ -126,17 +126,30 @@ def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, 
     """The experts for few tokens: gather each assignment's weights. x [T, D], idx [T, K]
     -> [T, K, D] fp32. Reads exactly the chosen experts, like a decode kernel would.
     weights [T, K] / down: W2's input is `down(h, weights)` (`lin4_down_input`)."""
-    gate = jnp.einsum("td,tkid->tki", x, w1[idx].astype(x.dtype), preferred_element_type=jnp.float32)
-    up = jnp.einsum("td,tkid->tki", x, w3[idx].astype(x.dtype), preferred_element_type=jnp.float32)
+    if x.dtype == jnp.float32 and few_rows(idx.size):  # XLA:CPU decode: one matrix-vector loop per assignment
+        t, k = idx.shape  # reads its expert's weight where it lies (no gathered copy), widening a 16-bit one
+
+        def product(a, w):  # a [T, K, In] -> [T, K, Out]
+            rows = [[a[i, j][None] @ dense(take(w, idx[i, j]), x.dtype).T for j in range(k)] for i in range(t)]
+            return jnp.stack([jnp.concatenate(r, 0) for r in rows])
+
+        x_k = jnp.broadcast_to(x[:, None], (t, k, x.shape[-1]))
+        gate, up = product(x_k, w1), product(x_k, w3)
+        return product(hidden(gate, up, limit, x.dtype, weights, down), w2)
+    gathered = lambda w: dense(take(w, idx), x.dtype)
+    gate = jnp.einsum("td,tkid->tki", x, gathered(w1), preferred_element_type=jnp.float32)
+    up = jnp.einsum("td,tkid->tki", x, gathered(w3), preferred_element_type=jnp.float32)
     h = hidden(gate, up, limit, x.dtype, weights, down)
-    return jnp.einsum("tki,tkdi->tkd", h, w2[idx].astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("tki,tkdi->tkd", h, gathered(w2), preferred_element_type=jnp.float32)
 
 
 def moe_path(tokens: int, k: int, n_experts: int) -> str:
     """Which exact path suits this many tokens: "gather" (each assignment's expert weights
     gathered: a handful of tokens, decode) or "grouped" (assignments sorted by expert
     through `grouped_ffn`)."""
-    return "gather" if tokens * k <= max(k, n_experts // 8) else "grouped"
+    if tokens * k <= max(k, n_experts // 8) or few_rows(tokens * k):  # few rows: XLA:CPU reads them fastest
+        return "gather"
+    return "grouped"
 
 
 def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
@@ -161,10 +174,10 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     path = path or moe_path(t, k, cfg.n_routed_experts)
     if layer is not None and (path == "gather" or not all(isinstance(w, jax.Array) for w in (p.w1, p.w3, p.w2))):
         p, layer = expert_layer(p, layer), None  # a gather reads only its experts anyway; quantized: dequantize one layer
-    p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
-    if path == "gather":
+    if path == "gather":  # each chosen expert's weight is read (and dequantized / widened) where it lies
         y = expert_ffn_gathered(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit, weights, down)
         return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * after[..., None], axis=1)
+    p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)

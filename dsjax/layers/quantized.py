@@ -56,9 +56,41 @@ class Fp4Weight:
         return (vals * jnp.repeat(s, MXFP4_GROUP, axis=-1)).astype(dtype)
 
 
+@struct.dataclass
+class Bf16Weight:
+    """A weight stored as bf16 under fp32 activations (`dsjax.store_weights`), kept as its
+    uint16 bit patterns: XLA:CPU widens a bf16 array it slices or gathers (a scanned layer's
+    weights, the experts a token picks) in a new fp32 buffer of the whole stack, hoisted out
+    of the layer loop; integer slices stay integer, and `dense()` shifts the bits into place
+    inside the fusion that reads them (exact)."""
+
+    bits: jax.Array  # [..., out, in] uint16
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.bfloat16)
+
+    @staticmethod
+    def of(w: jax.Array) -> "Bf16Weight":
+        return Bf16Weight(jax.lax.bitcast_convert_type(w.astype(jnp.bfloat16), jnp.uint16))
+
+    def dense(self, dtype) -> jax.Array:
+        wide = jax.lax.bitcast_convert_type(self.bits.astype(jnp.uint32) << 16, jnp.float32)
+        return wide.astype(dtype)
+
+
 def dense(w, dtype) -> jax.Array:
     """A weight as a plain array of `dtype`: dequantized if stored quantized."""
-    return w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight)) else w.astype(dtype)
+    return w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight)) else w.astype(dtype)
+
+
+def take(w, index):
+    """w[index] for a plain or a stored (quantized, 16-bit) weight."""
+    return jax.tree.map(lambda a: a[index], w)
 
 
 # The weights DeepSeek's checkpoints store in FP8 (routed experts: MXFP4, or FP8 per expert).

@@ -95,9 +95,13 @@ def layer_block(params: ModelParams, cfg: ModelConfig, i: int) -> Block:
 
 
 # ----------------------------------------------------------------------------- pieces
-def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """token_ids [B, S] -> X [B, S, N, D]: the embedding copied to the N streams."""
+def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
+                  opts: RuntimeOptions = DEFAULT_OPTIONS) -> jax.Array:
+    """token_ids [B, S] -> X [B, S, N, D]: the embedding copied to the N streams, in
+    opts.compute_dtype (16-bit weights, fp32 activations) or the embedding's dtype."""
     e = lookup(params.embed, token_ids)
+    if opts.compute_dtype is not None:
+        e = e.astype(opts.compute_dtype)
     return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
 
 
@@ -162,7 +166,7 @@ def decoder_streams(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, ca
     if cache is None:
         return decoder_streams_probed(params, tokens, cfg, None, opts=opts)[0], None
     b, s = tokens.shape
-    streams = embed_streams(params, tokens, cfg)
+    streams = embed_streams(params, tokens, cfg, opts)
     start = cache.length
     n_valid = jnp.full((b,), s, jnp.int32) if n_valid is None else n_valid
     states = []
@@ -186,7 +190,7 @@ def decoder_streams_probed(params: ModelParams, tokens: jax.Array, cfg: ModelCon
     what the forward does not return this way (the Lightning Indexer's distillation loss,
     dsjax/train/objective.py) instead of running a second forward."""
     b, s = tokens.shape
-    streams = embed_streams(params, tokens, cfg)
+    streams = embed_streams(params, tokens, cfg, opts)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     probes = []
     for run, blocks in zip(cfg.layer_runs, params.blocks):

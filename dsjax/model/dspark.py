@@ -187,7 +187,7 @@ def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main
     ring = dspark_seed(ds, main_hidden_t[:, None], t[:, None], ring, cfg, opts=opts)
     ids = jnp.where(jnp.arange(k) == 0, anchor[:, None], ds_cfg.noise_token_id).astype(jnp.int32)  # [B, K]
     positions = t[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)
-    streams, pi = dspark_stages(ds, embed_streams(main, ids, cfg), ids, positions, ring, t, cfg, opts)
+    streams, pi = dspark_stages(ds, embed_streams(main, ids, cfg, opts), ids, positions, ring, t, cfg, opts)
     h = collapse(streams, pi)  # [B, K, D], un-normed
     head = main.embed if main.lm_head is None else main.lm_head
     logits = linear(rms_norm(h, ds.norm, cfg.rms_norm_eps), head, out_dtype=jnp.float32)

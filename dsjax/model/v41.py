@@ -173,7 +173,7 @@ def _backbone(params, tokens, cfg, states, n_entries_of, attend_of, engram_rows,
     (out, (state, shared)); states: the cache's per-run stacked states, or None.
     -> (streams, pi, the new states or None, main_hidden or None)."""
     b, c = tokens.shape
-    streams = embed_streams(params, tokens, cfg)
+    streams = embed_streams(params, tokens, cfg, opts)
     pi = first_pi(streams)
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
     tapped, shared, new_states = {}, None, []

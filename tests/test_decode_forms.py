@@ -1,0 +1,70 @@
+"""The XLA:CPU decode forms of the projections (dsjax/layers/linear.py: a matrix-vector loop
+for one row, a fused multiply-reduce for a few, the GEMM beyond) and 16-bit weight storage
+(`dsjax.store_weights`): each form against a float64 product, and a bf16-stored model against
+the float32 model on the same bf16-rounded weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsjax
+from dsjax.api import STORED_NARROW
+from dsjax.layers.linear import FEW_ROWS, linear
+from dsjax.layers.quantized import Bf16Weight
+from dsjax.model import forward, init_cache, take_rows
+
+
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1])
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_linear_forms_match_a_float64_product(rows, stored):
+    rng = np.random.default_rng(rows)
+    x = rng.normal(size=(rows, 1, 96)).astype(np.float32)
+    w = rng.normal(size=(200, 96)).astype(np.float32)
+    w_arg = jnp.asarray(w)
+    if stored == "bfloat16":
+        w_arg = Bf16Weight.of(w_arg)
+        w = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))  # what it holds, exactly
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), w_arg))
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert got.shape == (rows, 1, 200)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def _rounded(model):
+    """The float32 model whose stored-narrow weights are rounded to bf16 (and back)."""
+    def r(path, leaf):
+        name = str(getattr(path[-1], "name", getattr(path[-1], "key", "")))
+        return leaf.astype(jnp.bfloat16).astype(jnp.float32) if name in STORED_NARROW else leaf
+    return jax.tree_util.tree_map_with_path(r, model.params)
+
+
+def test_stored_bf16_weights_are_the_float32_model_on_rounded_weights():
+    model = dsjax.load_model("tiny", dtype="float32", seed=3)
+    stored = dsjax.store_weights(model)
+    cfg = model.config
+    assert isinstance(stored.params.lm_head, Bf16Weight) and stored.params.embed.dtype == jnp.float32
+    narrow = sum(leaf.nbytes for leaf in jax.tree.leaves(stored.params))
+    assert narrow < 0.75 * sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+    rounded = _rounded(model)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (3, 24)), jnp.int32)
+
+    @jax.jit(static_argnums=1)
+    def run(params, cast):
+        opts = model.options.replace(compute_dtype="float32" if cast else None)
+        cache = init_cache(cfg, 3, 128, jnp.float32)
+        prefill, cache = forward(params, tokens[:, :20], cfg, cache, opts=opts, ctx_bucket=128)
+        one, _ = forward(params, tokens[:1, 20:21], cfg, take_rows(cache, 0), opts=opts,
+                         ctx_bucket=128)  # one row: the matrix-vector form
+        few, _ = forward(params, tokens[:, 20:21], cfg, cache, opts=opts, ctx_bucket=128)  # three: multiply-reduce
+        return prefill, one, few
+
+    for got, want in zip(run(stored.params, True), run(rounded, False)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def test_store_weights_refuses_what_it_cannot_do():
+    model = dsjax.load_model("tiny", dtype="bfloat16", seed=0)
+    with pytest.raises(ValueError, match="bfloat16 weights under a float32 model"):
+        dsjax.store_weights(model)
