@@ -1,8 +1,12 @@
 """Engine throughput on CPU, side by side with HF transformers `generate` on the same
-config and weights; decode step time against context length; async-dispatch overlap;
-batch-invariant mode cost; compile counts in steady state. Writes JSON.
+config and weights, in the same run: decode tokens/s with fp32 and with 16-bit weights
+(`dsjax.store_weights`), the ratio to HF, and the fraction of the measured memory roofline
+(benchmarks/roofline.py: read bandwidth from threaded reductions, bytes a decode step must
+read). With --extras: decode step time against context length, async-dispatch overlap,
+batch-invariant mode cost, compile counts in steady state. Writes JSON.
 
-    python benchmarks/engine_bench.py --config small --out benchmarks/results/engine_cpu.json
+    python benchmarks/engine_bench.py --config bench-78m --batches 1,8 --new-tokens 64 \
+        --out benchmarks/results/engine_cpu_bench78m.json
 
 Needs the test extra (torch, transformers) for the HF side; `--no-hf` skips it.
 """
@@ -17,13 +21,18 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from decode_profile import bench_config  # noqa: E402
 from results_io import write_result  # noqa: E402
+from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
 
 import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
+from dsjax.model import model_specs
+from dsjax.params import init_params
 
 
 class CompileCounter:
@@ -115,21 +124,25 @@ def context_sweep(model, contexts, steps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="small")
+    ap.add_argument("--config", default="bench-78m", help="bench-78m (the CPU-decode issue's model) or a named config")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--extras", action="store_true", help="also decode_steps=4, overlap, batch-invariant, compiles, "
+                    "and the context sweep")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/engine_cpu.json")
     args = ap.parse_args()
 
-    cfg = dsjax.load_config(args.config)
+    cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
     batches = [int(b) for b in args.batches.split(",")]
-    result = {"config": args.config, "dtype": "float32", "prompt_len": args.prompt_len,
+    bandwidth = memory_bandwidth()
+    result = {"config": cfg.name, "dtype": "float32", "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "jax": jax.__version__, "device": str(jax.devices()[0]),
-              "cpus": os.cpu_count(), "platform": platform.platform(), "batches": {}}
+              "cpus": os.cpu_count(), "platform": platform.platform(), "read_bandwidth_bytes_per_s": bandwidth,
+              "batches": {}}
     with tempfile.TemporaryDirectory() as tmp:
         hf_model = None
         if not args.no_hf:
@@ -142,23 +155,34 @@ def main():
             model = dsjax.load_model(tmp, dtype="float32")
             result["transformers"] = __import__("transformers").__version__
         else:
-            model = dsjax.load_model(args.config, dtype="float32")
+            model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
         capacity = 256
         while capacity < args.prompt_len + args.new_tokens:
             capacity *= 2
+        stored = dsjax.store_weights(model)
+        context = args.prompt_len + args.new_tokens // 2  # the mean context of the decode steps
         for b in batches:
-            row = {"dsjax": bench_dsjax(model, b, args.prompt_len, args.new_tokens, capacity=capacity,
-                                        repeats=args.repeats),
-                   "dsjax_decode_steps_4": bench_dsjax(model, b, args.prompt_len, args.new_tokens, capacity=capacity,
-                                                       repeats=args.repeats, decode_steps=4)}
+            row = {}
+            for name, m, dtype in (("dsjax", model, jnp.float32), ("dsjax_bf16_weights", stored, jnp.bfloat16)):
+                row[name] = bench_dsjax(m, b, args.prompt_len, args.new_tokens, capacity=capacity,
+                                        repeats=args.repeats)
+                need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)["total"]
+                row[name]["step_bytes"] = need
+                row[name]["roofline_tokens_per_s"] = b * bandwidth["best"] / need
+                row[name]["fraction_of_roofline"] = row[name]["decode_tokens_per_s"] / row[name]["roofline_tokens_per_s"]
+            if args.extras:
+                row["dsjax_decode_steps_4"] = bench_dsjax(model, b, args.prompt_len, args.new_tokens,
+                                                          capacity=capacity, repeats=args.repeats, decode_steps=4)
             if hf_model is not None:
                 row["hf"] = bench_hf(hf_model, b, args.prompt_len, args.new_tokens, repeats=args.repeats)
-                row["decode_speedup"] = row["dsjax"]["decode_tokens_per_s"] / row["hf"]["decode_tokens_per_s"]
-                row["decode_speedup_decode_steps_4"] = (row["dsjax_decode_steps_4"]["decode_tokens_per_s"]
-                                                        / row["hf"]["decode_tokens_per_s"])
-                row["prefill_speedup"] = row["dsjax"]["prefill_tokens_per_s"] / row["hf"]["prefill_tokens_per_s"]
+                for name in [k for k in row if k.startswith("dsjax")]:
+                    row[name]["decode_vs_hf"] = row[name]["decode_tokens_per_s"] / row["hf"]["decode_tokens_per_s"]
+                    row[name]["prefill_vs_hf"] = row[name]["prefill_tokens_per_s"] / row["hf"]["prefill_tokens_per_s"]
             result["batches"][str(b)] = row
             print(b, json.dumps(row), flush=True)
+        if not args.extras:
+            write_result(result, args.out)
+            return
 
         b = 8
         counter = CompileCounter()

@@ -10,24 +10,25 @@ import pytest
 
 import dsjax
 from dsjax.api import STORED_NARROW
-from dsjax.layers.linear import FEW_ROWS, linear
+from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear
 from dsjax.layers.quantized import Bf16Weight
 from dsjax.model import forward, init_cache, take_rows
 
 
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1])
 @pytest.mark.parametrize("stored", ["float32", "bfloat16"])
-def test_linear_forms_match_a_float64_product(rows, stored):
+@pytest.mark.parametrize("out", [200, 3 * WIDE_TILE + 5])  # large and stored: widened in tiles, and the rest
+def test_linear_forms_match_a_float64_product(rows, stored, out):
     rng = np.random.default_rng(rows)
     x = rng.normal(size=(rows, 1, 96)).astype(np.float32)
-    w = rng.normal(size=(200, 96)).astype(np.float32)
+    w = rng.normal(size=(out, 96)).astype(np.float32)
     w_arg = jnp.asarray(w)
     if stored == "bfloat16":
         w_arg = Bf16Weight.of(w_arg)
         w = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))  # what it holds, exactly
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), w_arg))
     want = x.astype(np.float64) @ w.T.astype(np.float64)
-    assert got.shape == (rows, 1, 200)
+    assert got.shape == (rows, 1, out)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 

@@ -63,7 +63,7 @@ def pool_windows(p: Compressor, kv: jax.Array, gate: jax.Array, *, overlap: bool
     gate = gate.astype(jnp.float32) + p.position_bias  # slot bias, fp32
     if not overlap:
         weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
-        return rms_norm(jnp.sum(kv * weights, axis=2), p.kv_norm, eps)
+        return rms_norm(pool(kv, weights), p.kv_norm, eps)
     d = kv.shape[-1] // 2
     lead = lead_valid[:, None, None] if lead_valid is not None else jnp.asarray(True)
     a_kv = kv[:, :-1, :, :d].at[:, 0].set(jnp.where(lead, kv[:, 0, :, :d], 0))
@@ -71,7 +71,14 @@ def pool_windows(p: Compressor, kv: jax.Array, gate: jax.Array, *, overlap: bool
     slots_kv = jnp.concatenate([a_kv, kv[:, 1:, :, d:]], axis=2)  # [B, W-1, 2m, d]
     slots_gate = jnp.concatenate([a_gate, gate[:, 1:, :, d:]], axis=2)
     weights = jax.nn.softmax(slots_gate, axis=2).astype(kv.dtype)
-    return rms_norm(jnp.sum(slots_kv * weights, axis=2), p.kv_norm, eps)
+    return rms_norm(pool(slots_kv, weights), p.kv_norm, eps)
+
+
+def pool(kv: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum over slots of kv * weights ([B, W, m, d] each) -> [B, W, d], as a product over m:
+    XLA:CPU runs the multiply-reduce over a middle axis ~50x slower (1.7 ms per HCA layer at a
+    batch-8 decode step, most of the step's attention time)."""
+    return jnp.einsum("bwmd,bwmd->bwd", kv, weights, preferred_element_type=jnp.float32).astype(kv.dtype)
 
 
 def rope_entries(entries: jax.Array, first_entry: jax.Array | int, ratio: int, cfg: ModelConfig) -> jax.Array:

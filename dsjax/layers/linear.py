@@ -4,10 +4,12 @@ On XLA:CPU a decode step's projections have a handful of rows, and how the produ
 written decides whether it runs at memory speed (benchmarks/decode_profile.py; issue: CPU
 decode speed). `linear` picks by the static row count:
 
-    1 row         x @ w.T          a matrix-vector loop that reads w once, converting a
+    1 row         x @ w.T          a matrix-vector loop that reads w once, widening a
                                    16-bit or dequantized w as it goes
-    2..16 rows    sum(w * x, -1)   a fused multiply-reduce: w read once for all rows
-    more / GPU    einsum           the library GEMM
+    2..16 rows, w with more than WIDE_TILE rows (the vocabulary head):
+                  sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
+                                   stored w: widened in tiles the cache holds, `_tiled`)
+    otherwise     einsum           the library GEMM
 
 The choice is static (it depends on shapes only), so a program computes a row the same way
 whatever the other rows hold; batch-invariant mode runs fixed-size tiles and so one choice.
@@ -29,18 +31,42 @@ def few_rows(rows: int) -> bool:
     return rows <= FEW_ROWS and jax.default_backend() == "cpu"
 
 
-def _cpu_product(x: jax.Array, w: jax.Array) -> jax.Array | None:
-    """x [..., I] @ w[O, I].T in fp32 on XLA:CPU with few rows, or None (use the GEMM). w is
-    what `dense` made of the stored weight: its widening fuses into the product."""
+def _cpu_product(x: jax.Array, w) -> jax.Array | None:
+    """x [..., I] fp32 @ w[O, I].T (plain, or stored: quantized / 16-bit) in fp32 on XLA:CPU
+    with few rows, or None (use the GEMM). A stored weight is widened inside the product."""
     rows = math.prod(x.shape[:-1])
     if not few_rows(rows):
         return None
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
-        y = flat @ w.T
+        y = flat @ dense(w, jnp.float32).T
+    elif w.shape[0] <= WIDE_TILE:  # a small weight: the GEMM (a multiply-reduce would broadcast x to its shape)
+        return None
+    elif isinstance(w, jax.Array):
+        y = jnp.sum(w.astype(jnp.float32)[:, None, :] * flat[None], axis=-1).T
     else:
-        y = jnp.sum(w[:, None, :] * flat[None], axis=-1).T
+        y = _tiled(flat, w)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+WIDE_TILE = 4096  # rows of a large stored weight widened at a time (a few MB: stays in cache)
+
+
+def _tiled(flat: jax.Array, w) -> jax.Array:
+    """flat [R, I] @ w[O, I].T for a large stored weight and R > 1: XLA:CPU widens the weight
+    outside the product (a multiply-reduce or a GEMM takes fp32 operands), so it is widened
+    WIDE_TILE rows at a time in a loop, into a buffer the cache holds (the whole vocabulary
+    head at once: 130 MB of fresh pages each step, ten times slower)."""
+    out = w.shape[0]
+    n = -(-out // WIDE_TILE)
+    tile = out // n
+    rows_of = lambda start, size: dense(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), w),
+                                        jnp.float32)
+    body = lambda i: jnp.einsum("ri,oi->ro", flat, rows_of(i * tile, tile))  # [R, tile]
+    y = jnp.moveaxis(jax.lax.map(body, jnp.arange(n)), 0, 1).reshape(flat.shape[0], n * tile)
+    if n * tile < out:  # the rows left over
+        y = jnp.concatenate([y, jnp.einsum("ri,oi->ro", flat, rows_of(n * tile, out - n * tile))], axis=-1)
+    return y
 
 
 def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_act: bool = False) -> jax.Array:
@@ -52,10 +78,10 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_ac
     so the product is the reference's up to the order of the fp32 sums)."""
     if fp8_act:
         x = qdq_fp8(x).astype(x.dtype)
-    w = dense(w, x.dtype)
     y = None if out_sharding is not None or x.dtype != jnp.float32 else _cpu_product(x, w)
     if y is None:
-        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32, out_sharding=out_sharding)
+        y = jnp.einsum("...i,oi->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32,
+                       out_sharding=out_sharding)
     return y.astype(out_dtype or x.dtype)
 
 
