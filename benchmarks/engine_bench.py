@@ -55,45 +55,51 @@ def _engine_run(engine: Engine, prompts, max_tokens) -> float:
     return time.perf_counter() - t
 
 
-def bench_dsjax(model, batch, prompt_len, new_tokens, *, capacity, repeats, **engine_kw):
-    rng = np.random.default_rng(batch)
+def dsjax_runner(model, batch, prompt_len, new_tokens, *, capacity, **engine_kw):
+    """A compiled, warmed engine -> run(prompts) -> (seconds to the first token, seconds for all)."""
     engine = Engine(model, max_slots=batch, capacity=capacity, prefill_chunk=prompt_len, **engine_kw)
-    warm = _prompts(rng, batch, prompt_len, model.config.vocab_size)
+    warm = _prompts(np.random.default_rng(batch), batch, prompt_len, model.config.vocab_size)
     _engine_run(engine, warm, new_tokens)  # compile prefill + decode buckets
     _engine_run(engine, warm, 1)
-    prefill, total = [], []
-    for _ in range(repeats):
-        prompts = _prompts(rng, batch, prompt_len, model.config.vocab_size)
-        prefill.append(_engine_run(engine, prompts, 1))
-        total.append(_engine_run(engine, prompts, new_tokens))
-    t_prefill, t_total = float(np.median(prefill)), float(np.median(total))
-    return {"prefill_tokens_per_s": batch * prompt_len / t_prefill,
-            "decode_tokens_per_s": batch * (new_tokens - 1) / max(t_total - t_prefill, 1e-9),
-            "prefill_s": t_prefill, "generate_s": t_total}
+    return lambda prompts: (_engine_run(engine, prompts, 1), _engine_run(engine, prompts, new_tokens))
 
 
-def bench_hf(hf_model, batch, prompt_len, new_tokens, *, repeats):
+def hf_runner(hf_model, batch, prompt_len, new_tokens):
     import torch
 
-    rng = np.random.default_rng(batch)
-
-    def run(ids, n):
+    def run(prompts, n):
         t = time.perf_counter()
         with torch.no_grad():
-            hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2)
+            hf_model.generate(torch.tensor(prompts), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=2)
         return time.perf_counter() - t
 
-    ids = torch.tensor(_prompts(rng, batch, prompt_len, hf_model.config.vocab_size))
-    run(ids, 2)
-    prefill, total = [], []
+    run(_prompts(np.random.default_rng(batch), batch, prompt_len, hf_model.config.vocab_size), 2)
+    return lambda prompts: (run(prompts, 1), run(prompts, new_tokens))
+
+
+def measure(runners: dict, batch, prompt_len, new_tokens, vocab, repeats) -> dict:
+    """Each runner on the same prompts, interleaved repeat by repeat (this machine's speed drifts
+    by tens of percent over minutes: interleaving keeps the ratios fair) -> medians per runner."""
+    rng = np.random.default_rng(batch)
+    times = {name: [] for name in runners}
     for _ in range(repeats):
-        ids = torch.tensor(_prompts(rng, batch, prompt_len, hf_model.config.vocab_size))
-        prefill.append(run(ids, 1))
-        total.append(run(ids, new_tokens))
-    t_prefill, t_total = float(np.median(prefill)), float(np.median(total))
-    return {"prefill_tokens_per_s": batch * prompt_len / t_prefill,
-            "decode_tokens_per_s": batch * (new_tokens - 1) / max(t_total - t_prefill, 1e-9),
-            "prefill_s": t_prefill, "generate_s": t_total}
+        prompts = _prompts(rng, batch, prompt_len, vocab)
+        for name, run in runners.items():
+            times[name].append(run(prompts))
+    out = {}
+    for name, ts in times.items():
+        t_prefill, t_total = (float(np.median([t[i] for t in ts])) for i in (0, 1))
+        decode = [batch * (new_tokens - 1) / max(total - prefill, 1e-9) for prefill, total in ts]
+        out[name] = {"prefill_tokens_per_s": batch * prompt_len / t_prefill,
+                     "decode_tokens_per_s": float(np.median(decode)), "decode_tokens_per_s_all": decode,
+                     "prefill_s": t_prefill, "generate_s": t_total}
+    return out
+
+
+def bench_dsjax(model, batch, prompt_len, new_tokens, *, capacity, repeats, **engine_kw):
+    run = dsjax_runner(model, batch, prompt_len, new_tokens, capacity=capacity, **engine_kw)
+    return measure({"x": run}, batch, prompt_len, new_tokens, model.config.vocab_size, repeats)["x"]
 
 
 def context_sweep(model, contexts, steps):
@@ -162,24 +168,33 @@ def main():
         stored = dsjax.store_weights(model)
         context = args.prompt_len + args.new_tokens // 2  # the mean context of the decode steps
         for b in batches:
-            row = {}
-            for name, m, dtype in (("dsjax", model, jnp.float32), ("dsjax_bf16_weights", stored, jnp.bfloat16)):
-                row[name] = bench_dsjax(m, b, args.prompt_len, args.new_tokens, capacity=capacity,
-                                        repeats=args.repeats)
+            runners = {"dsjax": dsjax_runner(model, b, args.prompt_len, args.new_tokens, capacity=capacity),
+                       "dsjax_bf16_weights": dsjax_runner(stored, b, args.prompt_len, args.new_tokens,
+                                                          capacity=capacity)}
+            if hf_model is not None:
+                runners["hf"] = hf_runner(hf_model, b, args.prompt_len, args.new_tokens)
+            before = memory_bandwidth()["best"]
+            row = measure(runners, b, args.prompt_len, args.new_tokens, cfg.vocab_size, args.repeats)
+            row["read_bandwidth_bytes_per_s"] = max(before, memory_bandwidth()["best"])  # the better of before / after
+            for name, dtype in (("dsjax", jnp.float32), ("dsjax_bf16_weights", jnp.bfloat16)):
                 need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)["total"]
                 row[name]["step_bytes"] = need
-                row[name]["roofline_tokens_per_s"] = b * bandwidth["best"] / need
+                row[name]["roofline_tokens_per_s"] = b * row["read_bandwidth_bytes_per_s"] / need
                 row[name]["fraction_of_roofline"] = row[name]["decode_tokens_per_s"] / row[name]["roofline_tokens_per_s"]
+                if hf_model is not None:
+                    row[name]["decode_vs_hf"] = row[name]["decode_tokens_per_s"] / row["hf"]["decode_tokens_per_s"]
+                    row[name]["prefill_vs_hf"] = row[name]["prefill_tokens_per_s"] / row["hf"]["prefill_tokens_per_s"]
             if args.extras:
                 row["dsjax_decode_steps_4"] = bench_dsjax(model, b, args.prompt_len, args.new_tokens,
                                                           capacity=capacity, repeats=args.repeats, decode_steps=4)
-            if hf_model is not None:
-                row["hf"] = bench_hf(hf_model, b, args.prompt_len, args.new_tokens, repeats=args.repeats)
-                for name in [k for k in row if k.startswith("dsjax")]:
-                    row[name]["decode_vs_hf"] = row[name]["decode_tokens_per_s"] / row["hf"]["decode_tokens_per_s"]
-                    row[name]["prefill_vs_hf"] = row[name]["prefill_tokens_per_s"] / row["hf"]["prefill_tokens_per_s"]
             result["batches"][str(b)] = row
-            print(b, json.dumps(row), flush=True)
+            for name in [k for k in row if k.startswith("dsjax")]:
+                r = row[name]
+                print(f"batch {b} {name:20s} {r['decode_tokens_per_s']:7.1f} tok/s  "
+                      f"{r.get('decode_vs_hf', float('nan')):5.2f}x HF  "
+                      f"{r.get('fraction_of_roofline', float('nan')):.0%} of the roofline", flush=True)
+            if "hf" in row:
+                print(f"batch {b} {'hf':20s} {row['hf']['decode_tokens_per_s']:7.1f} tok/s", flush=True)
         if not args.extras:
             write_result(result, args.out)
             return

@@ -84,6 +84,10 @@ def _setup_cache(args):
     return setup_compile_cache("off" if args.no_compile_cache else args.compile_cache)
 
 
+WEIGHT_DTYPE_HELP = ("bfloat16: the projection matrices stored in bf16 under float32 activations (half the bytes a "
+                     "CPU decode step reads; dsjax.store_weights). Default: as --dtype")
+
+
 def _load(args, say, **kw):
     """load_model with the command's flags, saying what it loads."""
     import dsjax
@@ -91,6 +95,9 @@ def _load(args, say, **kw):
     from dsjax.weights import bundled_path
 
     dtype = resolve_dtype(args.dtype).name
+    narrow = getattr(args, "weight_dtype", None)
+    if narrow is not None and dtype != "float32":
+        raise ValueError(f"--weight-dtype {narrow} stores weights under float32 activations; --dtype is {dtype}")
     if Path(args.model).exists():
         what = f"{args.model} ({dtype})"
     elif bundled_path(args.model) is not None:
@@ -102,6 +109,9 @@ def _load(args, say, **kw):
     model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None,
                              kernels=args.kernels, progress=not args.quiet and Path(args.model).is_dir(), **kw)
     say(f"loaded in {time.perf_counter() - t:.1f} s")
+    if narrow is not None:
+        model = dsjax.store_weights(model, narrow)
+        say(f"projection weights stored as {narrow}, activations float32")
     return model
 
 
@@ -324,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "config (random weights): tiny, small, v4-flash, v4-pro")
         c.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto (default): float32 on CPU, bfloat16 on GPU / TPU")
+        c.add_argument("--weight-dtype", default=None, choices=["bfloat16"], help=WEIGHT_DTYPE_HELP)
         c.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
         c.add_argument("--max-new-tokens", type=int, default=default_new)
         c.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
@@ -383,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "last path component)")
     s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto (default): float32 on CPU, bfloat16 on GPU / TPU")
+    s.add_argument("--weight-dtype", default=None, choices=["bfloat16"], help=WEIGHT_DTYPE_HELP)
     s.add_argument("--seed", type=int, default=0, help="init seed for named configs (random weights)")
     s.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
     s.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"])

@@ -155,6 +155,21 @@ def test_generate_json_stop_and_logprobs(capsys):
     assert cut["stop"] == stop and cut["ids"] == full["ids"][: len(cut["ids"])] and len(cut["ids"]) < 8
 
 
+def test_weight_dtype_runs_the_stored_model(capsys):
+    """--weight-dtype bfloat16 generates what dsjax.store_weights' model generates in process
+    (the same greedy ids from the same prompt ids); under --dtype bfloat16 it is refused by name."""
+    argv = ["generate", "def add(a, b):", "--max-new-tokens", "6", "--dtype", "float32", "--weight-dtype", "bfloat16",
+            "-q", "--ids", "--no-token-healing"]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    model = dsjax.store_weights(dsjax.load_model(dtype="float32"))
+    engine = dsjax.Engine(model, max_slots=1, capacity=256)
+    want = engine.generate([got["prompt_ids"]], dsjax.SamplingParams(max_tokens=6))[0]
+    assert got["new_ids"] == want
+    assert cli.main(argv[:2] + ["--dtype", "bfloat16", "--weight-dtype", "bfloat16", "-q"]) != 0
+    assert "--weight-dtype bfloat16 stores weights under float32 activations" in capsys.readouterr().err
+
+
 def test_chat_sends_the_recipes_encoding(capsys, monkeypatch):
     """Two user lines on stdin: the prompt of turn 2 is deepseek-recipe's encoding of the
     conversation so far (turn 1's reply included), nothing hand-written."""
