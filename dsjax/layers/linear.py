@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers.quantized import dense
+from dsjax.sharding.rules import current_mesh
 
 FEW_ROWS = 16  # up to this many rows, XLA:CPU reads a weight fastest through a fused multiply-reduce
 
@@ -78,7 +79,8 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_ac
     so the product is the reference's up to the order of the fp32 sums)."""
     if fp8_act:
         x = qdq_fp8(x).astype(x.dtype)
-    y = None if out_sharding is not None or x.dtype != jnp.float32 else _cpu_product(x, w)
+    plain = out_sharding is None and x.dtype == jnp.float32 and current_mesh() is None  # a mesh: XLA's sharded GEMM
+    y = _cpu_product(x, w) if plain else None
     if y is None:
         y = jnp.einsum("...i,oi->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32,
                        out_sharding=out_sharding)

@@ -126,16 +126,6 @@ def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, 
     """The experts for few tokens: gather each assignment's weights. x [T, D], idx [T, K]
     -> [T, K, D] fp32. Reads exactly the chosen experts, like a decode kernel would.
     weights [T, K] / down: W2's input is `down(h, weights)` (`lin4_down_input`)."""
-    if x.dtype == jnp.float32 and few_rows(idx.size):  # XLA:CPU decode: one matrix-vector loop per assignment
-        t, k = idx.shape  # reads its expert's weight where it lies (no gathered copy), widening a 16-bit one
-
-        def product(a, w):  # a [T, K, In] -> [T, K, Out]
-            rows = [[a[i, j][None] @ dense(take(w, idx[i, j]), x.dtype).T for j in range(k)] for i in range(t)]
-            return jnp.stack([jnp.concatenate(r, 0) for r in rows])
-
-        x_k = jnp.broadcast_to(x[:, None], (t, k, x.shape[-1]))
-        gate, up = product(x_k, w1), product(x_k, w3)
-        return product(hidden(gate, up, limit, x.dtype, weights, down), w2)
     gathered = lambda w: dense(take(w, idx), x.dtype)
     gate = jnp.einsum("td,tkid->tki", x, gathered(w1), preferred_element_type=jnp.float32)
     up = jnp.einsum("td,tkid->tki", x, gathered(w3), preferred_element_type=jnp.float32)
