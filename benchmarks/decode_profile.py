@@ -132,7 +132,7 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
     groups["sampler"] = median_seconds(jax.jit(lambda lg, s, p: sample_tokens(lg, s, p)), logits, slots.sampling,
                                        start, repeats=repeats)
     parts = sum(v for k, v in groups.items() if k != "whole_decode_program")
-    need = decode_step_bytes(cfg, batch=batch, context=context + 8, dtype=model.params.embed.dtype)
+    need = decode_step_bytes(cfg, batch=batch, context=context + 8, dtype=jnp.bfloat16 if model.options.compute_dtype else jnp.float32)
     roofline = batch * bandwidth / need["total"]
     return {"batch": batch, "engine_step_s": engine_step, "tokens_per_s": batch / engine_step,
             "step_bytes": need, "roofline_tokens_per_s": roofline,
@@ -149,12 +149,14 @@ def main():
     ap.add_argument("--context", type=int, default=128, help="tokens in each row's cache")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="how the weights are stored (activations are fp32 either way)")
+                    help="bfloat16: dsjax.store_weights (16-bit projection weights; activations fp32 either way)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "decode_profile_cpu.json"))
     args = ap.parse_args()
     cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
-    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.dtype(args.weight_dtype)), 0), jnp.float32, None)
+    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
+    if args.weight_dtype == "bfloat16":
+        model = dsjax.store_weights(model)  # 16-bit weights, fp32 activations
     bandwidth = memory_bandwidth()
     print(f"read bandwidth: {bandwidth['best'] / 1e9:.1f} GB/s (XLA sum {bandwidth['xla'] / 1e9:.1f}, numpy 1 thread "
           f"{bandwidth['numpy_1_thread'] / 1e9:.1f}, threaded {bandwidth['numpy_threads'] / 1e9:.1f})")

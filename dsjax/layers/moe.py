@@ -42,7 +42,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
-from dsjax.layers.linear import few_rows, linear, linear_f32
+from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.quantized import dense, take
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.pallas_kernels.grouped_matmul import grouped_ffn, hidden, swiglu
@@ -137,9 +137,7 @@ def moe_path(tokens: int, k: int, n_experts: int) -> str:
     """Which exact path suits this many tokens: "gather" (each assignment's expert weights
     gathered: a handful of tokens, decode) or "grouped" (assignments sorted by expert
     through `grouped_ffn`)."""
-    if tokens * k <= max(k, n_experts // 8) or few_rows(tokens * k):  # few rows: XLA:CPU reads them fastest
-        return "gather"
-    return "grouped"
+    return "gather" if tokens * k <= max(k, n_experts // 8) else "grouped"
 
 
 def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
