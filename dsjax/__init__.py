@@ -18,6 +18,6 @@ from dsjax.generate import Completion, generate
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Chat", "Completion", "ConfigError", "Engine", "Model", "ModelConfig", "PrefixCacheOptions",
-           "RuntimeOptions", "SamplingParams", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model", "store_weights",
-           "load_tokenizer", "setup_compile_cache"]
+           "RuntimeOptions", "SamplingParams", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model",
+           "load_tokenizer", "setup_compile_cache", "store_weights"]
 __version__ = "0.1.0"
