@@ -132,7 +132,8 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
     groups["sampler"] = median_seconds(jax.jit(lambda lg, s, p: sample_tokens(lg, s, p)), logits, slots.sampling,
                                        start, repeats=repeats)
     parts = sum(v for k, v in groups.items() if k != "whole_decode_program")
-    need = decode_step_bytes(cfg, batch=batch, context=context + 8, dtype=jnp.bfloat16 if model.options.compute_dtype else jnp.float32)
+    weights = jnp.bfloat16 if model.options.compute_dtype else jnp.float32  # store_weights: 16-bit projections
+    need = decode_step_bytes(cfg, batch=batch, context=context + 8, dtype=weights)
     roofline = batch * bandwidth / need["total"]
     return {"batch": batch, "engine_step_s": engine_step, "tokens_per_s": batch / engine_step,
             "step_bytes": need, "roofline_tokens_per_s": roofline,
@@ -168,7 +169,8 @@ def main():
               f"host {r['host_overhead_s'] * 1e3:.2f} ms")
         for k, v in sorted(r["groups_s"].items(), key=lambda kv: -kv[1]):
             print(f"  {k:28s} {v * 1e3:8.3f} ms")
-    write_result({"config": cfg.name, "dtype": "float32", "weight_dtype": args.weight_dtype, "context": args.context, "jax": jax.__version__,
+    write_result({"config": cfg.name, "dtype": "float32", "weight_dtype": args.weight_dtype, "context": args.context,
+                  "jax": jax.__version__,
                   "read_bandwidth_bytes_per_s": bandwidth,
                   "device": str(jax.devices()[0]), "platform": platform.platform(), "runs": runs}, args.out)
 

@@ -180,7 +180,8 @@ def main():
                 need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)["total"]
                 row[name]["step_bytes"] = need
                 row[name]["roofline_tokens_per_s"] = b * row["read_bandwidth_bytes_per_s"] / need
-                row[name]["fraction_of_roofline"] = row[name]["decode_tokens_per_s"] / row[name]["roofline_tokens_per_s"]
+                row[name]["fraction_of_roofline"] = (row[name]["decode_tokens_per_s"]
+                                                     / row[name]["roofline_tokens_per_s"])
                 if hf_model is not None:
                     row[name]["decode_vs_hf"] = row[name]["decode_tokens_per_s"] / row["hf"]["decode_tokens_per_s"]
                     row[name]["prefill_vs_hf"] = row[name]["prefill_tokens_per_s"] / row["hf"]["prefill_tokens_per_s"]
