@@ -12,9 +12,12 @@ decode speed). `linear` picks by the static row count:
     otherwise     einsum           the library GEMM
 
 The choice is static (it depends on shapes only), so a program computes a row the same way
-whatever the other rows hold; batch-invariant mode runs fixed-size tiles and so one choice.
+whatever the other rows hold. Batch-invariant mode takes the GEMM throughout (`gemm_only`), as
+a mesh does.
 """
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -27,9 +30,24 @@ from dsjax.sharding.rules import current_mesh
 FEW_ROWS = 16  # up to this many rows, XLA:CPU reads a weight fastest through a fused multiply-reduce
 
 
+_GEMM_ONLY = contextvars.ContextVar("dsjax_gemm_only", default=False)
+
+
+@contextlib.contextmanager
+def gemm_only():
+    """While tracing inside: every product takes the GEMM. Batch-invariant mode runs under it,
+    so a row's logits are bitwise the same on one device and on a mesh (where the GEMM is
+    XLA's sharded one)."""
+    token = _GEMM_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _GEMM_ONLY.reset(token)
+
+
 def few_rows(rows: int) -> bool:
     """Whether a product of `rows` rows takes the XLA:CPU decode forms (`linear`)."""
-    return rows <= FEW_ROWS and jax.default_backend() == "cpu"
+    return rows <= FEW_ROWS and jax.default_backend() == "cpu" and not _GEMM_ONLY.get()
 
 
 def _cpu_product(x: jax.Array, w) -> jax.Array | None:

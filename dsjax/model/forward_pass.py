@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.layers.linear import gemm_only
 from dsjax.model.cache import Cache, over_tiles
 from dsjax.model.decoder import (DEFAULT_OPTIONS, INVARIANT_ROWS, ModelParams, decoder_streams, last_valid,
                                  logits_of)
@@ -39,6 +40,13 @@ def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelC
     or its neighbours (see README "Batch invariance")."""
     if cache is not None and ctx_bucket is None:
         raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
+    if opts.batch_invariant and cache is not None:  # the same products on one device as on a mesh
+        with gemm_only():
+            return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
+    return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
+
+
+def _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
     b = tokens.shape[0]
     if cache is not None and opts.batch_invariant and current_mesh() is not None:  # each device: one tile
         if b != INVARIANT_ROWS * axis_size("batch"):
