@@ -27,7 +27,7 @@ from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers.quantized import dense
 from dsjax.sharding.rules import current_mesh
 
-FEW_ROWS = 16  # up to this many rows, XLA:CPU reads a weight fastest through a fused multiply-reduce
+FEW_ROWS = 16  # up to this many rows a large weight is read once for all of them (multiply-reduce / tiles)
 
 
 _GEMM_ONLY = contextvars.ContextVar("dsjax_gemm_only", default=False)

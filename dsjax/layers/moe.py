@@ -144,8 +144,7 @@ def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
     """p with its routed-expert weights cut to layer `layer` of a stacked run (None: as is)."""
     if layer is None:
         return p
-    take = lambda w: jax.tree.map(lambda a: a[layer], w)
-    return p.replace(w1=take(p.w1), w3=take(p.w3), w2=take(p.w2))
+    return p.replace(w1=take(p.w1, layer), w3=take(p.w3, layer), w2=take(p.w2, layer))
 
 
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
