@@ -11,6 +11,7 @@ import pytest
 
 import dsjax
 from dsjax.layers import qdq
+from dsjax.layers.linear import gemm_only
 from dsjax.layers.moe import routed_experts
 from dsjax.layers.quantized import Fp4Weight
 from dsjax.model import layer_block
@@ -57,10 +58,18 @@ def _sorted_through(ffn, cfg):
     return run
 
 
+def _gemm_only(fn, *args, **kwargs):
+    """fn traced under linear.gemm_only: the gather path copies the chosen experts' weights and
+    multiplies them in one einsum (what it does for many tokens, on a mesh, off the CPU)."""
+    with gemm_only():
+        return fn(*args, **kwargs)
+
+
 def _implementations(cfg, tokens):
     rows = grouped_matmul.row_tile(tokens * cfg.num_experts_per_tok, cfg.n_routed_experts)
     return {
-        "gather": lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="gather"),
+        "gather": lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="gather"),  # per assignment (CPU, <= 16)
+        "gather_copies": lambda p, x, w, i: _gemm_only(routed_experts, p, x, w, i, cfg, path="gather"),
         "grouped": lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="grouped"),  # the dispatch's reference
         "pallas": lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="grouped", kernels="pallas"),
         "ragged_dot": _sorted_through(grouped_matmul.reference, cfg),

@@ -50,11 +50,17 @@ def few_rows(rows: int) -> bool:
     return rows <= FEW_ROWS and jax.default_backend() == "cpu" and not _GEMM_ONLY.get()
 
 
+def cpu_forms(x: jax.Array, rows: int) -> bool:
+    """Whether `rows` products of fp32 activations like x take the XLA:CPU decode forms
+    (one device, no mesh, few rows; see `linear`)."""
+    return x.dtype == jnp.float32 and current_mesh() is None and few_rows(rows)
+
+
 def _cpu_product(x: jax.Array, w) -> jax.Array | None:
     """x [..., I] fp32 @ w[O, I].T (plain, or stored: quantized / 16-bit) in fp32 on XLA:CPU
     with few rows, or None (use the GEMM). A stored weight is widened inside the product."""
     rows = math.prod(x.shape[:-1])
-    if not few_rows(rows):
+    if not cpu_forms(x, rows):
         return None
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
@@ -97,8 +103,7 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_ac
     so the product is the reference's up to the order of the fp32 sums)."""
     if fp8_act:
         x = qdq_fp8(x).astype(x.dtype)
-    plain = out_sharding is None and x.dtype == jnp.float32 and current_mesh() is None  # a mesh: XLA's sharded GEMM
-    y = _cpu_product(x, w) if plain else None
+    y = _cpu_product(x, w) if out_sharding is None else None  # a mesh: XLA's sharded GEMM
     if y is None:
         y = jnp.einsum("...i,oi->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32,
                        out_sharding=out_sharding)
