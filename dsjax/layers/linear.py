@@ -111,5 +111,8 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_ac
 
 
 def linear_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """A projection that runs entirely in fp32 (mHC mixes, router)."""
-    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dense(w, jnp.float32))
+    """A projection that runs entirely in fp32 (mHC mixes, router); the XLA:CPU decode forms
+    as in `linear`."""
+    x = x.astype(jnp.float32)
+    y = _cpu_product(x, w)
+    return jnp.einsum("...i,oi->...o", x, dense(w, jnp.float32)) if y is None else y
