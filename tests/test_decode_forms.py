@@ -11,12 +11,12 @@ import pytest
 import dsjax
 from dsjax.api import STORED_NARROW
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear
-from dsjax.layers.quantized import Bf16Weight
+from dsjax.layers.quantized import Bf16Weight, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
 
 
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1])
-@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "fp8"])
 @pytest.mark.parametrize("out", [200, 3 * WIDE_TILE + 5])  # large and stored: widened in tiles, and the rest
 def test_linear_forms_match_a_float64_product(rows, stored, out):
     rng = np.random.default_rng(rows)
@@ -26,6 +26,10 @@ def test_linear_forms_match_a_float64_product(rows, stored, out):
     if stored == "bfloat16":
         w_arg = Bf16Weight.of(w_arg)
         w = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))  # what it holds, exactly
+    elif stored == "fp8":  # block-scaled: a scale per 128 rows, so not cut into WIDE_TILE-row tiles like bf16 bits
+        w_arg = Fp8Weight(q=w_arg.astype(jnp.float8_e4m3fn),
+                          scale_exp=jnp.asarray(rng.integers(124, 131, (-(-out // 128), 1)), jnp.uint8))
+        w = np.asarray(w_arg.dense(jnp.float32))
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), w_arg))
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     assert got.shape == (rows, 1, out)

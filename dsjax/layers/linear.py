@@ -8,7 +8,7 @@ decode speed). `linear` picks by the static row count:
                                    16-bit or dequantized w as it goes
     2..16 rows, w with more than WIDE_TILE rows (the vocabulary head):
                   sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
-                                   stored w: widened in tiles the cache holds, `_tiled`)
+                                   16-bit w: widened in tiles the cache holds, `_tiled`)
     otherwise     einsum           the library GEMM
 
 The choice is static (it depends on shapes only), so a program computes a row the same way
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.layers.qdq import qdq_fp8
-from dsjax.layers.quantized import dense
+from dsjax.layers.quantized import Bf16Weight, dense
 from dsjax.sharding.rules import current_mesh
 
 FEW_ROWS = 16  # up to this many rows a large weight is read once for all of them (multiply-reduce / tiles)
@@ -69,8 +69,10 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
         return None
     elif isinstance(w, jax.Array):
         y = jnp.sum(w.astype(jnp.float32)[:, None, :] * flat[None], axis=-1).T
-    else:
+    elif isinstance(w, Bf16Weight):  # an element per element: cut into row tiles (a block-scaled one is not)
         y = _tiled(flat, w)
+    else:
+        return None
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -78,7 +80,7 @@ WIDE_TILE = 4096  # rows of a large stored weight widened at a time (a few MB: s
 
 
 def _tiled(flat: jax.Array, w) -> jax.Array:
-    """flat [R, I] @ w[O, I].T for a large stored weight and R > 1: XLA:CPU widens the weight
+    """flat [R, I] @ w[O, I].T for a large 16-bit stored weight and R > 1: XLA:CPU widens the weight
     outside the product (a multiply-reduce or a GEMM takes fp32 operands), so it is widened
     WIDE_TILE rows at a time in a loop, into a buffer the cache holds (the whole vocabulary
     head at once: 130 MB of fresh pages each step, ten times slower)."""
