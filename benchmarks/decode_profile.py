@@ -151,9 +151,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="bfloat16: dsjax.store_weights (16-bit projection weights; activations fp32 either way)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "decode_profile_cpu.json"))
+    ap.add_argument("--out", help="default: results/decode_profile_cpu[_bf16_weights].json")
     args = ap.parse_args()
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_profile_cpu"
+                                        + ("_bf16_weights" if args.weight_dtype == "bfloat16" else "") + ".json")
     cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
     model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
     if args.weight_dtype == "bfloat16":
