@@ -9,8 +9,9 @@ table), clamped SwiGLU experts, one shared expert; on a mesh, expert parallelism
 
 `routed_experts` is the dropless reference: assignments sorted by expert through the grouped
 matmul (dsjax/pallas_kernels/grouped_matmul.py `grouped_ffn`: ragged_dot, the CPU tile loop
-or a kernel), or for a handful of tokens (decode) a gather of the chosen experts' weights.
-All are exact; the expert-parallel path is checked against them.
+or a kernel), or for a handful of tokens (decode) a gather of the chosen experts' weights; on
+XLA:CPU up to 16 assignments take a matrix-vector product each, reading the expert in place
+(`expert_ffn_each`). All are exact; the expert-parallel path is checked against them.
 
 Expert parallelism (`routed_experts_sharded`): the routed experts are sharded over the
 `expert` mesh axis, and tokens go to the devices that hold their experts and back with
