@@ -190,6 +190,32 @@ def ring_positions(start: jax.Array, ring: int) -> jax.Array:
     return start[:, None] - 1 - jnp.mod(start[:, None] - 1 - jnp.arange(ring), ring)
 
 
+def window_extend(ring: jax.Array, kv: jax.Array, start: jax.Array, n_valid: jax.Array, at: jax.Array | None,
+                  w: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A chunk's window keys kv [B, C, hd] (positions start + i, i < n_valid) against the
+    window ring (slot = position % W; stacked when `at` is given): -> (keys [B, T, hd], their
+    visibility lo / hi [B, T], the ring with the chunk's last W valid tokens written).
+
+    One token (decode) is written first and the ring alone is read (its slot held position
+    start - W, out of the window): read-then-write with no data dependency between the two
+    makes XLA copy the whole loop-carried stacked ring to keep the read safe, while
+    write-then-read updates it in place (a batch-8 CPU decode step ~1 ms faster). A longer
+    chunk overwrites slots its own earlier queries see: the old ring, then the chunk."""
+    b, c = kv.shape[:2]
+    positions = start[:, None] + jnp.arange(c)
+    valid = jnp.arange(c) < n_valid[:, None]
+    keep = valid & (positions >= (start + n_valid)[:, None] - w)
+    new = state_set(ring, at, jnp.arange(b)[:, None], jnp.where(keep, jnp.mod(positions, w), w), kv)
+    if c == 1:
+        held = ring_positions(start + n_valid, w)
+        return (state_rows(new, at), *window_intervals(held, held >= 0, w), new)
+    held = ring_positions(start, w)
+    keys = jnp.concatenate([state_rows(ring, at), kv], axis=1)  # [B, W + C, hd]
+    lo, hi = window_intervals(jnp.concatenate([held, positions], axis=1),
+                              jnp.concatenate([held >= 0, valid], axis=1), w)
+    return keys, lo, hi, new
+
+
 def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: jax.Array, n_valid: jax.Array,
                      layer: LayerSpec, cfg: ModelConfig, n_entries: int, *,
                      kernels: str = "reference", at: jax.Array | None = None) -> tuple[jax.Array, AttentionState]:
@@ -200,18 +226,11 @@ def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: j
 
     n_entries (static) bounds how many compressed entries are read: every entry a query
     can see must lie below it (the engine picks it from the longest sequence)."""
-    b, c, _ = x.shape
-    w = cfg.sliding_window
-    positions = start[:, None] + jnp.arange(c)
-    valid = jnp.arange(c) < n_valid[:, None]
+    positions = start[:, None] + jnp.arange(x.shape[1])
     cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
     cq, q = project_q(p, x, cos, sin, cfg)
     kv = project_kv(p, x, cos, sin, cfg)
-
-    slot_pos = ring_positions(start, w)
-    keys = jnp.concatenate([state_rows(state.window, at), kv], axis=1)  # [B, W + C, hd]: the ring, then the chunk
-    lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
-                              jnp.concatenate([slot_pos >= 0, valid], axis=1), w)
+    keys, lo, hi, window = window_extend(state.window, kv, start, n_valid, at, cfg.sliding_window)
     entries = index_keys = comp = idx_state = None
     if layer.compress_ratio:
         m = layer.compress_ratio
@@ -224,8 +243,4 @@ def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: j
             index_keys = state_rows(idx_state.entries, at)[:, :n_entries]
     o = attend(p, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer, cfg, kernels)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
-    # window ring: the chunk's last W valid tokens go to slot position % W
-    keep = valid & (positions >= (start + n_valid)[:, None] - w)
-    slot = jnp.where(keep, jnp.mod(positions, w), w)
-    window = state_set(state.window, at, jnp.arange(b)[:, None], slot, kv)
     return grouped_output(p, o, cfg), AttentionState(window, comp, idx_state)

@@ -165,12 +165,25 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     chunk_idx = jnp.clip(pos - start[:, None], 0, c - 1)
     ring_idx = jnp.mod(pos, ring)
 
-    def aligned(chunk_vals, ring_vals):
-        got_chunk = jnp.take_along_axis(chunk_vals, chunk_idx[..., None], axis=1)
-        got_ring = jnp.take_along_axis(ring_vals, ring_idx[..., None], axis=1)
-        return reshape(jnp.where(from_chunk[..., None], got_chunk, got_ring), (b, n_win, m, -1))
+    def aligned(ring_vals, chunk_vals=None):
+        got = jnp.take_along_axis(state_rows(ring_vals, at), ring_idx[..., None], axis=1)
+        if chunk_vals is not None:
+            got = jnp.where(from_chunk[..., None], jnp.take_along_axis(chunk_vals, chunk_idx[..., None], axis=1), got)
+        return reshape(got, (b, n_win, m, -1))
 
-    kv_al, gate_al = aligned(kv_new, state_rows(state.ring_kv, at)), aligned(gate_new, state_rows(state.ring_gate, at))
+    # Ring: every valid chunk token goes to slot p % R (a chunk longer than the ring keeps
+    # only its last R tokens, which are all a later entry can need).
+    tok_pos = start[:, None] + jnp.arange(c)
+    keep = (jnp.arange(c) < n_valid[:, None]) & (tok_pos >= end[:, None] - ring)
+    slot = jnp.where(keep, jnp.mod(tok_pos, ring), ring)
+    rows = jnp.arange(b)[:, None]
+    write = lambda ring_vals, new: state_set(ring_vals, at, rows, slot, new)  # noqa: E731
+    if c == 1:  # one token: written first, the stream read from the ring alone (in place; see attention_extend)
+        ring_kv, ring_gate = write(state.ring_kv, kv_new), write(state.ring_gate, gate_new)
+        kv_al, gate_al = aligned(ring_kv), aligned(ring_gate)
+    else:
+        kv_al, gate_al = aligned(state.ring_kv, kv_new), aligned(state.ring_gate, gate_new)
+        ring_kv, ring_gate = write(state.ring_kv, kv_new), write(state.ring_gate, gate_new)
     pooled = pool_windows(p, kv_al, gate_al, overlap=overlap, eps=cfg.rms_norm_eps,
                           lead_valid=g0 >= 0 if overlap else None)
     first_entry = (start // m)  # entry index of the first pooled window
@@ -179,11 +192,4 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     complete = (entry_idx + 1) * m <= end[:, None]
     capacity = state.entries.shape[-2]
     entries = state_set(state.entries, at, jnp.arange(b)[:, None], jnp.where(complete, entry_idx, capacity), pooled)
-    # Ring: every valid chunk token goes to slot p % R (a chunk longer than the ring keeps
-    # only its last R tokens, which are all a later entry can need).
-    tok_pos = start[:, None] + jnp.arange(c)
-    keep = (jnp.arange(c) < n_valid[:, None]) & (tok_pos >= end[:, None] - ring)
-    slot = jnp.where(keep, jnp.mod(tok_pos, ring), ring)
-    rows = jnp.arange(b)[:, None]
-    return CompressorState(entries=entries, ring_kv=state_set(state.ring_kv, at, rows, slot, kv_new),
-                           ring_gate=state_set(state.ring_gate, at, rows, slot, gate_new))
+    return CompressorState(entries=entries, ring_kv=ring_kv, ring_gate=ring_gate)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
-from dsjax.layers.attention import compressed_visible, ring_positions, window_intervals
+from dsjax.layers.attention import compressed_visible, window_extend, window_intervals
 from dsjax.layers.candidate_selection import candidate_mask, index_head_weights, index_scores_bf16, topk_entry_list
 from dsjax.layers.compressor import state_rows, state_set
 from dsjax.layers.indexer import index_scores
@@ -376,10 +376,8 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
     positions = start[:, None] + jnp.arange(c)
     valid = jnp.arange(c) < n_valid[:, None]
     cq, q, kv, cos, sin = project_q_kv(p, x, positions, layer, cfg, round_trips)
-    slot_pos = ring_positions(start, w)
-    keys = jnp.concatenate([state_rows(state.window, at), kv], axis=1)  # [B, W + C, hd]: the ring, then the chunk
-    lo, hi = window_intervals(jnp.concatenate([slot_pos, positions], axis=1),
-                              jnp.concatenate([slot_pos >= 0, valid], axis=1), w)
+    keys, lo, hi, window = window_extend(state.window, kv, start, n_valid, at, w)
+    state = state.replace(window=window)
     rows = jnp.arange(b)[:, None]
     if r and layer.has_compressor:
         latents, entry, complete, tail_kv, tail_gate = latents_extend(p.compressor, state, x, start, n_valid, r,
@@ -401,7 +399,4 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
         shared = index_select(p, layer, cq, x, shared, visible, cos, sin, cfg, kernels, round_trips, alt, use_alt)
     out = attend_and_project(p, q, keys, lo, hi, positions, shared if r else None, cos, sin, cfg, kernels,
                              round_trips)
-    keep = valid & (positions >= (start + n_valid)[:, None] - w)
-    slot = jnp.where(keep, jnp.mod(positions, w), w)
-    state = state.replace(window=state_set(state.window, at, rows, slot, kv))
     return out, state, shared
