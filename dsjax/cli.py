@@ -438,5 +438,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     return run_command(build_parser, sys.argv[1:] if argv is None else list(argv))
 
+
 if __name__ == "__main__":
     sys.exit(main())

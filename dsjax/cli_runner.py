@@ -118,4 +118,3 @@ def run_command(build_parser, argv: list[str]) -> int:
         print(f"dsjax: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               f"(full report: {path}; rerun with --debug to see it here)", file=sys.stderr)
         return EXIT_INTERNAL
-

@@ -178,7 +178,7 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     slot = jnp.where(keep, jnp.mod(tok_pos, ring), ring)
     rows = jnp.arange(b)[:, None]
     write = lambda ring_vals, new: state_set(ring_vals, at, rows, slot, new)  # noqa: E731
-    if c == 1:  # one token: written first, the stream read from the ring alone (in place; see attention_extend)
+    if c == 1:  # one token: written first, the stream read from the ring alone (in place; see window_extend)
         ring_kv, ring_gate = write(state.ring_kv, kv_new), write(state.ring_gate, gate_new)
         kv_al, gate_al = aligned(ring_kv), aligned(ring_gate)
     else:
