@@ -26,7 +26,7 @@ from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.params import ParamSpec
-from dsjax.sharding.rules import reshape, spec
+from dsjax.sharding.rules import batch_major, reshape, spec
 
 
 @struct.dataclass
@@ -178,18 +178,25 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     slot = jnp.where(keep, jnp.mod(tok_pos, ring), ring)
     rows = jnp.arange(b)[:, None]
     write = lambda ring_vals, new: state_set(ring_vals, at, rows, slot, new)  # noqa: E731
+    first_entry = (start // m)  # entry index of the first pooled window
+    entry_idx = first_entry[:, None] + jnp.arange(n_win - (1 if overlap else 0))
+    complete = (entry_idx + 1) * m <= end[:, None]
+
+    def emit(kv_al, gate_al):  # the pooled, roped entries of the stream's windows [B, W, d]
+        pooled = pool_windows(p, kv_al, gate_al, overlap=overlap, eps=cfg.rms_norm_eps,
+                              lead_valid=g0 >= 0 if overlap else None)
+        return rope_entries(pooled, first_entry, m, cfg)
+
     if c == 1:  # one token: written first, the stream read from the ring alone (in place; see window_extend)
         ring_kv, ring_gate = write(state.ring_kv, kv_new), write(state.ring_gate, gate_new)
-        kv_al, gate_al = aligned(ring_kv), aligned(ring_gate)
+        # It completes a window once in m steps: pooled only when some row's does (an HCA
+        # window's softmax pool is most of its layer's decode time otherwise).
+        shape = jax.ShapeDtypeStruct((b, entry_idx.shape[1], p.kv_norm.shape[0]), state.entries.dtype)
+        pooled = jax.lax.cond(jnp.any(complete), lambda: emit(aligned(ring_kv), aligned(ring_gate)).astype(shape.dtype),
+                              lambda: batch_major(jnp.zeros(shape.shape, shape.dtype)))
     else:
-        kv_al, gate_al = aligned(state.ring_kv, kv_new), aligned(state.ring_gate, gate_new)
+        pooled = emit(aligned(state.ring_kv, kv_new), aligned(state.ring_gate, gate_new))
         ring_kv, ring_gate = write(state.ring_kv, kv_new), write(state.ring_gate, gate_new)
-    pooled = pool_windows(p, kv_al, gate_al, overlap=overlap, eps=cfg.rms_norm_eps,
-                          lead_valid=g0 >= 0 if overlap else None)
-    first_entry = (start // m)  # entry index of the first pooled window
-    pooled = rope_entries(pooled, first_entry, m, cfg)
-    entry_idx = first_entry[:, None] + jnp.arange(pooled.shape[1])
-    complete = (entry_idx + 1) * m <= end[:, None]
     capacity = state.entries.shape[-2]
     entries = state_set(state.entries, at, jnp.arange(b)[:, None], jnp.where(complete, entry_idx, capacity), pooled)
     return CompressorState(entries=entries, ring_kv=ring_kv, ring_gate=ring_gate)
