@@ -14,7 +14,6 @@ which also holds the reference math (its reference or a kernel, per the `kernels
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +24,9 @@ from dsjax.layers.compressor import (Compressor, CompressorState, compress_exten
                                      compressor_state_shapes, state_rows, state_set)
 from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_weights, indexer_specs,
                                   select_topk_indices)
-from dsjax.layers.linear import cpu_forms, linear
+from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
-from dsjax.layers.quantized import Bf16Weight, dense
+from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
@@ -85,17 +84,16 @@ def project_kv(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> jax.Ar
     return apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, cfg.rms_norm_eps), cos, sin)
 
 
-def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """o [B, S, H, hd] -> [B, S, D]: per-group low-rank W_oa, then the mixing W_ob."""
+def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig, round_trips: bool = False) -> jax.Array:
+    """o [B, S, H, hd] -> [B, S, D]: per-group low-rank W_oa (one batched GEMM, also for a CPU
+    decode row: per-group matrix-vector loops were no faster), then the mixing W_ob.
+    round_trips: DeepSeek-V4.1's Lin8 on W_ob (deepseek-v41.md §2.10; p a SharedAttention)."""
     g = cfg.o_groups
     grouped = reshape(o, (*o.shape[:-2], g, -1))  # [B, S, G, H/G * hd]
-    if cpu_forms(o, math.prod(o.shape[:-2])) and isinstance(p.o_a_proj, (jax.Array, Bf16Weight)):  # CPU decode
-        group = lambda j: jax.tree.map(lambda a: a.reshape(g, cfg.o_lora_rank, -1)[j], p.o_a_proj)  # noqa: E731
-        z = jnp.stack([linear(grouped[..., j, :], group(j)) for j in range(g)], axis=-2)  # W_oa read in place
-    else:
-        w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
-        z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
-    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None))
+    w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
+    z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
+    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None),
+                  fp8_act=round_trips)
 
 
 FOREVER = jnp.iinfo(jnp.int32).max

@@ -22,18 +22,17 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
-from dsjax.layers.attention import compressed_visible, window_extend, window_intervals
+from dsjax.layers.attention import compressed_visible, grouped_output, window_extend, window_intervals
 from dsjax.layers.candidate_selection import candidate_mask, index_head_weights, index_scores_bf16, topk_entry_list
 from dsjax.layers.compressor import state_rows, state_set
 from dsjax.layers.indexer import index_scores
 from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.qdq import qdq_fp4_e4m3, qdq_fp4_e8m0, qdq_fp8
-from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
-from dsjax.sharding.rules import batch_major, reshape, spec
+from dsjax.sharding.rules import batch_major, reshape
 
 
 @struct.dataclass
@@ -240,17 +239,6 @@ def select_entries(scores: jax.Array, visible: jax.Array, k: int, candidates: ja
     ascending -> (idx [B, S, k] (0 where invalid), valid [B, S, k])."""
     top = topk_entry_list(scores, visible, k, 0, candidates)
     return jnp.maximum(top, 0), top >= 0
-
-
-def grouped_output(p: SharedAttention, o: jax.Array, cfg: ModelConfig, round_trips: bool) -> jax.Array:
-    """o [B, S, H, hd] -> [B, S, D]: per-group W_oa (a plain GEMM), then W_ob (Lin8 with round
-    trips, §2.10)."""
-    g = cfg.o_groups
-    grouped = reshape(o, (*o.shape[:-2], g, -1))
-    w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
-    z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
-    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None),
-                  fp8_act=round_trips)
 
 
 # ----------------------------------------------------------------------------- full sequence
