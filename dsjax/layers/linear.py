@@ -4,14 +4,12 @@ On XLA:CPU a decode step's projections have a handful of rows, and how the produ
 written decides whether it runs at memory speed (benchmarks/decode_profile.py; issue: CPU
 decode speed). `linear` picks by the static row count:
 
-    w with more than WIDE_TILE rows (the vocabulary head):
-      1 row       x @ w.T          a matrix-vector loop that reads w once, widening a
+    1 row         x @ w.T          a matrix-vector loop that reads w once, widening a
                                    16-bit or dequantized w as it goes
-      2..16 rows  sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
+    2..16 rows, w with more than WIDE_TILE rows (the vocabulary head):
+                  sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
                                    16-bit w: widened in tiles the cache holds, `_tiled`)
-    otherwise     einsum           the library GEMM (for a small weight also at 1 row: XLA's
-                                   matrix-vector loop ran 2-5x slower on a layer's weight cut
-                                   from a scanned stack, even counting the GEMM's copy of it)
+    otherwise     einsum           the library GEMM
 
 The choice is static (it depends on shapes only), so a program computes a row the same way
 whatever the other rows hold. Batch-invariant mode takes the GEMM throughout (`gemm_only`), as
@@ -64,11 +62,11 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
     rows = math.prod(x.shape[:-1])
     if not cpu_forms(x, rows):
         return None
-    if w.shape[0] <= WIDE_TILE:  # a small weight: the GEMM (see above; a multiply-reduce would broadcast x to w's shape)
-        return None
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
         y = flat @ dense(w, jnp.float32).T
+    elif w.shape[0] <= WIDE_TILE:  # a small weight: the GEMM (a multiply-reduce would broadcast x to its shape)
+        return None
     elif isinstance(w, jax.Array):
         y = jnp.sum(w.astype(jnp.float32)[:, None, :] * flat[None], axis=-1).T
     elif isinstance(w, Bf16Weight):  # an element per element: cut into row tiles (a block-scaled one is not)
