@@ -14,7 +14,6 @@ which also holds the reference math (its reference or a kernel, per the `kernels
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import struct
