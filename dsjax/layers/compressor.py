@@ -179,7 +179,8 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
     rows = jnp.arange(b)[:, None]
     write = lambda ring_vals, new: state_set(ring_vals, at, rows, slot, new)  # noqa: E731
     first_entry = (start // m)  # entry index of the first pooled window
-    entry_idx = first_entry[:, None] + jnp.arange(n_win - (1 if overlap else 0))
+    n_entries = n_win - (1 if overlap else 0)  # windows pooled (with overlap the first only lends its a-halves)
+    entry_idx = first_entry[:, None] + jnp.arange(n_entries)
     complete = (entry_idx + 1) * m <= end[:, None]
 
     def emit(kv_al, gate_al):  # the pooled, roped entries of the stream's windows [B, W, d]
@@ -191,9 +192,9 @@ def compress_extend(p: Compressor, state: CompressorState, x: jax.Array, start: 
         ring_kv, ring_gate = write(state.ring_kv, kv_new), write(state.ring_gate, gate_new)
         # It completes a window once in m steps: pooled only when some row's does (an HCA
         # window's softmax pool is most of its layer's decode time otherwise).
-        shape = jax.ShapeDtypeStruct((b, entry_idx.shape[1], p.kv_norm.shape[0]), state.entries.dtype)
-        pooled = jax.lax.cond(jnp.any(complete), lambda: emit(aligned(ring_kv), aligned(ring_gate)).astype(shape.dtype),
-                              lambda: batch_major(jnp.zeros(shape.shape, shape.dtype)))
+        dtype = state.entries.dtype
+        pooled = jax.lax.cond(jnp.any(complete), lambda: emit(aligned(ring_kv), aligned(ring_gate)).astype(dtype),
+                              lambda: batch_major(jnp.zeros((b, n_entries, p.kv_norm.shape[0]), dtype)))
     else:
         pooled = emit(aligned(state.ring_kv, kv_new), aligned(state.ring_gate, gate_new))
         ring_kv, ring_gate = write(state.ring_kv, kv_new), write(state.ring_gate, gate_new)
