@@ -10,21 +10,22 @@ import pytest
 
 import dsjax
 from dsjax.api import STORED_NARROW
+from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear
 from dsjax.layers.quantized import Bf16Weight, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
 
 
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1])
-@pytest.mark.parametrize("stored", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "bf16-array", "fp8"])
 @pytest.mark.parametrize("out", [200, 3 * WIDE_TILE + 5])  # large and stored: widened in tiles, and the rest
 def test_linear_forms_match_a_float64_product(rows, stored, out):
     rng = np.random.default_rng(rows)
     x = rng.normal(size=(rows, 1, 96)).astype(np.float32)
     w = rng.normal(size=(out, 96)).astype(np.float32)
     w_arg = jnp.asarray(w)
-    if stored == "bfloat16":
-        w_arg = Bf16Weight.of(w_arg)
+    if stored in ("bfloat16", "bf16-array"):  # bits (a layer's weight) or a plain bf16 array (the head)
+        w_arg = Bf16Weight.of(w_arg) if stored == "bfloat16" else w_arg.astype(jnp.bfloat16)
         w = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))  # what it holds, exactly
     elif stored == "fp8":  # block-scaled: a scale per 128 rows, so not cut into WIDE_TILE-row tiles like bf16 bits
         w_arg = Fp8Weight(q=w_arg.astype(jnp.float8_e4m3fn),
@@ -48,10 +49,14 @@ def test_stored_bf16_weights_are_the_float32_model_on_rounded_weights():
     model = dsjax.load_model("tiny", dtype="float32", seed=3)
     stored = dsjax.store_weights(model)
     cfg = model.config
-    assert isinstance(stored.params.lm_head, Bf16Weight) and stored.params.embed.dtype == jnp.float32
+    assert isinstance(stored.params.blocks[0][0].attn.q_b_proj, Bf16Weight)
+    assert stored.params.lm_head.dtype == jnp.bfloat16 and stored.params.embed.dtype == jnp.float32
     narrow = sum(leaf.nbytes for leaf in jax.tree.leaves(stored.params))
     assert narrow < 0.75 * sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
     rounded = _rounded(model)
+    ids = jnp.asarray([3, 40, 41, cfg.vocab_size - 1])  # the drafter's reduced vocabulary gathers head rows
+    np.testing.assert_array_equal(np.asarray(draft_vocab(stored.params, ids).head.astype(jnp.float32)),
+                                  np.asarray(rounded.lm_head)[np.asarray(ids)])
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (3, 24)), jnp.int32)
 
     @jax.jit(static_argnums=1)

@@ -8,7 +8,9 @@ decode speed). `linear` picks by the static row count:
                                    16-bit or dequantized w as it goes
     2..16 rows, w with more than WIDE_TILE rows (the vocabulary head):
                   sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
-                                   16-bit w: widened in tiles the cache holds, `_tiled`)
+                                   plain bf16 w, as `store_weights` keeps the head: read as
+                                   it is; `Bf16Weight` bits: widened in tiles the cache
+                                   holds, `_tiled`)
     otherwise     einsum           the library GEMM
 
 The choice is static (it depends on shapes only), so a program computes a row the same way
