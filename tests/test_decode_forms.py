@@ -18,7 +18,7 @@ from dsjax.model import forward, init_cache, take_rows
 
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1])
 @pytest.mark.parametrize("stored", ["float32", "bfloat16", "bf16-array", "fp8"])
-@pytest.mark.parametrize("out", [200, 3 * WIDE_TILE + 5])  # large and stored: widened in tiles, and the rest
+@pytest.mark.parametrize("out", [200, 3 * WIDE_TILE + 5])  # large: bits widened in tiles and the rest, bf16 read as is
 def test_linear_forms_match_a_float64_product(rows, stored, out):
     rng = np.random.default_rng(rows)
     x = rng.normal(size=(rows, 1, 96)).astype(np.float32)

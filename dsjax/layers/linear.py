@@ -6,7 +6,7 @@ decode speed). `linear` picks by the static row count:
 
     1 row         x @ w.T          a matrix-vector loop that reads w once, widening a
                                    16-bit or dequantized w as it goes
-    2..16 rows, w with more than WIDE_TILE rows (the vocabulary head):
+    2..16 rows, w with more than WIDE_TILE rows (the vocabulary head, a big model's layers):
                   sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
                                    plain bf16 w, as `store_weights` keeps the head: read as
                                    it is; `Bf16Weight` bits: widened in tiles the cache
@@ -82,10 +82,10 @@ WIDE_TILE = 4096  # rows of a large stored weight widened at a time (a few MB: s
 
 
 def _tiled(flat: jax.Array, w) -> jax.Array:
-    """flat [R, I] @ w[O, I].T for a large 16-bit stored weight and R > 1: XLA:CPU widens the weight
-    outside the product (a multiply-reduce or a GEMM takes fp32 operands), so it is widened
-    WIDE_TILE rows at a time in a loop, into a buffer the cache holds (the whole vocabulary
-    head at once: 130 MB of fresh pages each step, ten times slower)."""
+    """flat [R, I] @ w[O, I].T for a large `Bf16Weight` (a big model's layer weight; the head is
+    plain bf16, see `store_weights`) and R > 1: XLA:CPU widens the bits outside the product,
+    so they are widened WIDE_TILE rows at a time in a loop, into a buffer the cache holds (a
+    130 MB head at once: fresh pages each step, ten times slower)."""
     out = w.shape[0]
     n = -(-out // WIDE_TILE)
     tile = out // n
