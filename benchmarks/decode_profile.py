@@ -2,7 +2,8 @@
 
     python benchmarks/decode_profile.py [--config bench-78m] [--batches 1 8] [--context 128]
 
-Each op group runs as its own jitted program on the live state of an engine that has
+Each op group runs as its own program (compiled with the engine's XLA options,
+`dsjax.engine.programs.program`) on the live state of an engine that has
 prefilled `--context` tokens per row, timed alone (median of `--repeats` calls, each
 blocked on): the embedding, per layer the mHC mixing (both sublayers: mixes, collapse,
 norm, expand), attention by kind (sliding / CSA with its Lightning Indexer / HCA), the MoE
@@ -33,7 +34,7 @@ from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
 import dsjax
 from dsjax.config import CSA, HCA, SLIDING
 from dsjax.engine.engine import Engine
-from dsjax.engine.programs import decode_step
+from dsjax.engine.programs import decode_step, program
 from dsjax.engine.sampler import SamplingParams, sample_tokens
 from dsjax.layers.attention import attention_extend
 from dsjax.layers.hyper_connection import collapse, expand, hc_mixes
@@ -103,7 +104,7 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
     tokens = slots.last_token[:, None]
     start, n_valid = cache.length, jnp.ones((engine.rows,), jnp.int32)
     # weights are arguments, never closed over (XLA would fold them as constants)
-    groups["embedding"] = median_seconds(jax.jit(lambda p, t: embed_streams(p, t, cfg)), params, tokens,
+    groups["embedding"] = median_seconds(program(lambda p, t: embed_streams(p, t, cfg)), params, tokens,
                                          repeats=repeats)
     streams = embed_streams(params, tokens, cfg)
     x = streams[:, :, 0]
@@ -119,17 +120,17 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
         block = layer_block(params, cfg, layer.index)
         state = layer_state(cache, cfg, layer.index)
         n_entries = bucket // layer.compress_ratio if layer.compress_ratio else 0
-        attend = jax.jit(lambda p, st, h, at, n, layer=layer, e=n_entries: attention_extend(p, st, h, at, n, layer,
+        attend = program(lambda p, st, h, at, n, layer=layer, e=n_entries: attention_extend(p, st, h, at, n, layer,
                                                                                              cfg, e)[0])
-        moe = jax.jit(lambda p, h, t: moe_forward(p, h, t, cfg))
-        for name, seconds in (("mhc", median_seconds(jax.jit(mhc), block, streams, x, repeats=repeats)),
+        moe = program(lambda p, h, t: moe_forward(p, h, t, cfg))
+        for name, seconds in (("mhc", median_seconds(program(mhc), block, streams, x, repeats=repeats)),
                               (KIND[layer.attention], median_seconds(attend, block.attn, state, x, start, n_valid,
                                                                      repeats=repeats)),
                               ("moe", median_seconds(moe, block.moe, x, tokens, repeats=repeats))):
             groups[name] = groups.get(name, 0.0) + seconds
-    groups["head"] = median_seconds(jax.jit(lambda p, s: logits_of(p, s, cfg)), params, streams, repeats=repeats)
+    groups["head"] = median_seconds(program(lambda p, s: logits_of(p, s, cfg)), params, streams, repeats=repeats)
     logits = logits_of(params, streams, cfg)[:, 0]
-    groups["sampler"] = median_seconds(jax.jit(lambda lg, s, p: sample_tokens(lg, s, p)), logits, slots.sampling,
+    groups["sampler"] = median_seconds(program(lambda lg, s, p: sample_tokens(lg, s, p)), logits, slots.sampling,
                                        start, repeats=repeats)
     parts = sum(v for k, v in groups.items() if k != "whole_decode_program")
     weights = jnp.bfloat16 if model.options.compute_dtype else jnp.float32  # store_weights: 16-bit projections

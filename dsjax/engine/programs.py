@@ -35,6 +35,15 @@ from dsjax.model.decoder import INVARIANT_ROWS
 from dsjax.model.forward_pass import forward
 from dsjax.sharding.rules import current_mesh, per_row, rows
 
+# XLA:CPU vectorises the loops it emits itself (its matrix-vector products and fusions; library
+# GEMMs are untouched) 256 bits wide by default, even on CPUs with AVX-512. The engine's decode
+# steps are such loops reading weights from memory: 512 bits ran bench-78m's decode step 5-10 %
+# faster on an Ice Lake box (benchmarks/engine_bench.py). LLVM keeps to the CPU's widest vectors
+# (AVX2: 256) and other backends ignore the option. `compiler_options` only apply to top-level
+# programs, so `forward` (called inside these) cannot carry them.
+COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
+program = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+
 
 @struct.dataclass
 class StepOutput:
@@ -68,7 +77,7 @@ def _one_step(tree):
     return jax.tree.map(lambda a: a[None], tree)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "batch", "capacity", "dtype", "num_draft_tokens"))
+@functools.partial(program, static_argnames=("cfg", "batch", "capacity", "dtype", "num_draft_tokens"))
 def init_state(*, cfg: ModelConfig, batch: int, capacity: int, dtype, num_draft_tokens: int):
     """An engine's empty device state, (cache, slots, speculation or None), made by one
     program: built eagerly, each distinct array shape compiles its own fill."""
@@ -80,7 +89,7 @@ def _stop_cancelled(slots: Slots, cancelled: jax.Array) -> Slots:
     return slots.replace(active=slots.active & ~cancelled)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "n_steps"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "n_steps"),
                    donate_argnames=("cache", "slots"))
 def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions,
                 ctx_bucket: int, n_logprobs: int, n_steps: int = 1):
@@ -105,7 +114,7 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
     return cache, slots, out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket"), donate_argnames=("cache", "slots"))
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket"), donate_argnames=("cache", "slots"))
 def decode_forward(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg: ModelConfig,
                    opts: RuntimeOptions, ctx_bucket: int):
     """The forward half of a decode step, for batches with a constrained row (structured
@@ -119,7 +128,7 @@ def decode_forward(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, 
     return cache, slots, logits[:, 0], cache.length
 
 
-@functools.partial(jax.jit, static_argnames=("n_logprobs",), donate_argnames=("slots",))
+@functools.partial(program, static_argnames=("n_logprobs",), donate_argnames=("slots",))
 def decode_sample(slots: Slots, logits: jax.Array, positions: jax.Array, mask: jax.Array, *, n_logprobs: int):
     """The sampling half: one token per active slot from logits [B, V], only among the tokens
     the packed mask [B, ceil(V/32)] uint32 allows (all ones for unconstrained rows)."""
@@ -128,7 +137,7 @@ def decode_sample(slots: Slots, logits: jax.Array, positions: jax.Array, mask: j
     return slots, _one_step(out)
 
 
-@functools.partial(jax.jit, donate_argnames=("slots",))
+@functools.partial(program, donate_argnames=("slots",))
 def start_decoding(slots: Slots, slot, token) -> Slots:
     """Make `slot` decode from `token` (its prompt's last, not yet cached): how a constrained
     request starts, so that its first token is sampled under a mask by decode_sample rather
@@ -148,7 +157,7 @@ def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admis
     return cache, slots, _one_step(out)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
 def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array,
                  admission: Admission, first_mask: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions,
@@ -161,7 +170,7 @@ def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid:
                     n_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
 def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
                  is_last: jax.Array, admission: Admission, first_mask: jax.Array, *, cfg: ModelConfig,
@@ -192,7 +201,7 @@ def _spec_prefill(params, mtp, cache: Cache, spec: Speculation, slots: Slots, to
     return cache, spec, slots, _one_step(out)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_rows(params, mtp, cache: Cache, spec: Speculation, slots: Slots, tokens: jax.Array,
                       next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission,
@@ -207,7 +216,7 @@ def spec_prefill_rows(params, mtp, cache: Cache, spec: Speculation, slots: Slots
                          first_mask, schedule, vocab, cfg, opts, ctx_bucket, sampled, n_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "sampled", "n_logprobs"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, slot: jax.Array, tokens: jax.Array,
                       next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, admission: Admission,
@@ -223,7 +232,7 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
     return put_rows(cache, row_cache, slot), put_rows(spec, row_spec, slot), put_rows(slots, row_slots, slot), out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled", "n_logprobs"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled", "n_logprobs"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, cancelled: jax.Array,
                      schedule: Schedule | None, vocab: DraftVocab | None, *, k: int, cfg: ModelConfig,
@@ -263,13 +272,13 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
     return cache, spec, slots, out
 
 
-@functools.partial(jax.jit, static_argnames=("block", "layout"))
+@functools.partial(program, static_argnames=("block", "layout"))
 def save_block(cache: Cache, drafter, row, j, *, block: int, layout: tuple[int, ...]) -> Block:
     """Block j of cache row `row` (with its drafter ring, or None), copied out at its end."""
     return take_block(cache, drafter, row, j, block=block, layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "layout"), donate_argnames=("cache", "slots", "drafter"))
+@functools.partial(program, static_argnames=("block", "layout"), donate_argnames=("cache", "slots", "drafter"))
 def restore_block(cache: Cache, slots: Slots, drafter, blk: Block, tokens: jax.Array, row, j, admission: Admission, *,
                   block: int, layout: tuple[int, ...]):
     """Put cached block j (tokens [1, block]) into row `row` as if its prompt chunk had run
