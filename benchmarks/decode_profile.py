@@ -121,7 +121,7 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
         state = layer_state(cache, cfg, layer.index)
         n_entries = bucket // layer.compress_ratio if layer.compress_ratio else 0
         attend = program(lambda p, st, h, at, n, layer=layer, e=n_entries: attention_extend(p, st, h, at, n, layer,
-                                                                                             cfg, e)[0])
+                                                                                            cfg, e)[0])
         moe = program(lambda p, h, t: moe_forward(p, h, t, cfg))
         for name, seconds in (("mhc", median_seconds(program(mhc), block, streams, x, repeats=repeats)),
                               (KIND[layer.attention], median_seconds(attend, block.attn, state, x, start, n_valid,
