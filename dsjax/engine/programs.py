@@ -39,8 +39,9 @@ from dsjax.sharding.rules import current_mesh, per_row, rows
 # GEMMs are untouched) 256 bits wide by default, even on CPUs with AVX-512. The engine's decode
 # steps are such loops reading weights from memory: 512 bits ran bench-78m's decode step 5-10 %
 # faster on an Ice Lake box (benchmarks/engine_bench.py). LLVM keeps to the CPU's widest vectors
-# (AVX2: 256) and other backends ignore the option. `compiler_options` only apply to top-level
-# programs, so `forward` (called inside these) cannot carry them.
+# (AVX2: 256); GPU and TPU compilers do not read xla_cpu_* options (not yet run on one: no GPU
+# lent so far). `compiler_options` only apply to top-level programs, so `forward` (called
+# inside these) cannot carry them.
 COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
 program = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 
