@@ -69,9 +69,10 @@ def layer_state(cache, cfg, i):
 
 
 def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> dict:
-    cfg, params = model.config, model.params
+    cfg = model.config
     capacity = -(-(context + 64) // 128) * 128  # room for the decode steps; a multiple of the HCA ratio
     engine = Engine(model, max_slots=batch, capacity=capacity, prefill_chunk=context)
+    params = engine.step_params  # what its programs run with (at one row: the head transposed)
     rng = np.random.default_rng(batch)
     for _ in range(batch):
         engine.add_request(rng.integers(3, cfg.vocab_size, context).tolist(),
@@ -161,7 +162,8 @@ def main():
     if args.weight_dtype == "bfloat16":
         model = dsjax.store_weights(model)  # 16-bit weights, fp32 activations
     bandwidth = memory_bandwidth()
-    print(f"read bandwidth: {bandwidth['best'] / 1e9:.1f} GB/s (XLA sum {bandwidth['xla'] / 1e9:.1f}, numpy 1 thread "
+    print(f"read bandwidth: {bandwidth['best'] / 1e9:.1f} GB/s (XLA sum {bandwidth['xla'] / 1e9:.1f}, XLA matrix-vector "
+          f"{bandwidth['xla_matvec'] / 1e9:.1f}, numpy 1 thread "
           f"{bandwidth['numpy_1_thread'] / 1e9:.1f}, threaded {bandwidth['numpy_threads'] / 1e9:.1f})")
     runs = [profile(model, b, args.context, args.repeats, bandwidth["best"]) for b in args.batches]
     for r in runs:

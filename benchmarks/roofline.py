@@ -2,7 +2,7 @@
 one decode step must read, so a measured tokens/s can be put as a fraction of the best a
 memory-bound step could do.
 
-    bandwidth = memory_bandwidth()                     # bytes/s, the best of threaded reductions
+    bandwidth = memory_bandwidth()                     # bytes/s, the best of several readers
     need = decode_step_bytes(cfg, batch=1, context=128, dtype=jnp.float32)
     roofline_tokens_per_s = batch * bandwidth / need
 
@@ -27,15 +27,22 @@ from dsjax.model.cache import cache_shapes
 from dsjax.params import spec_leaves, weight_group
 
 
+MATVEC_ROW = 4096  # floats per row of the matrix-vector reader
+
+
 def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict:
-    """Read bandwidth in bytes/s by three readers of one fp32 array (> the caches): a jitted
-    XLA sum, and numpy sums over 1 and over os.cpu_count() slices in threads (numpy releases
-    the GIL). -> {"xla", "numpy_1_thread", "numpy_threads", "best"}."""
+    """Read bandwidth in bytes/s by four readers of one fp32 array (> the caches): a jitted
+    XLA sum, a jitted matrix-vector product over it as [n / 4096, 4096] rows (XLA:CPU's
+    matrix-vector loop streams memory faster than its reductions: 27-29 against 21-24 GB/s on
+    an Ice Lake VM, so a roofline from sums alone would be too low), and numpy sums over 1
+    and over os.cpu_count() slices in threads (numpy releases the GIL).
+    -> {"xla", "xla_matvec", "numpy_1_thread", "numpy_threads", "best"}."""
     import os
 
     a = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
     x = jnp.asarray(a)
     xla_sum = jax.jit(jnp.sum)
+    xla_matvec = jax.jit(jnp.matmul)
 
     def best(fn) -> float:
         fn()
@@ -54,7 +61,11 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict:
         for t in threads:
             t.join()
 
-    out = {"xla": best(lambda: jax.block_until_ready(xla_sum(x))), "numpy_1_thread": best(lambda: np.sum(a)),
+    rows = x[: x.size // MATVEC_ROW * MATVEC_ROW].reshape(-1, MATVEC_ROW)
+    ones = jnp.ones((MATVEC_ROW,), jnp.float32)
+    out = {"xla": best(lambda: jax.block_until_ready(xla_sum(x))),
+           "xla_matvec": best(lambda: jax.block_until_ready(xla_matvec(rows, ones))),
+           "numpy_1_thread": best(lambda: np.sum(a)),
            "numpy_threads": best(threaded)}
     out["best"] = max(out.values())
     return out
