@@ -12,12 +12,13 @@ import dsjax
 from dsjax.api import STORED_NARROW
 from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear
-from dsjax.layers.quantized import Bf16Weight, Fp8Weight
+from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
+from dsjax.model.decoder import one_row_head
 
 
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1])
-@pytest.mark.parametrize("stored", ["float32", "bfloat16", "bf16-array", "fp8"])
+@pytest.mark.parametrize("stored", ["float32", "column", "bfloat16", "bf16-array", "fp8"])
 @pytest.mark.parametrize("out", [200, 3 * WIDE_TILE + 5])  # large: bits widened in tiles and the rest, bf16 read as is
 def test_linear_forms_match_a_float64_product(rows, stored, out):
     rng = np.random.default_rng(rows)
@@ -27,6 +28,8 @@ def test_linear_forms_match_a_float64_product(rows, stored, out):
     if stored in ("bfloat16", "bf16-array"):  # bits (a layer's weight) or a plain bf16 array (the head)
         w_arg = Bf16Weight.of(w_arg) if stored == "bfloat16" else w_arg.astype(jnp.bfloat16)
         w = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))  # what it holds, exactly
+    elif stored == "column":  # kept transposed (the engine's one-row head): x @ t at one row, else folded back
+        w_arg = ColumnMajor(jnp.asarray(w.T))
     elif stored == "fp8":  # block-scaled: a scale per 128 rows, so not cut into WIDE_TILE-row tiles like bf16 bits
         w_arg = Fp8Weight(q=w_arg.astype(jnp.float8_e4m3fn),
                           scale_exp=jnp.asarray(rng.integers(124, 131, (-(-out // 128), 1)), jnp.uint8))
@@ -51,6 +54,7 @@ def test_stored_bf16_weights_are_the_float32_model_on_rounded_weights():
     cfg = model.config
     assert isinstance(stored.params.blocks[0][0].attn.q_b_proj, Bf16Weight)
     assert stored.params.lm_head.dtype == jnp.bfloat16 and stored.params.embed.dtype == jnp.float32
+    assert one_row_head(stored.params, jnp.float32) is stored.params  # a bf16 head is read as stored
     narrow = sum(leaf.nbytes for leaf in jax.tree.leaves(stored.params))
     assert narrow < 0.75 * sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
     rounded = _rounded(model)

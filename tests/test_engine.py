@@ -13,6 +13,7 @@ from dsjax.model.cache import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
 from dsjax.engine.requests import Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
+from dsjax.layers.quantized import ColumnMajor
 from dsjax.model import forward
 
 
@@ -126,6 +127,23 @@ def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
         for _ in engine.run():
             pass
         assert engine.requests[rid].tokens == alone, (n_others, delay)
+
+
+def test_one_slot_engine_reads_the_head_transposed_with_the_same_tokens(tiny, rng):
+    """A one-slot engine on XLA:CPU runs its steps with the vocabulary head transposed
+    (`one_row_head`: the layout read faster at one row); its sampled tokens are those of a
+    four-slot engine, which reads the head as stored."""
+    target = (rng.integers(0, 5000, 37).tolist(),
+              SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=99, max_tokens=16, ignore_eos=True))
+    one = Engine(tiny, max_slots=1, capacity=256, prefill_chunk=32)
+    assert isinstance(one.step_params.lm_head, ColumnMajor)
+    np.testing.assert_array_equal(np.asarray(one.step_params.lm_head.t), np.asarray(tiny.params.lm_head).T)
+    assert Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32).step_params is tiny.params
+    assert Engine(tiny, max_slots=1, capacity=256, prefill_chunk=32, batch_invariant=True).step_params is tiny.params
+    rid = one.add_request(*target)
+    for _ in one.run():
+        pass
+    assert one.requests[rid].tokens == _run_alone(tiny, *target, max_slots=4).tokens
 
 
 def test_batch_invariant_mode_logits_bitwise(tiny, rng):

@@ -40,7 +40,7 @@ class Prefill:
         tile, or every row on a mesh);
         `admits` (an `Admission`) says which rows start a prompt, `first_mask` (packed
         [rows, words] uint32) which first tokens a row whose prompt ends here may take."""
-        params, slot = self.model.params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
+        params, slot = self.step_params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
         if self.spec is not None:
             static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled,
                           n_logprobs=self.max_logprobs)

@@ -5,7 +5,8 @@ written decides whether it runs at memory speed (benchmarks/decode_profile.py; i
 decode speed). `linear` picks by the static row count:
 
     1 row         x @ w.T          a matrix-vector loop that reads w once, widening a
-                                   16-bit or dequantized w as it goes
+                                   16-bit or dequantized w as it goes; x @ t for a
+                                   `ColumnMajor` w (the engine's one-row head)
     2..16 rows, w with more than WIDE_TILE rows (the vocabulary head, a big model's layers):
                   sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
                                    plain bf16 w, as `store_weights` keeps the head: read as
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.layers.qdq import qdq_fp8
-from dsjax.layers.quantized import Bf16Weight, dense
+from dsjax.layers.quantized import Bf16Weight, ColumnMajor, dense
 from dsjax.sharding.rules import current_mesh
 
 FEW_ROWS = 16  # up to this many rows a large weight is read once for all of them (multiply-reduce / tiles)
@@ -66,7 +67,7 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
         return None
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
-        y = flat @ dense(w, jnp.float32).T
+        y = flat @ w.t if isinstance(w, ColumnMajor) else flat @ dense(w, jnp.float32).T
     elif w.shape[0] <= WIDE_TILE:  # a small weight: the GEMM (a multiply-reduce would broadcast x to its shape)
         return None
     elif isinstance(w, jax.Array):

@@ -83,9 +83,32 @@ class Bf16Weight:
         return wide.astype(dtype)
 
 
+@struct.dataclass
+class ColumnMajor:
+    """A plain [out, in] weight kept as its transpose `t` [in, out]: the layout in which
+    XLA:CPU reads a one-row product x @ w.T fastest when `in` is short (a vector-matrix loop
+    streaming whole rows of t, where the row form reduces each short row of w on its own).
+    The engine keeps its vocabulary head so for a one-row CPU decode
+    (`dsjax.model.decoder.one_row_head`); `dense()` is the transpose back, which XLA folds
+    into the product that reads it."""
+
+    t: jax.Array  # [in, out]
+
+    @property
+    def shape(self):
+        return self.t.shape[::-1]
+
+    @property
+    def dtype(self):
+        return self.t.dtype
+
+    def dense(self, dtype) -> jax.Array:
+        return self.t.T.astype(dtype)
+
+
 def dense(w, dtype) -> jax.Array:
     """A weight as a plain array of `dtype`: dequantized if stored quantized."""
-    return w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight)) else w.astype(dtype)
+    return w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight, ColumnMajor)) else w.astype(dtype)
 
 
 def take(w, index):

@@ -26,7 +26,8 @@ from dsjax.config import LayerRun, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.attention import Attention, attention_extend, attention_forward, attention_specs
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
-from dsjax.layers.linear import linear
+from dsjax.layers.linear import few_rows, linear
+from dsjax.layers.quantized import ColumnMajor
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
 from dsjax.model.cache import Cache
@@ -134,6 +135,24 @@ def attention_call(layer: LayerSpec, cfg: ModelConfig, opts: RuntimeOptions, *, 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:
     return params.embed if params.lm_head is None else params.lm_head
+
+
+COLUMN_HEAD_MAX_IN = 1024  # the hidden sizes measured faster with the head transposed: 128..1024
+
+
+def one_row_head(params: ModelParams, dtype) -> ModelParams:
+    """The params a one-row decode on XLA:CPU (one device, not batch-invariant: the caller
+    says so) runs with: an untied float32 head with a short hidden size kept transposed
+    (`ColumnMajor`), which XLA:CPU reads 1.2-1.4x faster at one row (a 129280-row head,
+    hidden 128 / 256 / 512 / 1024, median ms: 3.3 / 6.3 / 12.6 / 63 -> 2.7 / 5.4 / 10.1 / 44 on an
+    Ice Lake VM; benchmarks/head_layout.py). A copy of the head, held by the caller (an
+    `Engine`); a bf16 or quantized head, a bf16 model, a wider hidden size and other
+    backends keep `params` (a bf16 head transposed is widened whole before the product)."""
+    w = params.lm_head
+    if (not isinstance(w, jax.Array) or w.dtype != jnp.float32 or jnp.dtype(dtype) != jnp.float32
+            or w.shape[1] > COLUMN_HEAD_MAX_IN or not few_rows(1)):
+        return params
+    return params.replace(lm_head=ColumnMajor(jnp.transpose(w)))
 
 
 def head_logits(hc_head: HyperHead, norm: jax.Array, weight: jax.Array, streams: jax.Array,
