@@ -139,6 +139,11 @@ def test_one_slot_engine_reads_the_head_transposed_with_the_same_tokens(tiny, rn
     assert isinstance(one.step_params.lm_head, ColumnMajor)
     np.testing.assert_array_equal(np.asarray(one.step_params.lm_head.t), np.asarray(tiny.params.lm_head).T)
     assert Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32).step_params is tiny.params
+    tied = dsjax.load_model()  # the built-in model: its head is the embedding, which the lookup keeps
+    assert tied.params.lm_head is None
+    tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
+    np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
+    assert tied_params.embed is tied.params.embed
     assert Engine(tiny, max_slots=1, capacity=256, prefill_chunk=32, batch_invariant=True).step_params is tiny.params
     rid = one.add_request(*target)
     for _ in one.run():

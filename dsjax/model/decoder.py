@@ -142,13 +142,14 @@ COLUMN_HEAD_MAX_IN = 1024  # the hidden sizes measured faster with the head tran
 
 def one_row_head(params: ModelParams, dtype) -> ModelParams:
     """The params a one-row decode on XLA:CPU (one device, not batch-invariant: the caller
-    says so) runs with: an untied float32 head with a short hidden size kept transposed
-    (`ColumnMajor`), which XLA:CPU reads 1.2-1.4x faster at one row (a 129280-row head,
+    says so) runs with: a float32 head (its own, or the tied embedding's copy: the lookup
+    keeps `embed`) with a short hidden size kept transposed (`ColumnMajor`), which XLA:CPU
+    reads 1.2-1.4x faster at one row (a 129280-row head,
     hidden 128 / 256 / 512 / 1024, median ms: 3.3 / 6.3 / 12.6 / 63 -> 2.7 / 5.4 / 10.1 / 44 on an
     Ice Lake VM; benchmarks/head_layout.py). A copy of the head, held by the caller (an
     `Engine`); a bf16 or quantized head, a bf16 model, a wider hidden size and other
     backends keep `params` (a bf16 head transposed is widened whole before the product)."""
-    w = params.lm_head
+    w = lm_head_weight(params)
     if (not isinstance(w, jax.Array) or w.dtype != jnp.float32 or jnp.dtype(dtype) != jnp.float32
             or w.shape[1] > COLUMN_HEAD_MAX_IN or not few_rows(1)):
         return params
