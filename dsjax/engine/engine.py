@@ -22,10 +22,10 @@ here and passed to the speculative programs as an argument).
 
 Structured output (`add_request(..., constraint=)`, `dsjax.engine.constraints`): a
 constrained row's next mask depends on the token it just sampled, so it never runs ahead.
-While any constrained row decodes, a step is split in two programs: `decode_forward`
-(dispatched first; the device runs it while the host reads the previous step back,
-advances the grammars and computes the packed masks) and `decode_sample` (the masks
-applied, one token per slot). Such steps make one token per dispatch whatever
+While any constrained row decodes, a step is split in two programs
+(`dsjax.engine.constrained_step`): `decode_forward` (dispatched first; the device runs it
+while the host reads the previous step back, advances the grammars and computes the packed
+masks) and `decode_sample` (the masks applied, one token per slot). Such steps make one token per dispatch whatever
 `decode_steps` says; steps without a constrained row run the fused `decode_step` as before.
 A constrained request's prefill leaves its prompt's last token to that first split step,
 so its first token is masked too. Constraints are refused with speculative decoding.
@@ -43,15 +43,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.engine.constraints import Constraint, fill_masks, mask_words
+from dsjax.engine.constraints import Constraint, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.model.cache import batch_axes
 from dsjax.model.decoder import INVARIANT_ROWS, one_row_head
+from dsjax.engine.constrained_step import ConstrainedDecode
 from dsjax.engine.prefill import Prefill
 from dsjax.engine.prefix_cache import PrefixCacheOptions, PrefixCaching
 from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
-from dsjax.engine.programs import (StepOutput, decode_forward, decode_sample, decode_step, init_state,
-                                   spec_decode_step, start_decoding)
+from dsjax.engine.programs import StepOutput, decode_step, init_state, spec_decode_step, start_decoding
 from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_request, context_bucket,
                                    context_buckets, first_tokens_mask, stop_ids)
 from dsjax.engine.sampler import SamplingParams
@@ -76,7 +76,7 @@ class Model(Protocol):
     def batch_shards(self) -> int: ...
 
 
-class Engine(Prefill):
+class Engine(Prefill, ConstrainedDecode):
     """Continuous batching over `max_slots` decode slots with a `capacity`-token cache each.
 
     num_draft_tokens > 0: speculative decoding with the model's MTP layer. Each decode step
@@ -358,20 +358,6 @@ class Engine(Prefill):
                 n_logprobs=self.max_logprobs)
         return out
 
-    def _split_decode_call(self, bucket: int, masks, before_sample: Callable[[], None] | None = None) -> StepOutput:
-        """A decode step in two dispatches: the forward, then (after `before_sample()` and
-        `masks()`, which the host runs while the device runs the forward) the sampling
-        under the packed masks [rows, words] int32."""
-        self.cache, self.slots, logits, positions = decode_forward(
-            self.step_params, self.cache, self.slots, self._take_cancelled(), cfg=self.cfg, opts=self.opts,
-            ctx_bucket=bucket)
-        if before_sample is not None:
-            before_sample()
-        masks = masks() if callable(masks) else masks
-        self.slots, out = decode_sample(self.slots, logits, positions, self._place(masks.view(np.uint32)),
-                                        n_logprobs=self.max_logprobs)
-        return out
-
     # ------------------------------------------------------------------ stepping
     def _next_waiting(self) -> Request | None:
         """The request to admit next: the first in line (with a prefix cache,
@@ -397,27 +383,6 @@ class Engine(Prefill):
 
     def _buckets(self) -> list[int]:
         return [self.capacity] if self.batch_invariant else context_buckets(self.capacity)
-
-    def _masks(self, decoding: list[Request]) -> np.ndarray:
-        """Packed allowed tokens [rows, words] int32 of the next step: all ones but for
-        constrained rows (a new array each step: the device may still read the last one)."""
-        masks = np.full((self.rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
-        fill_masks([(r.slot, r.constraint) for r in decoding if r.constraint is not None and not r.done], masks)
-        return masks
-
-    def _decode_constrained(self, decoding: list[Request]) -> None:
-        """One split decode step (a constrained row decodes): every output still on the
-        device is read back (advancing the grammars) while the device runs the forward."""
-
-        def read_all():
-            while self._pending:
-                self._read_back(*self._pending.popleft())
-
-        needed = min(max(r.dispatched for r in decoding) + 1, self.capacity)
-        out = self._split_decode_call(self._bucket(needed), lambda: self._masks(decoding), read_all)
-        for r in decoding:
-            r.dispatched += 1
-        self._pending.append((out, {r.slot: r for r in decoding}))
 
     def _decode(self) -> bool:
         decoding = [r for r in self.slot_owner if r is not None and r.state == "decoding"]
