@@ -11,14 +11,14 @@ import pytest
 import dsjax
 from dsjax.api import STORED_NARROW
 from dsjax.engine.speculative import draft_vocab
-from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear
+from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, whole_weights
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
 from dsjax.model.decoder import one_row_head
 
 
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1])
-@pytest.mark.parametrize("stored", ["float32", "column", "bfloat16", "bf16-array", "fp8"])
+@pytest.mark.parametrize("stored", ["float32", "whole", "column", "bfloat16", "bf16-array", "fp8"])
 @pytest.mark.parametrize("out", [200, 3 * WIDE_TILE + 5])  # large: bits widened in tiles and the rest, bf16 read as is
 def test_linear_forms_match_a_float64_product(rows, stored, out):
     rng = np.random.default_rng(rows)
@@ -34,7 +34,12 @@ def test_linear_forms_match_a_float64_product(rows, stored, out):
         w_arg = Fp8Weight(q=w_arg.astype(jnp.float8_e4m3fn),
                           scale_exp=jnp.asarray(rng.integers(124, 131, (-(-out // 128), 1)), jnp.uint8))
         w = np.asarray(w_arg.dense(jnp.float32))
-    got = np.asarray(jax.jit(linear)(jnp.asarray(x), w_arg))
+    product = linear
+    if stored == "whole":  # a layer-by-layer run's whole weight (`whole_weights`): w @ x at one row
+        def product(x, w):
+            with whole_weights():
+                return linear(x, w)
+    got = np.asarray(jax.jit(product)(jnp.asarray(x), w_arg))
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     assert got.shape == (rows, 1, out)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

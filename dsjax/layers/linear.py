@@ -6,7 +6,8 @@ decode speed). `linear` picks by the static row count:
 
     1 row         x @ w.T          a matrix-vector loop that reads w once, widening a
                                    16-bit or dequantized w as it goes; x @ t for a
-                                   `ColumnMajor` w (the engine's one-row head)
+                                   `ColumnMajor` w (the engine's one-row head); w @ x for
+                                   an fp32 w under `whole_weights` (the library product)
     2..16 rows, w with more than WIDE_TILE rows (the vocabulary head, a big model's layers):
                   sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
                                    plain bf16 w, as `store_weights` keeps the head: read as
@@ -48,6 +49,23 @@ def gemm_only():
         _GEMM_ONLY.reset(token)
 
 
+_WHOLE_WEIGHTS = contextvars.ContextVar("dsjax_whole_weights", default=False)
+
+
+@contextlib.contextmanager
+def whole_weights():
+    """While tracing inside: the layer weights are whole arrays (program arguments, not slices
+    of a stacked layer run; `dsjax.model.decoder.LayerByLayer`), so a one-row fp32 product is
+    written `w @ x`: XLA:CPU calls its library matrix-vector product on the argument in place.
+    (On a slice, XLA fuses the slice into an element-by-element loop instead, and `x @ w.T`
+    reads that loop faster; see `linear`.)"""
+    token = _WHOLE_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE_WEIGHTS.reset(token)
+
+
 def few_rows(rows: int) -> bool:
     """Whether a product of `rows` rows takes the XLA:CPU decode forms (`linear`)."""
     return rows <= FEW_ROWS and jax.default_backend() == "cpu" and not _GEMM_ONLY.get()
@@ -67,7 +85,12 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
         return None
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
-        y = flat @ w.t if isinstance(w, ColumnMajor) else flat @ dense(w, jnp.float32).T
+        if isinstance(w, ColumnMajor):
+            y = flat @ w.t
+        elif _WHOLE_WEIGHTS.get() and isinstance(w, jax.Array) and w.dtype == jnp.float32:
+            y = (w @ flat[0])[None]
+        else:
+            y = flat @ dense(w, jnp.float32).T
     elif w.shape[0] <= WIDE_TILE:  # a small weight: the GEMM (a multiply-reduce would broadcast x to its shape)
         return None
     elif isinstance(w, jax.Array):

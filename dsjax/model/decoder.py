@@ -26,7 +26,7 @@ from dsjax.config import LayerRun, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.attention import Attention, attention_extend, attention_forward, attention_specs
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
-from dsjax.layers.linear import few_rows, linear
+from dsjax.layers.linear import few_rows, linear, whole_weights
 from dsjax.layers.quantized import ColumnMajor
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
@@ -45,6 +45,14 @@ class Block:
     ffn_hc: HyperConnection
     ffn_norm: jax.Array  # [D] fp32
     moe: MoE
+
+
+@struct.dataclass
+class LayerByLayer:
+    """A layer run's blocks as one pytree per layer (leaves without the [repeats] axis),
+    applied unrolled: what a one-row CPU engine runs with (`one_row_params`)."""
+
+    layers: tuple  # per repeat: the period's tuple[Block, ...]
 
 
 @struct.dataclass
@@ -91,6 +99,8 @@ def layer_slot(cfg: ModelConfig, i: int) -> tuple[int, int, int]:
 def layer_block(params: ModelParams, cfg: ModelConfig, i: int) -> Block:
     """Layer i's block (its slice of the stacked weights), for inspection and tests."""
     k, j, r = layer_slot(cfg, i)
+    if isinstance(params.blocks[k], LayerByLayer):
+        return params.blocks[k].layers[r][j]
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
                         else a[r], params.blocks[k][j])
 
@@ -154,6 +164,31 @@ def one_row_head(params: ModelParams, dtype) -> ModelParams:
             or w.shape[1] > COLUMN_HEAD_MAX_IN or not few_rows(1)):
         return params
     return params.replace(lm_head=ColumnMajor(jnp.transpose(w)))
+
+
+ONE_ROW_COPY_MAX_BYTES = 1 << 30  # the layer weights a one-row engine copies layer by layer
+
+
+def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
+    """`one_row_head`, and for an fp32 V4 model whose layer weights are plain fp32 (not stored
+    16-bit or quantized, at most ONE_ROW_COPY_MAX_BYTES), its scanned layer runs (repeats > 1)
+    layer by layer (`LayerByLayer`): each layer's weights are then whole program arguments,
+    which a one-row product reads in place through the library matrix-vector product
+    (`linear.whole_weights`), where XLA:CPU reads a scanned run's slices in an element-by-element
+    loop at 3-13 GB/s (bench-78m, one-slot engine: 5-16 % more tokens/s). A copy of those
+    layers' weights, held by the caller (an `Engine`); its programs unroll those runs. A run
+    of one layer keeps its [1, ...] leaves (read in place already)."""
+    params = one_row_head(params, dtype)
+    leaves = jax.tree.leaves(params.blocks)
+    if (cfg.v41 is not None or jnp.dtype(dtype) != jnp.float32 or not few_rows(1)
+            or not any(run.repeats > 1 for run in cfg.layer_runs)
+            or not all(isinstance(a, jax.Array) and a.dtype in (jnp.float32, jnp.int32) for a in leaves)
+            or sum(a.nbytes for a in leaves) > ONE_ROW_COPY_MAX_BYTES):
+        return params
+    return params.replace(blocks=tuple(
+        LayerByLayer(tuple(tuple(jax.tree.map(lambda a, r=r: a[r], block) for block in period)
+                           for r in range(run.repeats))) if run.repeats > 1 else period
+        for run, period in zip(cfg.layer_runs, params.blocks)))
 
 
 def head_logits(hc_head: HyperHead, norm: jax.Array, weight: jax.Array, streams: jax.Array,
@@ -234,6 +269,16 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
     gives the attend call of repeat `at` (None: states of one layer). Returns (streams,
     the updated states), or without states what the attend calls returned beside their
     output, per period position stacked [R, ...] (probes; None for a plain forward)."""
+    if isinstance(blocks, LayerByLayer):  # whole weights per layer (`one_row_params`); cached path only
+        with whole_weights():
+            for r, period_blocks in enumerate(blocks.layers):
+                new = []
+                for j, block in enumerate(period_blocks):
+                    streams, state = block_apply(block, streams, tokens, attends[j](states[j], r), cfg, opts)
+                    new.append(state)
+                states = tuple(new)
+        return streams, states
+
     def period(streams, blocks, states, at=None):
         new = []
         for j, block in enumerate(blocks):
