@@ -269,7 +269,10 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
     gives the attend call of repeat `at` (None: states of one layer). Returns (streams,
     the updated states), or without states what the attend calls returned beside their
     output, per period position stacked [R, ...] (probes; None for a plain forward)."""
-    if isinstance(blocks, LayerByLayer):  # whole weights per layer (`one_row_params`); cached path only
+    if isinstance(blocks, LayerByLayer):  # whole weights per layer (`one_row_params`)
+        if states is None:
+            raise ValueError("layer-by-layer params (an engine's one-slot step_params) run the cached path only: "
+                             "give the full-sequence forward the model's params")
         with whole_weights():
             for r, period_blocks in enumerate(blocks.layers):
                 new = []
