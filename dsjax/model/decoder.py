@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dsjax.config import LayerRun, LayerSpec, ModelConfig, RuntimeOptions
@@ -160,10 +161,15 @@ def one_row_head(params: ModelParams, dtype) -> ModelParams:
     `Engine`); a bf16 or quantized head, a bf16 model, a wider hidden size and other
     backends keep `params` (a bf16 head transposed is widened whole before the product)."""
     w = lm_head_weight(params)
-    if (not isinstance(w, jax.Array) or w.dtype != jnp.float32 or jnp.dtype(dtype) != jnp.float32
-            or w.shape[1] > COLUMN_HEAD_MAX_IN or not few_rows(1)):
+    if (not _fp32_one_row(dtype) or not isinstance(w, jax.Array) or w.dtype != jnp.float32
+            or w.shape[1] > COLUMN_HEAD_MAX_IN):
         return params
     return params.replace(lm_head=ColumnMajor(jnp.transpose(w)))
+
+
+def _fp32_one_row(dtype) -> bool:
+    """An fp32 model's one-row products on XLA:CPU (`linear`'s decode forms)."""
+    return jnp.dtype(dtype) == jnp.float32 and few_rows(1)
 
 
 ONE_ROW_COPY_MAX_BYTES = 1 << 30  # the layer weights a one-row engine copies layer by layer
@@ -180,14 +186,16 @@ def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
     of one layer keeps its [1, ...] leaves (read in place already)."""
     params = one_row_head(params, dtype)
     leaves = jax.tree.leaves(params.blocks)
-    if (cfg.v41 is not None or jnp.dtype(dtype) != jnp.float32 or not few_rows(1)
-            or not any(run.repeats > 1 for run in cfg.layer_runs)
+    if (cfg.v41 is not None or not _fp32_one_row(dtype) or not any(run.repeats > 1 for run in cfg.layer_runs)
             or not all(isinstance(a, jax.Array) and a.dtype in (jnp.float32, jnp.int32) for a in leaves)
             or sum(a.nbytes for a in leaves) > ONE_ROW_COPY_MAX_BYTES):
         return params
+    # cut on the host (XLA:CPU arrays): eager `a[r]` compiles a slice program per leaf shape (bench-78m:
+    # the first engine made 1.07 s, now 0.37)
+    layer = lambda tree, r: jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[r]), tree)
     return params.replace(blocks=tuple(
-        LayerByLayer(tuple(tuple(jax.tree.map(lambda a, r=r: a[r], block) for block in period)
-                           for r in range(run.repeats))) if run.repeats > 1 else period
+        LayerByLayer(tuple(tuple(layer(block, r) for block in period) for r in range(run.repeats)))
+        if run.repeats > 1 else period
         for run, period in zip(cfg.layer_runs, params.blocks)))
 
 
@@ -269,24 +277,11 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
     gives the attend call of repeat `at` (None: states of one layer). Returns (streams,
     the updated states), or without states what the attend calls returned beside their
     output, per period position stacked [R, ...] (probes; None for a plain forward)."""
-    if isinstance(blocks, LayerByLayer):  # whole weights per layer (`one_row_params`)
-        if states is None:
-            raise ValueError("layer-by-layer params (an engine's one-slot step_params) run the cached path only: "
-                             "give the full-sequence forward the model's params")
-        with whole_weights():
-            for r, period_blocks in enumerate(blocks.layers):
-                new = []
-                for j, block in enumerate(period_blocks):
-                    streams, state = block_apply(block, streams, tokens, attends[j](states[j], r), cfg, opts)
-                    new.append(state)
-                states = tuple(new)
-        return streams, states
-
-    def period(streams, blocks, states, at=None):
+    def period(streams, blocks, states, at=None, whole=False):
         new = []
         for j, block in enumerate(blocks):
             attend = attends[j] if states is None else attends[j](states[j], at)
-            if at is None:
+            if at is None or whole:  # whole: this repeat's own weights (`LayerByLayer`)
                 streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
             else:  # this repeat's slice of the weights; the routed experts are read from the stack
                 moe = block.moe
@@ -295,6 +290,15 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
                 streams, state = block_apply(own, streams, tokens, attend, cfg, opts, expert_layer=at)
             new.append(state)
         return streams, tuple(new)
+
+    if isinstance(blocks, LayerByLayer):  # whole weights per layer (`one_row_params`), unrolled
+        if states is None:
+            raise ValueError("layer-by-layer params (an engine's one-slot step_params) run the cached path only: "
+                             "give the full-sequence forward the model's params")
+        with whole_weights():
+            for r, period_blocks in enumerate(blocks.layers):
+                streams, states = period(streams, period_blocks, states, at=r, whole=True)
+        return streams, states
 
     if run.repeats == 1:
         first = lambda tree: jax.tree.map(lambda a: a[0], tree)
