@@ -35,35 +35,32 @@ FEW_ROWS = 16  # up to this many rows a large weight is read once for all of the
 
 
 _GEMM_ONLY = contextvars.ContextVar("dsjax_gemm_only", default=False)
-
-
-@contextlib.contextmanager
-def gemm_only():
-    """While tracing inside: every product takes the GEMM. Batch-invariant mode runs under it,
-    so a row's logits are bitwise the same on one device and on a mesh (where the GEMM is
-    XLA's sharded one)."""
-    token = _GEMM_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _GEMM_ONLY.reset(token)
-
-
 _WHOLE_WEIGHTS = contextvars.ContextVar("dsjax_whole_weights", default=False)
 
 
 @contextlib.contextmanager
+def _tracing_with(flag: contextvars.ContextVar):
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
+def gemm_only():
+    """While tracing inside: every product takes the GEMM. Batch-invariant mode runs under it,
+    so a row's logits are bitwise the same on one device and on a mesh (where the GEMM is
+    XLA's sharded one)."""
+    return _tracing_with(_GEMM_ONLY)
+
+
 def whole_weights():
     """While tracing inside: the layer weights are whole arrays (program arguments, not slices
     of a stacked layer run; `dsjax.model.decoder.LayerByLayer`), so a one-row fp32 product is
     written `w @ x`: XLA:CPU calls its library matrix-vector product on the argument in place.
     (On a slice, XLA fuses the slice into an element-by-element loop instead, and `x @ w.T`
     reads that loop faster; see `linear`.)"""
-    token = _WHOLE_WEIGHTS.set(True)
-    try:
-        yield
-    finally:
-        _WHOLE_WEIGHTS.reset(token)
+    return _tracing_with(_WHOLE_WEIGHTS)
 
 
 def few_rows(rows: int) -> bool:
