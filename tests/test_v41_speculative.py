@@ -130,3 +130,21 @@ def test_prefix_cache_hits_equal_fresh_runs(tiny8):
                 pass
             assert warm.requests[rid].cached_tokens == hit, (options, shared)
             assert warm.requests[rid].tokens == engine().generate([prompt], sampling)[0], (options, shared)
+
+
+
+def test_prompt_chunks_follow_one_token_decodes(tiny8):
+    """Under the reference's published-key rule (§2.7) a cached chunk starting at s > 0 equals
+    one-token decodes only up to position 2 s + 1 (later ratio-2 scores would need keys that the
+    chunk itself writes further on), so the engine cuts a V4.1 prompt on the prefill_chunk grid
+    (`Engine.aligned_chunks`): 11 tokens run as positions 0..7 then 8..10, not 0..2 then 3..10.
+    Oracle (§2.11): an 8-token prompt's greedy run is a prefill, then one-token decodes; its
+    first 3 tokens appended to the prompt give the same tokens after them. (Cut 0..2, 3..10,
+    both prompts' continuations differ.)"""
+    prompts = [np.random.default_rng(seed).integers(0, 8, 8).tolist() for seed in (0, 1)]
+    engine = Engine(tiny8, max_slots=2, capacity=CAP, prefill_chunk=8)  # the plain engine's programs
+    assert engine.aligned_chunks
+    runs = engine.generate(prompts, SamplingParams(max_tokens=11, ignore_eos=True))
+    longer = engine.generate([p + run[:3] for p, run in zip(prompts, runs)],
+                             SamplingParams(max_tokens=8, ignore_eos=True))
+    assert longer == [run[3:] for run in runs]

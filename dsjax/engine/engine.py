@@ -47,6 +47,7 @@ from dsjax.engine.constraints import Constraint, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.model.cache import batch_axes
 from dsjax.model.decoder import INVARIANT_ROWS, one_row_params
+from dsjax.model.v41 import reference_key_rule
 from dsjax.engine.constrained_step import ConstrainedDecode
 from dsjax.engine.prefill import Prefill
 from dsjax.engine.prefix_cache import PrefixCacheOptions, PrefixCaching
@@ -117,7 +118,11 @@ class Engine(Prefill, ConstrainedDecode):
     blocks is put back at admission and only the rest is prefilled. Prompts are then cut into
     chunks on the absolute prefill_chunk grid (the last one narrower), so that every chunk
     ends a block; outputs with a hit equal those without (bitwise in batch-invariant mode).
-    `prefix_metrics()` counts hits, tokens saved and tier traffic.
+    `prefix_metrics()` counts hits, tokens saved and tier traffic. A V4.1 model under the
+    reference's published-key rule (the default) cuts prompts on that grid too
+    (`aligned_chunks`): a chunk starting at s > 0 equals one-token decodes only up to position
+    2 s + 1 (`dsjax.model.v41.reference_key_rule`), and a full chunk after a narrower first one
+    would pass it.
 
     `step_params`: the weights the prefill and decode programs run with: the model's, but for
     a one-slot engine on XLA:CPU (not batch-invariant, no drafts), which keeps its own copy
@@ -188,6 +193,9 @@ class Engine(Prefill, ConstrainedDecode):
         self._ids = itertools.count()
         self.steps = 0
         self.prefix = None if prefix_cache is None else PrefixCaching(self, prefix_cache)
+        # prompt chunks on the absolute prefill_chunk grid (the last one narrower): a prefix cache's
+        # blocks, and V4.1's published-key rule (a chunk at s > 0 exact up to 2 s + 1 only)
+        self.aligned_chunks = self.prefix is not None or reference_key_rule(cfg, self.opts)
 
     def _place(self, tree):
         """Batch-major state onto the mesh: rows over the batch axes."""

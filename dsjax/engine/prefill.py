@@ -3,7 +3,7 @@ engine's state): which prompt chunks go in one call, the chunk arrays and contex
 each call, the device call itself, and the programs `warmup` must compile for them.
 
 A prompt is fed `prefill_chunk` tokens at a time (its first chunk narrower, so the rest
-align; `Request.next_chunk`), one call per request on one device (one row of the cache), all
+align; or, `Engine.aligned_chunks`, its last; `Request.next_chunk`), one call per request on one device (one row of the cache), all
 prefilling rows in one call under a mesh (a batch-sharded cache cannot be sliced by row),
 and in batch-invariant mode the rows of one tile and one chunk width together.
 """
@@ -25,11 +25,11 @@ class Prefill:
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (chunk width, context bucket) a prefill call may have. Chunks narrower than
         prefill_chunk are a prompt's first (`Request.next_chunk`), at the smallest bucket (with
-        a prefix cache its last, at any bucket); full chunks at each bucket from
+        aligned chunks, `Engine.aligned_chunks`, its last, at any bucket); full chunks at each bucket from
         `_prefill_bucket(0, prefill_chunk)` up."""
         shapes = {(w, self._prefill_bucket(0, w)) for w in chunk_lengths(self.prefill_chunk)}
         lowest = self._prefill_bucket(0, self.prefill_chunk)
-        if self.prefix is not None:  # a prompt's last chunk is the narrower one, at any position
+        if self.aligned_chunks:  # a prompt's last chunk is the narrower one, at any position
             shapes |= {(w, b) for w in chunk_lengths(self.prefill_chunk) for b in self._buckets()
                        if b >= self._prefill_bucket(0, w)}
         return sorted(shapes | {(self.prefill_chunk, b) for b in self._buckets() if b >= lowest})
@@ -63,7 +63,7 @@ class Prefill:
         return out
 
     def _next_chunk(self, r: Request) -> list[int]:
-        return r.next_chunk(self.prefill_chunk, aligned=self.prefix is not None)
+        return r.next_chunk(self.prefill_chunk, aligned=self.aligned_chunks)
 
     def _prefill_bucket(self, prefilled: int, width: int) -> int:
         """The context bucket of a chunk of `width` after `prefilled` tokens. A full chunk

@@ -81,8 +81,8 @@ class Request:
         compiles (widths + context buckets) programs, not (widths x buckets), and pads at
         most one chunk per prompt. Chunks cover `prefill_len` tokens: a constrained
         request's one-token prompt gets one empty chunk (it only admits the request).
-        aligned (a prefix cache's engine): chunks end on the absolute prefill_chunk grid,
-        every one a whole block but the last."""
+        aligned (`Engine.aligned_chunks`: a prefix cache's blocks, V4.1's published-key rule):
+        chunks end on the absolute prefill_chunk grid, every one a whole block but the last."""
         if aligned:
             n = prefill_chunk - self.prefilled % prefill_chunk
         else:

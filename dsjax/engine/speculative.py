@@ -57,7 +57,7 @@ from dsjax.model.decoder import (DEFAULT_OPTIONS, ModelParams, decoder_streams, 
 from dsjax.layers.engram import kept_history
 from dsjax.model.dspark import DSparkRing, dspark_draft, dspark_seed, empty_ring
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
-from dsjax.model.v41 import DSparkParams, quirk_source, v41_forward_rows
+from dsjax.model.v41 import DSparkParams, reference_key_rule, v41_forward_rows
 from dsjax.sharding.rules import per_row
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
@@ -393,10 +393,8 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     logits, streams, cache = target_chunk(params, tokens, cfg, cache, opts=opts, n_valid=jnp.where(active, k + 1, 0),
                                           ctx_bucket=ctx_bucket)
     limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
-    if cfg.v41 is not None and not opts.index_keys_from_owner and quirk_source(cfg) is not None:
-        # the reference's published-key rule holds in a chunk at positions t <= 2 start + 1 only
-        # (README "DeepSeek-V4.1-Flash"): a row keeps at most start + 1 drafts (a short prompt's first steps)
-        limit = jnp.minimum(limit, start + 1)
+    if reference_key_rule(cfg, opts):  # exact at positions t <= 2 start + 1 only: a row keeps at most
+        limit = jnp.minimum(limit, start + 1)  # start + 1 drafts (a short prompt's first steps)
     if sampled:
         p = processed_probs(logits, slots.sampling)
         a, nxt = accept(p, drafts.q[:, :k], drafts.tokens[:, :k], limit, slots.sampling, start)

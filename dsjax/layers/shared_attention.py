@@ -357,7 +357,9 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
     §2.7): the index keys the last KV source published before this chunk. A row at an even
     position whose source closes no group scores against them instead of its own, as a
     one-token decode of the reference does; rows of a chunk starting at 0 (the reference's
-    prefill) and rows whose keys are not cached yet (t / 2 > start) use their own.
+    prefill) and rows whose keys are not cached yet (t / 2 > start) use their own: a chunk
+    starting at s > 0 equals one-token decodes up to position 2 s + 1 only
+    (`dsjax.model.v41.reference_key_rule`; the engine keeps its chunks within that).
     -> (out [B, C, D], state, shared)."""
     b, c, _ = x.shape
     w, r = cfg.sliding_window, layer.compress_ratio

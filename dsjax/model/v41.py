@@ -261,6 +261,17 @@ def quirk_source(cfg: ModelConfig) -> int | None:
     return owners[-1].index
 
 
+def reference_key_rule(cfg: ModelConfig, opts: RuntimeOptions) -> bool:
+    """Whether cached chunks follow the reference's published-key rule (spec deepseek-v41.md §2.7:
+    a one-token decode at an even position scores the last KV source's keys at ratio-2 index
+    sources). A chunk starting at position s > 0 then equals one-token decodes only at positions
+    t <= 2 s + 1: beyond, the keys it needs (the last KV source's, of positions s..t/2 - 1) are
+    written by the chunk itself, later in the layer order, and the ratio-2 sources score their
+    own instead (`shared_attention_extend`). So an engine keeps every chunk after position 0
+    within that bound (prompt chunks on the prefill_chunk grid, at most s + 1 drafts)."""
+    return cfg.v41 is not None and not opts.index_keys_from_owner and quirk_source(cfg) is not None
+
+
 def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array, n_valid: jax.Array):
     """The Engram rows of a chunk from host tables, inside a jitted program: `fetch(tokens
     [B, C], history [B, h], n_valid [B])` runs on the host and returns, per Engram layer, the stored
