@@ -94,6 +94,29 @@ def test_next_chat_turn_hits_the_generated_reply(tiny, rng):
         assert got.tokens == _run(_engine(tiny, batch_invariant=batch_invariant, max_logprobs=0), turn, greedy).tokens
 
 
+
+def test_v41_decoded_first_block_is_kept_only_where_it_equals_a_prefill():
+    """V4.1 under the reference's published-key rule (tiny-v41: index_topk 4, ratio-2 index
+    sources), prefill_chunk 16: a fresh run prefills a prompt's first block, where a decode step
+    at an even position t >= 10 (five or more ratio-2 entries visible) may select others, so a
+    first block that ends in generated tokens is not kept (a 5-token prompt's chat), while a
+    later generated block is (a 20-token prompt's, block 16..31). Each chat's next turn gives a
+    fresh engine's tokens and log-probabilities (with that first block kept, the first chat's
+    next turn gave other tokens)."""
+    from test_v41_speculative import _tiny8  # tiny-v41 cut to 8 tokens, seeded Engram tables
+
+    model = _tiny8()
+    greedy = SamplingParams(max_tokens=14, ignore_eos=True, logprobs=1)
+    firsts = [np.random.default_rng(n).integers(0, 8, n).tolist() for n in (5, 20)]
+    warm = _engine(model, capacity=64, max_logprobs=1)
+    fresh = Engine(model, max_slots=2, capacity=64, prefill_chunk=BLOCK, max_logprobs=1)
+    for first, hit in zip(firsts, (0, 32)):
+        turn = first + _run(warm, first, greedy).tokens + [1, 4, 5]
+        got, want = _run(warm, turn, greedy), _run(fresh, turn, greedy)
+        assert got.tokens == want.tokens
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
+        assert got.cached_tokens == hit
+
 def test_shared_system_prompt_of_200_tokens_is_computed_once(tiny, rng):
     """Four requests arriving together behind a 200-token shared prompt, three slots: the
     others wait while the first prefills it, then take its 192 tokens of whole blocks (it is

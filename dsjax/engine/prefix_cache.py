@@ -21,7 +21,11 @@ sampled from its logits); prefill goes on from there. The part of a prompt that 
 a cached block's tokens but ends inside it is prefilled again: `replayed` tokens, fewer than
 `block` per hit. After each full prefill chunk the engine stores that block (`save_block`);
 a plain decode step that ends a block stores it too once its tokens are read back (not in
-batch-invariant mode: a decode step's sums are not a prefill's, and a hit must be bitwise).
+batch-invariant mode: a decode step's sums are not a prefill's, and a hit must be bitwise;
+nor, for V4.1 under the reference's published-key rule, a first block longer than
+2 index_topk + 1: a fresh run prefills it, where its ratio-2 sources score their own keys
+and not, as a decode step at an even position does, layer 20's; in a shorter one they
+select every visible entry either way).
 
 Eviction is LRU under `device_bytes`; with `host_bytes` an evicted block moves to host memory
 (its copy starts at once and is collected after the next step was dispatched, so it overlaps
@@ -41,6 +45,7 @@ import numpy as np
 from dsjax.engine.programs import restore_block, save_block
 from dsjax.engine.requests import admission
 from dsjax.model.cache import block_layout
+from dsjax.model.v41 import reference_key_rule
 
 ROOT = b""
 
@@ -255,6 +260,9 @@ class PrefixCaching:
         # mode, where a hit must be bitwise a prefill's and a decode step's numerics are not
         self.keeps_generated = (not engine.batch_invariant and not engine.num_draft_tokens
                                 and engine.decode_steps == 1)
+        # a decoded first block equals a fresh run's (a prefill) unless V4.1's key rule changes a selection
+        self.first_generated = (not reference_key_rule(engine.cfg, engine.opts)
+                                or engine.prefill_chunk <= 2 * engine.cfg.index_topk + 1)
         self._generated: list = []  # (request, block index, Block) copied out, keyed once its tokens are read
 
     def _keys(self, req) -> list[bytes]:
@@ -334,7 +342,8 @@ class PrefixCaching:
             return
         b = self.pool.block
         for r in decoding:
-            if r.dispatched % b == 0 and r.dispatched > len(r.prompt):
+            ends = r.dispatched % b == 0 and r.dispatched > len(r.prompt)
+            if ends and (r.dispatched > b or self.first_generated):
                 j = r.dispatched // b - 1
                 self._generated.append((r, j, save_block(self.engine.cache, None, np.int32(r.slot), np.int32(j),
                                                          **self.static)))
