@@ -160,8 +160,9 @@ def test_quirk_chunk_matches_one_token_decodes(model):
     the layer-10 keys an even position scores are written by the chunk itself, later in the
     layer order; engines keep their chunks within it). Row 0: prefill 5, chunk 5..11; row 1:
     prefill 6, chunk 6..13, both the longest such chunk; at t = 10 and 12 five or six ratio-2
-    entries are visible to a top-k of 4, and on the oracle the published keys change a
-    ratio-2 source's selection there. Reuses the quirk programs (chunk of P)."""
+    entries are visible to a top-k of 4, and the oracle's trace must show the published keys
+    changing a ratio-2 source's selection at an even position of the chunks (with the rule
+    ignored in chunks this test failed at t = 10, 11). Reuses the quirk programs (chunk of P)."""
     step = model["step"]
     starts = (5, 6)
     _, cache = step(model["empty"](), 0, P, QUIRK, n_valid=list(starts))

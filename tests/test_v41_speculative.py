@@ -132,7 +132,6 @@ def test_prefix_cache_hits_equal_fresh_runs(tiny8):
             assert warm.requests[rid].tokens == engine().generate([prompt], sampling)[0], (options, shared)
 
 
-
 def test_prompt_chunks_follow_one_token_decodes(tiny8):
     """Under the reference's published-key rule (§2.7) a cached chunk starting at s > 0 equals
     one-token decodes only up to position 2 s + 1 (later ratio-2 scores would need keys that the

@@ -3,9 +3,10 @@ engine's state): which prompt chunks go in one call, the chunk arrays and contex
 each call, the device call itself, and the programs `warmup` must compile for them.
 
 A prompt is fed `prefill_chunk` tokens at a time (its first chunk narrower, so the rest
-align; or, `Engine.aligned_chunks`, its last; `Request.next_chunk`), one call per request on one device (one row of the cache), all
-prefilling rows in one call under a mesh (a batch-sharded cache cannot be sliced by row),
-and in batch-invariant mode the rows of one tile and one chunk width together.
+align; or, `Engine.aligned_chunks`, its last; `Request.next_chunk`), one call per request on
+one device (one row of the cache), all prefilling rows in one call under a mesh (a
+batch-sharded cache cannot be sliced by row), and in batch-invariant mode the rows of one
+tile and one chunk width together.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class Prefill:
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (chunk width, context bucket) a prefill call may have. Chunks narrower than
         prefill_chunk are a prompt's first (`Request.next_chunk`), at the smallest bucket (with
-        aligned chunks, `Engine.aligned_chunks`, its last, at any bucket); full chunks at each bucket from
-        `_prefill_bucket(0, prefill_chunk)` up."""
+        aligned chunks, `Engine.aligned_chunks`, its last, at any bucket); full chunks at each
+        bucket from `_prefill_bucket(0, prefill_chunk)` up."""
         shapes = {(w, self._prefill_bucket(0, w)) for w in chunk_lengths(self.prefill_chunk)}
         lowest = self._prefill_bucket(0, self.prefill_chunk)
         if self.aligned_chunks:  # a prompt's last chunk is the narrower one, at any position
