@@ -45,7 +45,7 @@ import numpy as np
 from dsjax.engine.programs import restore_block, save_block
 from dsjax.engine.requests import admission
 from dsjax.model.cache import block_layout
-from dsjax.model.v41 import reference_key_rule
+from dsjax.model.v41 import decodes_equal_prefill
 
 ROOT = b""
 
@@ -261,8 +261,7 @@ class PrefixCaching:
         self.keeps_generated = (not engine.batch_invariant and not engine.num_draft_tokens
                                 and engine.decode_steps == 1)
         # a decoded first block equals a fresh run's (a prefill) unless V4.1's key rule changes a selection
-        self.first_generated = (not reference_key_rule(engine.cfg, engine.opts)
-                                or engine.prefill_chunk <= 2 * engine.cfg.index_topk + 1)
+        self.first_generated = decodes_equal_prefill(engine.cfg, engine.opts, engine.prefill_chunk)
         self._generated: list = []  # (request, block index, Block) copied out, keyed once its tokens are read
 
     def _keys(self, req) -> list[bytes]:

@@ -272,6 +272,13 @@ def reference_key_rule(cfg: ModelConfig, opts: RuntimeOptions) -> bool:
     return cfg.v41 is not None and not opts.index_keys_from_owner and quirk_source(cfg) is not None
 
 
+def decodes_equal_prefill(cfg: ModelConfig, opts: RuntimeOptions, length: int) -> bool:
+    """Whether one-token decodes of positions below `length` leave what a prefill from position 0
+    leaves: always, but under `reference_key_rule` when a ratio-2 source could select fewer than
+    its visible entries there (length > 2 index_topk + 1; below, it selects them all either way)."""
+    return not reference_key_rule(cfg, opts) or length <= 2 * cfg.index_topk + 1
+
+
 def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array, n_valid: jax.Array):
     """The Engram rows of a chunk from host tables, inside a jitted program: `fetch(tokens
     [B, C], history [B, h], n_valid [B])` runs on the host and returns, per Engram layer, the stored
