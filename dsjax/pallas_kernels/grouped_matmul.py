@@ -201,6 +201,7 @@ def _mgpu_swiglu_kernel(expert_gmem, used_gmem, x_gmem, w1_gmem, w3_gmem, h_gmem
             def step(_, x_smem, w1_smem, w3_smem):
                 wgmma_nt(gate_ref, x_smem, w1_smem, interpret)
                 wgmma_nt(up_ref, x_smem, w3_smem, interpret)
+                plgpu.wgmma_wait(0)  # the pipeline refills these buffers once the step returns
 
             plgpu.emit_pipeline(
                 step, grid=(x_gmem.shape[1] // block_k,), max_concurrent_steps=steps,
@@ -230,8 +231,12 @@ def _mgpu_down_kernel(expert_gmem, used_gmem, h_gmem, w2_gmem, y_gmem, *, rows: 
     @pl.when(used_gmem[t] > 0)
     def _():
         def accumulate(acc_ref):
+            def step(_, h_smem, w2_smem):
+                wgmma_nt(acc_ref, h_smem, w2_smem, interpret)
+                plgpu.wgmma_wait(0)  # as in the first kernel
+
             plgpu.emit_pipeline(
-                lambda _, h_smem, w2_smem: wgmma_nt(acc_ref, h_smem, w2_smem, interpret),
+                step,
                 grid=(h_gmem.shape[1] // block_k,), max_concurrent_steps=steps,
                 in_specs=[plgpu.BlockSpec((rows, block_k), lambda k: (t, k), transforms=tf),
                           plgpu.BlockSpec((block_n, block_k), lambda k: (n, k), transforms=tf)],
