@@ -1,0 +1,128 @@
+"""The engine on a GPU: a V4-Flash-shaped model cut to a few layers (its attention, indexer
+and expert shapes; fewer layers, experts and vocabulary; random bf16 weights), run with
+kernels="reference" (pure jnp through XLA) and kernels="pallas" (the Mosaic GPU kernels on a
+Hopper GPU). Records, per kernel choice: full-forward logits against the reference's and
+against an fp32-weight reference run (max |diff| over the logits' scale, argmax agreement:
+the second shows how far bf16 alone moves them), greedy tokens of a batch against the
+reference's, decode tok/s at batch 1 and `--batch`, prefill tok/s, and compile seconds. A
+failure is recorded per kernel choice, not raised. JSON out.
+
+    PYTHONPATH=. python3 benchmarks/gpu_engine.py --out $OUT/gpu_engine.json
+    python benchmarks/gpu_engine.py --smoke --out /tmp/gpu_engine_smoke.json   # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from results_io import write_result
+
+import dsjax
+from dsjax.engine.engine import Engine
+from dsjax.engine.sampler import SamplingParams
+from dsjax.model import model_specs
+from dsjax.params import init_params
+
+
+def gpu_config(smoke: bool):
+    """V4-Flash's first 4 layers (sliding, sliding, CSA, HCA; 3 hash-routed) at its widths,
+    8 experts, a 32k vocabulary; --smoke: the tiny config."""
+    if smoke:
+        return dsjax.load_config("tiny")
+    flash = dsjax.load_config("v4-flash")
+    return flash.replace(name="v4-flash-4l-8e", num_hidden_layers=4, layer_types=flash.layer_types[:4],
+                         mlp_layer_types=flash.mlp_layer_types[:4], n_routed_experts=8, vocab_size=32768)
+
+
+def compare(logits, want) -> dict:
+    return {"max_abs_diff_over_scale": float(np.abs(logits - want).max() / np.abs(want).max()),
+            "argmax_agreement": float((logits.argmax(-1) == want.argmax(-1)).mean())}
+
+
+def run_choice(model, kernels, prompts, new_tokens, batch, want_logits, want_tokens, capacity, chunk, float32_logits):
+    row = {}
+    m = model.replace(options=model.options.replace(kernels=kernels))
+    ids = np.asarray(prompts[:2])[:, :chunk]
+    t = time.perf_counter()
+    logits = m.logits(ids)
+    row["logits_first_call_s"] = time.perf_counter() - t
+    row["logits_vs_float32_reference"] = compare(logits, float32_logits)  # bf16's own noise, for scale
+    if want_logits is not None:
+        row["logits_vs_reference"] = compare(logits, want_logits)
+    for b in sorted({1, batch}):
+        engine = Engine(m, max_slots=b, capacity=capacity, prefill_chunk=chunk)
+        greedy = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        engine.generate(prompts[:b], greedy)  # compiles
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.generate(prompts[:b], SamplingParams(max_tokens=1, ignore_eos=True))
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        tokens = engine.generate(prompts[:b], greedy)
+        total = time.perf_counter() - t
+        decode = max(total - prefill, 1e-9)
+        row[f"batch_{b}"] = {"first_run_s_with_compiles": first, "prefill_tokens_per_s": b * len(prompts[0]) / prefill,
+                             "decode_tokens_per_s": b * (new_tokens - 1) / decode}
+        if b == batch:
+            row["tokens"] = tokens
+            if want_tokens is not None:
+                same = [sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, w)))
+                        for a, w in zip(tokens, want_tokens)]
+                row["greedy_prefix_agreement"] = same  # tokens equal before the first difference, per row
+        print(kernels, b, row[f"batch_{b}"], flush=True)
+    return row, logits
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/gpu_engine.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny config on CPU (the Pallas kernels interpreted)")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    args = ap.parse_args()
+    if args.smoke:
+        args.prompt_len, args.new_tokens, args.batch = 24, 4, 2
+    cfg = gpu_config(args.smoke)
+    t = time.perf_counter()
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    model = dsjax.Model(cfg, init_params(model_specs(cfg, dtype), 0), dtype, None)
+    result = {"config": cfg.name, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+              "jax": jax.__version__, "platform": platform.platform(), "init_s": time.perf_counter() - t,
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "choices": {}}
+    print("weights ready in", result["init_s"], "s", flush=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
+    capacity = -(-(args.prompt_len + args.new_tokens) // 128) * 128
+    chunk = min(args.prompt_len, 1024)
+    want_logits = want_tokens = None
+    as32 = lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+    model32 = model.replace(params=jax.tree.map(as32, model.params), dtype=jnp.float32)
+    float32_logits = model32.logits(np.asarray(prompts[:2])[:, :chunk])  # kernels="reference", fp32 weights
+    del model32
+    for kernels in ("reference", "pallas"):
+        try:
+            row, logits = run_choice(model, kernels, prompts, args.new_tokens, args.batch, want_logits, want_tokens,
+                                     capacity, chunk, float32_logits)
+        except Exception as e:  # noqa: BLE001 - record a kernel choice's failure, keep the other
+            row = {"error": f"{type(e).__name__}: {e}"[:3000], "trace": traceback.format_exc()[-3000:]}
+            print(kernels, "FAILED", row["error"][:500], flush=True)
+            result["choices"][kernels] = row
+            continue
+        if kernels == "reference":
+            want_logits, want_tokens = logits, row["tokens"]
+        row.pop("tokens")
+        result["choices"][kernels] = row
+    write_result(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
