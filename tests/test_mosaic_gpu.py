@@ -174,3 +174,59 @@ def test_gpu_check_script_dry_run(tmp_path):
                    check=True, capture_output=True, timeout=600)
     rows = json.loads(out.read_text())["kernels"]
     assert len(rows) == 9 and all(row["ok"] and "/mosaic_gpu/" in k for k, row in rows.items()), rows
+
+
+def _events(jaxpr, out):
+    """The kernel's primitives in program order (sub-jaxprs inlined where they sit; a loop
+    body is entered once), with a marker at the end of each loop body and of each run_state
+    (which returns its refs' final values: a wgmma accumulator is read there)."""
+    for eqn in jaxpr.eqns:
+        out.append(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    _events(sub, out)
+                    if eqn.primitive.name in ("while", "scan"):
+                        out.append("end of loop body")
+                    elif eqn.primitive.name == "run_state":
+                        out.append("end of run_state")
+    return out
+
+
+def _unwaited_wgmma(fn, *avals) -> list[str]:
+    """wgmma is asynchronous: its operands in shared memory must not be refilled before it has
+    finished. Interpret mode runs it synchronously, so only this check (or a GPU) sees a
+    missing wait. Returns the primitive that came first after an un-waited wgmma, per breach:
+    a TMA copy into shared memory, or a loop body's end (whose next step copies)."""
+    events = _events(jax.make_jaxpr(fn)(*avals).jaxpr, [])
+    breaches, pending = [], False
+    for name in events:
+        if name == "wgmma_ref":
+            pending = True
+        elif name in ("wgmma_wait", "wgmma_accumulator_deref_p", "end of run_state"):
+            pending = False
+        elif pending and name in ("copy_gmem_to_smem", "end of loop body"):
+            breaches.append(name)
+            pending = False
+    assert "wgmma_ref" in events  # the kernels were traced for the GPU, not interpret mode
+    return breaches
+
+
+@pytest.mark.parametrize("kernel", ["attention", "attention_topk", "index_scores", "grouped_ffn"])
+def test_mosaic_gpu_kernels_wait_for_wgmma_before_refilling_its_operands(kernel):
+    """The first GPU run found the grouped FFN's pipelined steps issuing wgmma and returning,
+    so emit_pipeline refilled the operands under it (wrong rows on the H200, right ones in
+    interpret mode). Every Mosaic GPU kernel must wait (wgmma_wait, or reading the
+    accumulator) before the next copy into shared memory."""
+    fn, avals = {
+        "attention": (sink_attention.mgpu_sink_attention, _attention_avals(2, 1, 64, 300, 128, 0)),
+        "attention_topk": (sink_attention.mgpu_sink_attention, _attention_avals(2, 4, 64, 200, 128, 64)),
+        "index_scores": (lambda *a: index_scores.mgpu_index_scores(*a, scale=0.1),
+                         [S((2, 1, 64, 128), jnp.bfloat16), S((2, 300, 128), jnp.bfloat16),
+                          S((2, 1, 64), jnp.float32)]),
+        "grouped_ffn": (lambda *a: grouped_matmul.mgpu_grouped_ffn(*a, limit=10.0),
+                        [S((128, 256), jnp.bfloat16), S((2,), jnp.int32), S((2, 256, 256), jnp.bfloat16),
+                         S((2, 256, 256), jnp.bfloat16), S((2, 256, 256), jnp.bfloat16)]),
+    }[kernel]
+    assert _unwaited_wgmma(fn, *avals) == []
