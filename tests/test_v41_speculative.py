@@ -69,12 +69,13 @@ def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
     seeding its rings, verify steps rolling back the caches and the Engram id history, drafts
     committed and redrawn) give the plain engine's tokens, under the default options
     (quantisation round trips, the reference's index keys) and with seeded Engram tables;
-    drafts are both accepted and rejected. Also with confidence scheduling (DSpark's
-    sigma(c_k), the cost curve pinned so nothing is timed): rows verify fewer drafts than
-    the maximum, and the calibration books every judged draft."""
-    fixed, confidence = _greedy_equals_plain(tiny8, 20, dict(spec_policy="fixed"), dict(
-        spec_policy="confidence", verify_costs=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5]))
-    assert 0 < fixed["drafts_accepted"] < fixed["drafts_proposed"]
+    drafts are both accepted and rejected. With confidence scheduling, the default policy
+    (DSpark's sigma(c_k), the cost curve pinned so nothing is timed): rows verify fewer drafts
+    than the maximum, and the calibration books every judged draft. (The fixed policy's greedy
+    run is the mesh test's; one more engine here cost ~80 s of compiles for no other path.)"""
+    (confidence,) = _greedy_equals_plain(tiny8, 20, dict(spec_policy="confidence",
+                                                         verify_costs=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5]))
+    assert 0 < confidence["drafts_accepted"] < confidence["drafts_proposed"]
     assert 0 < confidence["drafts_proposed"] < 5 * confidence["row_steps"]
     assert sum(confidence["calibration"]["judged"]) == sum(confidence["judged_by_position"]) > 0
 
