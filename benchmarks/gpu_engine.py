@@ -7,7 +7,7 @@ the second shows how far bf16 alone moves them), greedy tokens of a batch agains
 reference's, decode tok/s at batch 1 and `--batch`, prefill tok/s, and compile seconds. A
 failure is recorded per kernel choice, not raised. JSON out.
 
-    PYTHONPATH=. python3 benchmarks/gpu_engine.py --out $OUT/gpu_engine.json
+    PYTHONPATH=. python3 benchmarks/gpu_engine.py --profile --out $OUT/gpu_engine.json
     python benchmarks/gpu_engine.py --smoke --out /tmp/gpu_engine_smoke.json   # CPU dry run
 """
 
@@ -88,6 +88,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--profile", action="store_true",
+                    help="also decode_profile.py's split of a decode step (reference kernels): the program's own "
+                         "time against the engine's step (host overhead) and per op group")
     args = ap.parse_args()
     if args.smoke:
         args.prompt_len, args.new_tokens, args.batch = 24, 4, 2
@@ -121,6 +124,17 @@ def main():
             want_logits, want_tokens = logits, row["tokens"]
         row.pop("tokens")
         result["choices"][kernels] = row
+    if args.profile:
+        from decode_profile import profile
+        from roofline import memory_bandwidth
+
+        bandwidth = memory_bandwidth()["best"]
+        result["decode_profile"] = {}
+        for b in sorted({1, args.batch}):
+            row = profile(model, b, args.prompt_len, repeats=10, bandwidth=bandwidth)
+            result["decode_profile"][str(b)] = row
+            print("profile", b, {k: round(1e3 * v, 3) for k, v in row["groups_s"].items()}, "ms; engine step",
+                  round(1e3 * row["engine_step_s"], 3), "ms", flush=True)
     write_result(result, args.out)
 
 

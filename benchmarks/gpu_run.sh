@@ -24,4 +24,4 @@ for family in ${FAMILIES:-sink_attention grouped_matmul index_scores}; do
     --out "$OUT/gpu_check_$family.json" 2>&1 | tee -a "$log"
 done
 echo "== engine" | tee -a "$log"
-timeout "${ENGINE_TIMEOUT:-240}" python3 benchmarks/gpu_engine.py --out "$OUT/gpu_engine.json" 2>&1 | tee -a "$log"
+timeout "${ENGINE_TIMEOUT:-360}" python3 benchmarks/gpu_engine.py --profile --out "$OUT/gpu_engine.json" 2>&1 | tee -a "$log"
