@@ -4,7 +4,8 @@ kernels="reference" (pure jnp through XLA) and kernels="pallas" (the Mosaic GPU 
 Hopper GPU). Records, per kernel choice: full-forward logits against the reference's and
 against an fp32-weight reference run (max |diff| over the logits' scale, argmax agreement:
 the second shows how far bf16 alone moves them), greedy tokens of a batch against the
-reference's, decode tok/s at batch 1 and `--batch`, prefill tok/s, and compile seconds. A
+reference's, and decode / prefill tok/s at batch 1 and `--batch` (engine_bench.py's
+measurement: median of 3, prefill timed on its own and taken off the generate time). A
 failure is recorded per kernel choice, not raised. JSON out.
 
     PYTHONPATH=. python3 benchmarks/gpu_engine.py --profile --out $OUT/gpu_engine.json
@@ -22,6 +23,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from engine_bench import bench_dsjax
 from results_io import write_result
 
 import dsjax
@@ -46,39 +48,28 @@ def compare(logits, want) -> dict:
             "argmax_agreement": float((logits.argmax(-1) == want.argmax(-1)).mean())}
 
 
-def run_choice(model, kernels, prompts, new_tokens, batch, want_logits, want_tokens, capacity, chunk, float32_logits):
+def run_choice(model, kernels, prompts, new_tokens, capacity, want_logits, want_tokens, float32_logits):
+    """One kernel choice: logits compared, greedy tokens of the batch compared (tokens equal before
+    the first difference, per row), tok/s at batch 1 and len(prompts) (engine_bench's timing)."""
     row = {}
     m = model.replace(options=model.options.replace(kernels=kernels))
-    ids = np.asarray(prompts[:2])[:, :chunk]
     t = time.perf_counter()
-    logits = m.logits(ids)
+    logits = m.logits(np.asarray(prompts[:2]))
     row["logits_first_call_s"] = time.perf_counter() - t
     row["logits_vs_float32_reference"] = compare(logits, float32_logits)  # bf16's own noise, for scale
     if want_logits is not None:
         row["logits_vs_reference"] = compare(logits, want_logits)
+    batch, prompt_len = len(prompts), len(prompts[0])
     for b in sorted({1, batch}):
-        engine = Engine(m, max_slots=b, capacity=capacity, prefill_chunk=chunk)
-        greedy = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-        t = time.perf_counter()
-        engine.generate(prompts[:b], greedy)  # compiles
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        engine.generate(prompts[:b], SamplingParams(max_tokens=1, ignore_eos=True))
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        tokens = engine.generate(prompts[:b], greedy)
-        total = time.perf_counter() - t
-        decode = max(total - prefill, 1e-9)
-        row[f"batch_{b}"] = {"first_run_s_with_compiles": first, "prefill_tokens_per_s": b * len(prompts[0]) / prefill,
-                             "decode_tokens_per_s": b * (new_tokens - 1) / decode}
-        if b == batch:
-            row["tokens"] = tokens
-            if want_tokens is not None:
-                same = [sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, w)))
-                        for a, w in zip(tokens, want_tokens)]
-                row["greedy_prefix_agreement"] = same  # tokens equal before the first difference, per row
-        print(kernels, b, row[f"batch_{b}"], flush=True)
-    return row, logits
+        row[f"batch_{b}"] = bench_dsjax(m, b, prompt_len, new_tokens, capacity=capacity, repeats=3)
+        print(kernels, b, {k: v for k, v in row[f"batch_{b}"].items() if k.endswith("per_s")}, flush=True)
+    # the batch's engine programs are compiled by now (same shapes): no new compile here
+    engine = Engine(m, max_slots=batch, capacity=capacity, prefill_chunk=prompt_len)
+    tokens = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    if want_tokens is not None:
+        row["greedy_prefix_agreement"] = [sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, w)))
+                                          for a, w in zip(tokens, want_tokens)]
+    return row, logits, tokens
 
 
 def main():
@@ -105,24 +96,22 @@ def main():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
     capacity = -(-(args.prompt_len + args.new_tokens) // 128) * 128
-    chunk = min(args.prompt_len, 1024)
     want_logits = want_tokens = None
     as32 = lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
     model32 = model.replace(params=jax.tree.map(as32, model.params), dtype=jnp.float32)
-    float32_logits = model32.logits(np.asarray(prompts[:2])[:, :chunk])  # kernels="reference", fp32 weights
+    float32_logits = model32.logits(np.asarray(prompts[:2]))  # kernels="reference", fp32 weights
     del model32
     for kernels in ("reference", "pallas"):
         try:
-            row, logits = run_choice(model, kernels, prompts, args.new_tokens, args.batch, want_logits, want_tokens,
-                                     capacity, chunk, float32_logits)
+            row, logits, tokens = run_choice(model, kernels, prompts, args.new_tokens, capacity, want_logits,
+                                             want_tokens, float32_logits)
         except Exception as e:  # noqa: BLE001 - record a kernel choice's failure, keep the other
             row = {"error": f"{type(e).__name__}: {e}"[:3000], "trace": traceback.format_exc()[-3000:]}
             print(kernels, "FAILED", row["error"][:500], flush=True)
             result["choices"][kernels] = row
             continue
         if kernels == "reference":
-            want_logits, want_tokens = logits, row["tokens"]
-        row.pop("tokens")
+            want_logits, want_tokens = logits, tokens
         result["choices"][kernels] = row
     if args.profile:
         from decode_profile import profile
