@@ -11,7 +11,7 @@ import pytest
 import dsjax
 from dsjax.api import STORED_NARROW
 from dsjax.engine.speculative import draft_vocab
-from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, whole_weights
+from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
 from dsjax.model.decoder import one_row_head
@@ -87,3 +87,14 @@ def test_store_weights_refuses_what_it_cannot_do():
     model = dsjax.load_model("tiny", dtype="bfloat16", seed=0)
     with pytest.raises(ValueError, match="bfloat16 weights under a float32 model"):
         dsjax.store_weights(model)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_merged_vector_is_the_reshape_and_its_own_buffer_at_one_row(rows):
+    """merge_last_two: the values of the reshape; at one row on XLA:CPU built by concatenation
+    (a buffer of its own for the matrix-vector loop), otherwise the reshape itself."""
+    x = jnp.asarray(np.random.default_rng(rows).normal(size=(rows, 1, 4, 24)).astype(np.float32))
+    got = jax.jit(merge_last_two)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x).reshape(rows, 1, 96))
+    prims = {e.primitive.name for e in jax.make_jaxpr(merge_last_two)(x).eqns}
+    assert ("concatenate" in prims) == (rows == 1)

@@ -23,7 +23,7 @@ from dsjax.layers.compressor import (Compressor, CompressorState, compress_exten
                                      compressor_state_shapes, state_rows, state_set)
 from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_weights, indexer_specs,
                                   select_topk_indices)
-from dsjax.layers.linear import linear
+from dsjax.layers.linear import linear, merge_last_two
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
@@ -91,7 +91,7 @@ def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig, round_trips: bo
     grouped = reshape(o, (*o.shape[:-2], g, -1))  # [B, S, G, H/G * hd]
     w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
     z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
-    return linear(reshape(z, (*z.shape[:-2], -1)), p.o_b_proj, out_sharding=spec("batch", None, None),
+    return linear(merge_last_two(z), p.o_b_proj, out_sharding=spec("batch", None, None),
                   fp8_act=round_trips)
 
 

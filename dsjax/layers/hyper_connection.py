@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import ModelConfig
-from dsjax.layers.linear import linear_f32
+from dsjax.layers.linear import linear_f32, merge_last_two
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape
 
@@ -61,7 +61,7 @@ def hyper_head_specs(cfg: ModelConfig) -> HyperHead:
 
 def _normalized_mix(fn: jax.Array, streams: jax.Array, eps: float) -> jax.Array:
     """(fn @ v) * rsqrt(mean(v^2) + eps) with v = flatten(streams) in fp32."""
-    v = reshape(streams, (*streams.shape[:-2], -1)).astype(jnp.float32)
+    v = merge_last_two(streams.astype(jnp.float32))
     inv_rms = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
     return linear_f32(v, fn) * inv_rms
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, dense
-from dsjax.sharding.rules import current_mesh
+from dsjax.sharding.rules import current_mesh, reshape
 
 FEW_ROWS = 16  # up to this many rows a large weight is read once for all of them (multiply-reduce / tiles)
 
@@ -117,6 +117,18 @@ def _tiled(flat: jax.Array, w) -> jax.Array:
     if n * tile < out:  # the rows left over
         y = jnp.concatenate([y, jnp.einsum("ri,oi->ro", flat, rows_of(n * tile, out - n * tile))], axis=-1)
     return y
+
+
+def merge_last_two(x: jax.Array) -> jax.Array:
+    """x [..., A, B] -> [..., A * B], as the vector of a one-row product (`linear`) reads it
+    best. On XLA:CPU a one-row product fuses its vector's producers into its matrix-vector
+    loop, and a vector that is a reshape of a multi-dim buffer (mHC's N streams, W_oa's
+    groups) is read there through per-element index arithmetic: the loop ran 7x slower
+    ([4, 128] -> [512] against a [512] buffer, W_ob). There the A pieces are concatenated
+    instead, into a buffer of its own; elsewhere it is the reshape."""
+    if x.shape[-2] > 1 and math.prod(x.shape[:-2]) == 1 and cpu_forms(x, 1):
+        return jnp.concatenate([x[..., i, :] for i in range(x.shape[-2])], axis=-1)
+    return reshape(x, (*x.shape[:-2], -1))
 
 
 def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_act: bool = False) -> jax.Array:
