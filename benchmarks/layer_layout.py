@@ -1,5 +1,5 @@
 """A one-slot CPU engine with its scanned layer runs as stored (stacked [repeats, ...],
-sliced in the layer scan) and layer by layer (`LayerByLayer`: what it runs with, see
+sliced in the layer scan: what it runs with) and layer by layer (`LayerByLayer`, see
 `dsjax.model.decoder.one_row_params`), both with the transposed head. Two engines of the
 same model in one process step in turn, `--steps` steps a round (this machine's memory
 bandwidth drifts); their sampled tokens must agree. Also the decode program's compile time
@@ -30,7 +30,7 @@ from dsjax.engine.engine import Engine  # noqa: E402
 from dsjax.engine.programs import decode_step  # noqa: E402
 from dsjax.engine.sampler import SamplingParams  # noqa: E402
 from dsjax.model import model_specs  # noqa: E402
-from dsjax.model.decoder import LayerByLayer, one_row_head  # noqa: E402
+from dsjax.model.decoder import LayerByLayer, one_row_params  # noqa: E402
 from dsjax.params import init_params  # noqa: E402
 
 PROMPT = 40
@@ -38,8 +38,8 @@ PROMPT = 40
 
 def engine(model, layout: str, new_tokens: int) -> Engine:
     e = Engine(model, max_slots=1, capacity=256, prefill_chunk=64)
-    if layout == "stacked":
-        e.step_params = one_row_head(model.params, model.dtype)  # the head transposed, the runs as stored
+    if layout == "layer_by_layer":
+        e.step_params = one_row_params(model.params, model.config, model.dtype)  # the head transposed too
     assert isinstance(e.step_params.blocks[-1], LayerByLayer) == (layout == "layer_by_layer")
     prompt = np.random.default_rng(1).integers(3, model.config.vocab_size, PROMPT).tolist()
     e.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))

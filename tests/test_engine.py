@@ -15,7 +15,7 @@ from dsjax.engine.requests import Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
 from dsjax.layers.quantized import ColumnMajor
 from dsjax.model import forward, model_specs
-from dsjax.model.decoder import LayerByLayer, layer_block
+from dsjax.model.decoder import LayerByLayer, layer_block, one_row_params
 from dsjax.params import init_params
 
 
@@ -133,9 +133,10 @@ def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
 
 def test_one_slot_engine_reads_the_head_transposed_with_the_same_tokens(tiny, rng):
     """A one-slot engine on XLA:CPU runs its steps with the vocabulary head transposed
-    (`one_row_head`: the layout read faster at one row) and its layer runs layer by layer
-    (`one_row_params`: each layer's weights whole, not sliced from a scanned stack); its
-    sampled tokens are those of a four-slot engine, which reads the weights as stored."""
+    (`one_row_head`: the layout read faster at one row), its layer runs scanned as stored; its
+    sampled tokens are those of a four-slot engine, which reads the weights as stored, and of
+    one that runs the layer runs layer by layer (`one_row_params`: each layer's weights whole,
+    not sliced from a scanned stack; benchmarks/layer_layout.py)."""
     base = tiny.config  # tiny with two scanned runs (2 x sliding, 2 x [CSA, HCA]), as `small` has
     cfg = base.replace(num_hidden_layers=6, layer_types=base.layer_types[:1] * 2 + base.layer_types[1:3] * 2,
                        mlp_layer_types=base.mlp_layer_types[:1] * 2 + base.mlp_layer_types[1:2] * 4)
@@ -146,9 +147,12 @@ def test_one_slot_engine_reads_the_head_transposed_with_the_same_tokens(tiny, rn
     one = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
     assert isinstance(one.step_params.lm_head, ColumnMajor)
     np.testing.assert_array_equal(np.asarray(one.step_params.lm_head.t), np.asarray(model.params.lm_head).T)
-    assert all(isinstance(blocks, LayerByLayer) for blocks in one.step_params.blocks)
+    assert one.step_params.blocks is model.params.blocks
+    by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
+    by_layer.step_params = one_row_params(model.params, cfg, model.dtype)
+    assert all(isinstance(blocks, LayerByLayer) for blocks in by_layer.step_params.blocks)
     for i in range(cfg.num_hidden_layers):  # layer i's weights where layer i's are
-        jax.tree.map(np.testing.assert_array_equal, layer_block(one.step_params, cfg, i),
+        jax.tree.map(np.testing.assert_array_equal, layer_block(by_layer.step_params, cfg, i),
                      layer_block(model.params, cfg, i))
     assert Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params is model.params
     tied = dsjax.load_model()  # the built-in model: its head is the embedding, which the lookup keeps
@@ -158,10 +162,12 @@ def test_one_slot_engine_reads_the_head_transposed_with_the_same_tokens(tiny, rn
     assert tied_params.embed is tied.params.embed
     assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
     assert Engine(model, max_slots=1, capacity=256, prefill_chunk=32, batch_invariant=True).step_params is model.params
-    rid = one.add_request(*target)
-    for _ in one.run():
-        pass
-    assert one.requests[rid].tokens == _run_alone(model, *target, max_slots=4).tokens
+    want = _run_alone(model, *target, max_slots=4).tokens
+    for engine in (one, by_layer):
+        rid = engine.add_request(*target)
+        for _ in engine.run():
+            pass
+        assert engine.requests[rid].tokens == want
 
 
 def test_batch_invariant_mode_logits_bitwise(tiny, rng):

@@ -46,7 +46,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.model.cache import batch_axes
-from dsjax.model.decoder import INVARIANT_ROWS, one_row_params
+from dsjax.model.decoder import INVARIANT_ROWS, one_row_head
 from dsjax.model.v41 import reference_key_rule
 from dsjax.engine.constrained_step import ConstrainedDecode
 from dsjax.engine.prefill import Prefill
@@ -127,9 +127,9 @@ class Engine(Prefill, ConstrainedDecode):
     `step_params`: the weights the prefill and decode programs run with: the model's, but for
     a one-slot engine on XLA:CPU (not batch-invariant, no drafts), which keeps its own copy
     of a short-hidden fp32 vocabulary head, transposed (`one_row_head`: read 1.2-1.4x
-    faster at one row; the head's bytes again in memory) and, for an fp32 V4 model, of its
-    layer weights layer by layer (`one_row_params`: read in place by the library
-    matrix-vector product; the layer weights' bytes again, the programs unrolled)."""
+    faster at one row; the head's bytes again in memory). Its layer runs stay scanned as
+    stored: layer by layer (`one_row_params`) measured 6 % slower since the one-row products
+    read a vector of their own (`linear.merge_last_two`; benchmarks/layer_layout.py)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
@@ -176,9 +176,9 @@ class Engine(Prefill, ConstrainedDecode):
         if prefix_cache is not None:
             check_prefix_cache(cfg, prefill_chunk, self.mesh)
         # the params of the prefill and decode steps: at one row on XLA:CPU, a short-hidden fp32
-        # head transposed and the layers layer by layer, both read faster there (copies; `one_row_params`)
+        # head transposed, read faster there (a copy; `one_row_head`)
         one_row = self.rows == 1 and self.mesh is None and not batch_invariant and not num_draft_tokens
-        self.step_params = one_row_params(model.params, cfg, model.dtype) if one_row else model.params
+        self.step_params = one_row_head(model.params, model.dtype) if one_row else model.params
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                         num_draft_tokens=num_draft_tokens)

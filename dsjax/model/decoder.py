@@ -51,7 +51,7 @@ class Block:
 @struct.dataclass
 class LayerByLayer:
     """A layer run's blocks as one pytree per layer (leaves without the [repeats] axis),
-    applied unrolled: what a one-row CPU engine runs with (`one_row_params`)."""
+    applied unrolled (`one_row_params`; benchmarks/layer_layout.py)."""
 
     layers: tuple  # per repeat: the period's tuple[Block, ...]
 
@@ -181,9 +181,12 @@ def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
     layer by layer (`LayerByLayer`): each layer's weights are then whole program arguments,
     which a one-row product reads in place through the library matrix-vector product
     (`linear.whole_weights`), where XLA:CPU reads a scanned run's slices in an element-by-element
-    loop at 3-13 GB/s (bench-78m, one-slot engine: 5-16 % more tokens/s). A copy of those
-    layers' weights, held by the caller (an `Engine`); its programs unroll those runs. A run
-    of one layer keeps its [1, ...] leaves (read in place already)."""
+    loop at 3-13 GB/s (bench-78m, one-slot engine on an Ice Lake VM: 5-16 % more tokens/s). A
+    copy of those layers' weights, held by the caller; its programs unroll those runs. A run
+    of one layer keeps its [1, ...] leaves (read in place already). Not what an `Engine` runs
+    with since the one-row products read a vector of their own (`linear.merge_last_two`):
+    the scanned runs then measured 6 % faster on an AMD EPYC VM; benchmarks/layer_layout.py
+    compares the two layouts on a machine."""
     params = one_row_head(params, dtype)
     leaves = jax.tree.leaves(params.blocks)
     if (cfg.v41 is not None or not _fp32_one_row(dtype) or not any(run.repeats > 1 for run in cfg.layer_runs)
