@@ -128,7 +128,7 @@ class Engine(Prefill, ConstrainedDecode):
     a one-slot engine on XLA:CPU (not batch-invariant, no drafts), which keeps its own copy
     of a short-hidden fp32 vocabulary head, transposed (`one_row_head`: read 1.2-1.4x
     faster at one row; the head's bytes again in memory). Its layer runs stay scanned as
-    stored: layer by layer (`one_row_params`) measured 6 % slower since the one-row products
+    stored: layer by layer (`one_row_params`) measured 2-7 % slower since the one-row products
     read a vector of their own (`linear.merge_last_two`; benchmarks/layer_layout.py)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,

@@ -185,7 +185,7 @@ def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
     copy of those layers' weights, held by the caller; its programs unroll those runs. A run
     of one layer keeps its [1, ...] leaves (read in place already). Not what an `Engine` runs
     with since the one-row products read a vector of their own (`linear.merge_last_two`):
-    the scanned runs then measured 6 % faster on an AMD EPYC VM; benchmarks/layer_layout.py
+    the scanned runs then measured 2-7 % faster on an AMD EPYC VM; benchmarks/layer_layout.py
     compares the two layouts on a machine."""
     params = one_row_head(params, dtype)
     leaves = jax.tree.leaves(params.blocks)
