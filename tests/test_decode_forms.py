@@ -10,6 +10,9 @@ import pytest
 
 import dsjax
 from dsjax.api import STORED_NARROW
+from dsjax.engine import Engine
+from dsjax.engine.programs import decode_step
+from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
@@ -98,3 +101,33 @@ def test_merged_vector_is_the_reshape_and_its_own_buffer_at_one_row(rows):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(x).reshape(rows, 1, 96))
     prims = {e.primitive.name for e in jax.make_jaxpr(merge_last_two)(x).eqns}
     assert ("concatenate" in prims) == (rows == 1)
+
+
+def test_a_multi_step_decode_reads_a_stored_head_as_stored():
+    """decode_steps=4 runs the steps in a device-side loop, where XLA hoists a loop-invariant
+    widening of the bf16 head (`store_weights`) out of the loop, into a new fp32 buffer of the
+    whole head each dispatch (4-5x slower; `dsjax.model.decoder.rows_logits` keeps it in
+    place). Its compiled program holds no such buffer, and it samples the tokens one step a
+    dispatch does, also in a dispatch's last step after every row has finished (5 and 7
+    tokens: the head's other branch). (Two slots: the head's multiply-reduce; one slot's matrix-vector loop was
+    hoisted alike and is kept alike.)"""
+    slots = 2
+    model = dsjax.store_weights(dsjax.load_model("tiny", dtype="float32", seed=5))
+    vocab, hidden = model.params.lm_head.shape
+    rng = np.random.default_rng(slots)
+    prompts = [rng.integers(3, vocab, 9 + 4 * i).tolist() for i in range(slots)]
+    params = [SamplingParams(max_tokens=5 + 2 * i, temperature=0.8, seed=i, ignore_eos=True) for i in range(slots)]
+    tokens = {}
+    for steps in (1, 4):
+        engine = Engine(model, max_slots=slots, capacity=64, prefill_chunk=16, decode_steps=steps)
+        tokens[steps] = engine.generate(prompts, params)
+        if steps == 4:
+            hlo = decode_step.lower(engine.step_params, engine.cache, engine.slots, jnp.zeros(slots, bool),
+                                    cfg=engine.cfg, opts=engine.opts, ctx_bucket=engine._bucket(1), n_logprobs=0,
+                                    n_steps=steps).compile().as_text()
+            entry = hlo[hlo.index("\nENTRY"):]
+            entry = entry[:entry.index("\n}")]
+            widened = [line for line in entry.splitlines()  # (the fp32 embedding is a parameter of that shape)
+                       if f"= f32[{vocab},{hidden}]" in line and " parameter(" not in line]
+            assert not widened, widened
+    assert tokens[4] == tokens[1] and [len(t) for t in tokens[1]] == [p.max_tokens for p in params]

@@ -28,12 +28,12 @@ from dsjax.layers.attention import Attention, attention_extend, attention_forwar
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
 from dsjax.layers.linear import few_rows, linear, whole_weights
-from dsjax.layers.quantized import ColumnMajor
+from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp4Weight, Fp8Weight
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
 from dsjax.model.cache import Cache
 from dsjax.params import ParamSpec, stack_specs
-from dsjax.sharding.rules import lookup, spec
+from dsjax.sharding.rules import current_mesh, lookup, spec
 
 DEFAULT_OPTIONS = RuntimeOptions()
 
@@ -222,6 +222,25 @@ def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
     """x [B, C, ...] -> [B, 1, ...] at each row's last valid position (n_valid [B])."""
     last = jnp.maximum(n_valid - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.take_along_axis(x, last, axis=1)
+
+
+def rows_logits(compute, weight, n_valid: jax.Array | None, dtype) -> jax.Array:
+    """compute() -> a cached forward's logits, read from the vocabulary projection `weight`, or
+    zeros of their shape when no row has a token (n_valid [B] all 0: a step of a multi-step
+    decode whose slots have all finished), where `weight` is stored narrower than the
+    activations' `dtype` (a bf16 head under fp32, `dsjax.store_weights`; a quantized one).
+    Such a product widens the head in an op of its own, which XLA hoists out of an enclosing
+    loop as loop-invariant: the engine's multi-step decode (`decode_steps` > 1) then widened
+    the whole head into a new fp32 buffer per dispatch and read that each step (16-bit
+    bench-78m, 4 steps a dispatch: 63 tokens/s at batch 1, 226 at batch 8, against 300 and
+    434 one step a dispatch). XLA leaves a conditional's branch in place, so inside the
+    `lax.cond` the product reads the head as a single step does. Plain heads, and any head on
+    a mesh (whose branches would have to agree on the logits' sharding), are read as they are."""
+    plain = isinstance(weight, (jax.Array, ColumnMajor)) and jnp.dtype(weight.dtype) == jnp.dtype(dtype)
+    if n_valid is None or plain or current_mesh() is not None:
+        return compute()
+    out = jax.eval_shape(compute)
+    return jax.lax.cond(jnp.any(n_valid > 0), compute, lambda: jnp.zeros(out.shape, out.dtype))
 
 
 # ----------------------------------------------------------------------------- the decoder

@@ -14,7 +14,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers.linear import gemm_only
 from dsjax.model.cache import Cache, over_tiles
 from dsjax.model.decoder import (DEFAULT_OPTIONS, INVARIANT_ROWS, ModelParams, decoder_streams, last_valid,
-                                 logits_of)
+                                 lm_head_weight, logits_of, rows_logits)
 from dsjax.model.v41 import ModelParamsV41, v41_forward_rows
 from dsjax.sharding.rules import axis_size, current_mesh
 
@@ -71,4 +71,4 @@ def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_on
     streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
     if last_only:
         streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
-    return logits_of(params, streams, cfg), cache
+    return rows_logits(lambda: logits_of(params, streams, cfg), lm_head_weight(params), n_valid, streams.dtype), cache

@@ -28,7 +28,8 @@ from dsjax.layers.norms import rms_norm
 from dsjax.layers.shared_attention import (empty_shared, shared_attention_extend, shared_attention_forward,
                                            shared_attention_specs)
 from dsjax.model.cache import Cache
-from dsjax.model.decoder import DEFAULT_OPTIONS, Block, embed_streams, last_valid, layer_slot, norm_spec
+from dsjax.model.decoder import (DEFAULT_OPTIONS, Block, embed_streams, last_valid, layer_slot, lm_head_weight,
+                                 norm_spec, rows_logits)
 from dsjax.params import ParamSpec, stack_specs
 from dsjax.sharding.rules import batch_major
 
@@ -244,8 +245,7 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
 def v41_logits(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: ModelConfig) -> jax.Array:
     """logits = W_head Norm(collapse(X, pi)) in fp32 (spec §1.3 step 4; no hc_head)."""
     h = rms_norm(collapse(streams, pi), params.norm, cfg.rms_norm_eps)
-    weight = params.embed if params.lm_head is None else params.lm_head
-    return linear(h, weight, out_dtype=jnp.float32)
+    return linear(h, lm_head_weight(params), out_dtype=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- with a cache
@@ -349,4 +349,5 @@ def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig
     if last_only:
         n = jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid
         streams, pi = last_valid(streams, n), last_valid(pi, n)
-    return v41_logits(params, streams, pi, cfg), cache, hidden
+    logits = rows_logits(lambda: v41_logits(params, streams, pi, cfg), lm_head_weight(params), n_valid, streams.dtype)
+    return logits, cache, hidden
