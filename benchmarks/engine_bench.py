@@ -1,6 +1,7 @@
 """Engine throughput on CPU, side by side with HF transformers `generate` on the same
 config and weights, in the same run: decode tokens/s with fp32 and with 16-bit weights
-(`dsjax.store_weights`), the ratio to HF, and the fraction of the measured memory roofline
+(`dsjax.store_weights`), each one and four decode steps a dispatch (`decode_steps`, the batch
+jobs' default: 4), the ratio to HF, and the fraction of the measured memory roofline
 (benchmarks/roofline.py: read bandwidth from threaded reductions, bytes a decode step must
 read). With --extras: decode step time against context length, async-dispatch overlap,
 batch-invariant mode cost, compile counts in steady state. Writes JSON.
@@ -134,7 +135,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--extras", action="store_true", help="also decode_steps=4, overlap, batch-invariant, compiles, "
+    ap.add_argument("--extras", action="store_true", help="also overlap, batch-invariant, compiles, "
                     "and the context sweep")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--repeats", type=int, default=3)
@@ -168,15 +169,19 @@ def main():
         stored = dsjax.store_weights(model)
         context = args.prompt_len + args.new_tokens // 2  # the mean context of the decode steps
         for b in batches:
-            runners = {"dsjax": dsjax_runner(model, b, args.prompt_len, args.new_tokens, capacity=capacity),
-                       "dsjax_bf16_weights": dsjax_runner(stored, b, args.prompt_len, args.new_tokens,
-                                                          capacity=capacity)}
+            runners = {}
+            for steps, suffix in ((1, ""), (4, "_decode_steps_4")):  # 4: the batch jobs' default
+                runners["dsjax" + suffix] = dsjax_runner(model, b, args.prompt_len, args.new_tokens,
+                                                         capacity=capacity, decode_steps=steps)
+                runners["dsjax_bf16_weights" + suffix] = dsjax_runner(stored, b, args.prompt_len, args.new_tokens,
+                                                                      capacity=capacity, decode_steps=steps)
             if hf_model is not None:
                 runners["hf"] = hf_runner(hf_model, b, args.prompt_len, args.new_tokens)
             before = memory_bandwidth()["best"]
             row = measure(runners, b, args.prompt_len, args.new_tokens, cfg.vocab_size, args.repeats)
             row["read_bandwidth_bytes_per_s"] = max(before, memory_bandwidth()["best"])  # the better of before / after
-            for name, dtype in (("dsjax", jnp.float32), ("dsjax_bf16_weights", jnp.bfloat16)):
+            for name in [k for k in runners if k != "hf"]:
+                dtype = jnp.bfloat16 if "bf16" in name else jnp.float32
                 need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)["total"]
                 row[name]["step_bytes"] = need
                 row[name]["roofline_tokens_per_s"] = b * row["read_bandwidth_bytes_per_s"] / need
@@ -185,17 +190,14 @@ def main():
                 if hf_model is not None:
                     row[name]["decode_vs_hf"] = row[name]["decode_tokens_per_s"] / row["hf"]["decode_tokens_per_s"]
                     row[name]["prefill_vs_hf"] = row[name]["prefill_tokens_per_s"] / row["hf"]["prefill_tokens_per_s"]
-            if args.extras:
-                row["dsjax_decode_steps_4"] = bench_dsjax(model, b, args.prompt_len, args.new_tokens,
-                                                          capacity=capacity, repeats=args.repeats, decode_steps=4)
             result["batches"][str(b)] = row
             for name in [k for k in row if k.startswith("dsjax")]:
                 r = row[name]
-                print(f"batch {b} {name:20s} {r['decode_tokens_per_s']:7.1f} tok/s  "
+                print(f"batch {b} {name:34s} {r['decode_tokens_per_s']:7.1f} tok/s  "
                       f"{r.get('decode_vs_hf', float('nan')):5.2f}x HF  "
                       f"{r.get('fraction_of_roofline', float('nan')):.0%} of the roofline", flush=True)
             if "hf" in row:
-                print(f"batch {b} {'hf':20s} {row['hf']['decode_tokens_per_s']:7.1f} tok/s", flush=True)
+                print(f"batch {b} {'hf':34s} {row['hf']['decode_tokens_per_s']:7.1f} tok/s", flush=True)
         if not args.extras:
             write_result(result, args.out)
             return
