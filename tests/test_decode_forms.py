@@ -109,8 +109,8 @@ def test_a_multi_step_decode_reads_a_stored_head_as_stored():
     whole head each dispatch (4-5x slower; `dsjax.model.decoder.rows_logits` keeps it in
     place). Its compiled program holds no such buffer, and it samples the tokens one step a
     dispatch does, also in a dispatch's last step after every row has finished (5 and 7
-    tokens: the head's other branch). (Two slots: the head's multiply-reduce; one slot's matrix-vector loop was
-    hoisted alike and is kept alike.)"""
+    tokens: the head's other branch). Two slots: the head's multiply-reduce (one slot's
+    matrix-vector loop was hoisted alike, and is kept in place alike)."""
     slots = 2
     model = dsjax.store_weights(dsjax.load_model("tiny", dtype="float32", seed=5))
     vocab, hidden = model.params.lm_head.shape

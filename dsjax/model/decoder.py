@@ -28,7 +28,7 @@ from dsjax.layers.attention import Attention, attention_extend, attention_forwar
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
 from dsjax.layers.linear import few_rows, linear, whole_weights
-from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp4Weight, Fp8Weight
+from dsjax.layers.quantized import ColumnMajor
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
 from dsjax.model.cache import Cache
