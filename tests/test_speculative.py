@@ -16,6 +16,7 @@ from scipy import stats
 
 import dsjax
 from dsjax.engine.engine import Engine
+from dsjax.engine.programs import spec_decode_step
 from dsjax.engine.policy import CALIBRATION_PRIOR, SpeculationPolicy
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.slots import init_slots
@@ -163,6 +164,31 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     measured._measure_costs()
     assert len(measured.verify_costs) == 3 and measured.verify_costs[0] == 1.0
     assert all(c > 0 for c in measured.verify_costs) and measured.costs.shape == (3,)
+
+
+def test_speculation_reads_a_stored_head_as_stored(tiny, rng):
+    """16-bit weights (`store_weights`, the head a plain bf16 array): the drafter's loop over
+    its k drafts reads the head, and XLA hoisted its widening out of that loop into an fp32
+    copy of the whole head every step (`dsjax.model.decoder.rows_logits` keeps it in place).
+    The compiled verify step holds no such copy, and its greedy tokens equal plain decoding's
+    with the same weights. (tiny's full vocabulary: a head of a few rows takes the GEMM,
+    which widens it outside the product anyway.)"""
+    stored = dsjax.store_weights(tiny)
+    vocab, hidden = stored.params.lm_head.shape
+    prompts = _prompts(rng, vocab, (5, 19))
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    plain, _ = _generate(stored, prompts, params)
+    spec, engine = _generate(stored, prompts, params, num_draft_tokens=2, spec_policy="fixed")
+    assert spec == plain
+    hlo = spec_decode_step.lower(stored.params, stored.mtp, engine.cache, engine.spec, engine.slots,
+                                 jnp.zeros(engine.rows, bool), engine.policy.schedule, engine._draft, k=2,
+                                 cfg=engine.cfg, opts=engine.opts, ctx_bucket=engine._bucket(1), sampled=False,
+                                 n_logprobs=0).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    widened = [line for line in entry.splitlines()  # (the fp32 embedding is a parameter of that shape)
+               if f"= f32[{vocab},{hidden}]" in line and " parameter(" not in line]
+    assert not widened, widened
 
 
 @pytest.mark.parametrize("policy", ["fixed", "confidence"])

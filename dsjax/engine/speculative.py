@@ -53,7 +53,7 @@ from dsjax.engine.slots import emit_tokens
 from dsjax.layers.attention import AttentionState
 from dsjax.model.cache import Cache, batch_axes, restore_rows, save_rows
 from dsjax.model.decoder import (DEFAULT_OPTIONS, ModelParams, decoder_streams, head_logits, last_valid, lm_head_weight,
-                                 logits_of)
+                                 logits_of, rows_logits)
 from dsjax.layers.engram import kept_history
 from dsjax.model.dspark import DSparkRing, dspark_draft, dspark_seed, empty_ring
 from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
@@ -254,11 +254,12 @@ def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionSt
         vocabulary, logits / q / the draw are over D (index j) and d = D[j]; q leaves here
         scattered into the full vocabulary."""
         if vocab is None:
-            logits = mtp_head(mtp, params, h, cfg)[:, 0]  # [B, V]
+            head, weight = lambda: mtp_head(mtp, params, h, cfg)[:, 0], lm_head_weight(params)  # [B, V]
             full_id = lambda j: j  # noqa: E731
         else:
-            logits = head_logits(mtp.hc_head, mtp.norm, vocab.head, h, cfg)[:, 0]  # [B, |D|]
+            head, weight = lambda: head_logits(mtp.hc_head, mtp.norm, vocab.head, h, cfg)[:, 0], vocab.head  # [B, |D|]
             full_id = lambda j: vocab.ids[j]  # noqa: E731
+        logits = rows_logits(head, weight, n_valid, h.dtype)  # a 16-bit head read in place in the draft loop too
         out = {}
         if sampled:
             q = processed_probs(logits, s)

@@ -225,17 +225,18 @@ def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
 
 
 def rows_logits(compute, weight, n_valid: jax.Array | None, dtype) -> jax.Array:
-    """compute() -> a cached forward's logits, read from the vocabulary projection `weight`, or
-    zeros of their shape when no row has a token (n_valid [B] all 0: a step of a multi-step
-    decode whose slots have all finished), where `weight` is stored narrower than the
-    activations' `dtype` (a bf16 head under fp32, `dsjax.store_weights`; a quantized one).
+    """compute() -> the logits of a step's rows, read from the vocabulary projection `weight`,
+    or zeros of their shape when no row has a token (n_valid [B] all 0: a step of a
+    multi-step decode whose slots have all finished), where `weight` is stored narrower than
+    the activations' `dtype` (a bf16 head under fp32, `dsjax.store_weights`; a quantized one).
     Such a product widens the head in an op of its own, which XLA hoists out of an enclosing
     loop as loop-invariant: the engine's multi-step decode (`decode_steps` > 1) then widened
     the whole head into a new fp32 buffer per dispatch and read that each step (16-bit
     bench-78m, 4 steps a dispatch: 63 tokens/s at batch 1, 226 at batch 8, against 300 and
-    434 one step a dispatch). XLA leaves a conditional's branch in place, so inside the
-    `lax.cond` the product reads the head as a single step does. Plain heads, and any head on
-    a mesh (whose branches would have to agree on the logits' sharding), are read as they are."""
+    434 one step a dispatch), and so did a speculative step for its MTP drafter's loop. XLA
+    leaves a conditional's branch in place, so inside the `lax.cond` the product reads the
+    head as a single step does. Plain heads, and any head on a mesh (whose branches would
+    have to agree on the logits' sharding), are read as they are."""
     plain = isinstance(weight, (jax.Array, ColumnMajor)) and jnp.dtype(weight.dtype) == jnp.dtype(dtype)
     if n_valid is None or plain or current_mesh() is not None:
         return compute()
