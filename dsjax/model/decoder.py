@@ -235,12 +235,17 @@ def rows_logits(compute, weight, n_valid: jax.Array | None, dtype) -> jax.Array:
     bench-78m, 4 steps a dispatch: 63 tokens/s at batch 1, 226 at batch 8, against 300 and
     434 one step a dispatch), and so did a speculative step for its MTP drafter's loop. XLA
     leaves a conditional's branch in place, so inside the `lax.cond` the product reads the
-    head as a single step does. Plain heads, and any head on a mesh (whose branches would
-    have to agree on the logits' sharding), are read as they are."""
+    head as a single step does. Only for XLA:CPU's few-row decode forms, which read the
+    stored head inside the product (`linear`): plain heads, the GEMM (more rows,
+    batch-invariant mode, other backends: it widens the head outside the product whatever
+    the loop, and once a dispatch beats once a loop step) and any head on a mesh (whose
+    branches would have to agree on the logits' sharding) are read as they are."""
     plain = isinstance(weight, (jax.Array, ColumnMajor)) and jnp.dtype(weight.dtype) == jnp.dtype(dtype)
     if n_valid is None or plain or current_mesh() is not None:
         return compute()
     out = jax.eval_shape(compute)
+    if not few_rows(int(np.prod(out.shape[:-1]))):
+        return compute()
     return jax.lax.cond(jnp.any(n_valid > 0), compute, lambda: jnp.zeros(out.shape, out.dtype))
 
 
