@@ -169,19 +169,18 @@ def main():
         stored = dsjax.store_weights(model)
         context = args.prompt_len + args.new_tokens // 2  # the mean context of the decode steps
         for b in batches:
-            runners = {}
+            runners, weight_dtype = {}, {}
             for steps, suffix in ((1, ""), (4, "_decode_steps_4")):  # 4: the batch jobs' default
-                runners["dsjax" + suffix] = dsjax_runner(model, b, args.prompt_len, args.new_tokens,
-                                                         capacity=capacity, decode_steps=steps)
-                runners["dsjax_bf16_weights" + suffix] = dsjax_runner(stored, b, args.prompt_len, args.new_tokens,
-                                                                      capacity=capacity, decode_steps=steps)
+                for name, m, dtype in (("dsjax", model, jnp.float32), ("dsjax_bf16_weights", stored, jnp.bfloat16)):
+                    runners[name + suffix] = dsjax_runner(m, b, args.prompt_len, args.new_tokens, capacity=capacity,
+                                                          decode_steps=steps)
+                    weight_dtype[name + suffix] = dtype
             if hf_model is not None:
                 runners["hf"] = hf_runner(hf_model, b, args.prompt_len, args.new_tokens)
             before = memory_bandwidth()["best"]
             row = measure(runners, b, args.prompt_len, args.new_tokens, cfg.vocab_size, args.repeats)
             row["read_bandwidth_bytes_per_s"] = max(before, memory_bandwidth()["best"])  # the better of before / after
-            for name in [k for k in runners if k != "hf"]:
-                dtype = jnp.bfloat16 if "bf16" in name else jnp.float32
+            for name, dtype in weight_dtype.items():
                 need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)["total"]
                 row[name]["step_bytes"] = need
                 row[name]["roofline_tokens_per_s"] = b * row["read_bandwidth_bytes_per_s"] / need
