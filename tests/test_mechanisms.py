@@ -13,6 +13,8 @@ failure here points at the math, not at name mapping.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import torch
 
 import dsjax
 import hf_oracle
+from dsjax.layers import hyper_connection
 from dsjax.layers.attention import Attention, attention_forward, compressed_visible
 from dsjax.layers.compressor import Compressor, compress_kv
 from dsjax.layers.hyper_connection import HyperConnection, HyperHead, collapse, expand, hc_mixes, head_collapse
@@ -148,7 +151,10 @@ class Capture:
 # ----------------------------------------------------------------------------- 1. hyper-connections
 @pytest.mark.parametrize("name", ["hca", "mixed", "legacy"])
 @pytest.mark.parametrize("which", ["attn_hc", "ffn_hc"])
-def test_hyper_connection_mixes_and_collapse(oracle, name, which):
+@pytest.mark.parametrize("rolled", [True, False], ids=["sinkhorn_loop", "sinkhorn_written_out"])
+def test_hyper_connection_mixes_and_collapse(oracle, name, which, rolled, monkeypatch):
+    """Both Sinkhorn forms (a device loop on CPU, written out on GPU / TPU) against HF's."""
+    monkeypatch.setattr(hyper_connection, "sinkhorn", functools.partial(hyper_connection.sinkhorn, rolled=rolled))
     model, cfg = oracle(name)
     assert cfg.hc_mult == HC_MULT[name]
     m = getattr(model.model.layers[1], which)
