@@ -63,6 +63,10 @@ def run_choice(model, kernels, prompts, new_tokens, capacity, want_logits, want_
     for b in sorted({1, batch}):
         row[f"batch_{b}"] = bench_dsjax(m, b, prompt_len, new_tokens, capacity=capacity, repeats=3)
         print(kernels, b, {k: v for k, v in row[f"batch_{b}"].items() if k.endswith("per_s")}, flush=True)
+    if kernels == "reference":  # four decode steps a dispatch: how much of a step is the host's
+        row["batch_1_decode_steps_4"] = bench_dsjax(m, 1, prompt_len, new_tokens, capacity=capacity, repeats=3,
+                                                    decode_steps=4)
+        print(kernels, "1, 4 steps a dispatch", row["batch_1_decode_steps_4"]["decode_tokens_per_s"], flush=True)
     # the batch's engine programs are compiled by now (same shapes): no new compile here
     engine = Engine(m, max_slots=batch, capacity=capacity, prefill_chunk=prompt_len)
     tokens = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
