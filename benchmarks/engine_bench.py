@@ -99,8 +99,13 @@ def measure(runners: dict, batch, prompt_len, new_tokens, vocab, repeats) -> dic
 
 
 def bench_dsjax(model, batch, prompt_len, new_tokens, *, capacity, repeats, **engine_kw):
+    """measure()'s row for one engine, and the seconds its construction and warm-up took
+    (`warmup_s_with_compiles`: mostly its programs' compiles where they are not cached)."""
+    t = time.perf_counter()
     run = dsjax_runner(model, batch, prompt_len, new_tokens, capacity=capacity, **engine_kw)
-    return measure({"x": run}, batch, prompt_len, new_tokens, model.config.vocab_size, repeats)["x"]
+    warmup = time.perf_counter() - t
+    row = measure({"x": run}, batch, prompt_len, new_tokens, model.config.vocab_size, repeats)["x"]
+    return {**row, "warmup_s_with_compiles": warmup}
 
 
 def context_sweep(model, contexts, steps):

@@ -5,7 +5,8 @@ Hopper GPU). Records, per kernel choice: full-forward logits against the referen
 against an fp32-weight reference run (max |diff| over the logits' scale, argmax agreement:
 the second shows how far bf16 alone moves them), greedy tokens of a batch against the
 reference's, and decode / prefill tok/s at batch 1 and `--batch` (engine_bench.py's
-measurement: median of 3, prefill timed on its own and taken off the generate time). A
+measurement: median of 3, prefill timed on its own and taken off the generate time; each
+engine's warm-up seconds, mostly compiles); batch-1 decode at four steps a dispatch. A
 failure is recorded per kernel choice, not raised. JSON out.
 
     PYTHONPATH=. python3 benchmarks/gpu_engine.py --profile --out $OUT/gpu_engine.json

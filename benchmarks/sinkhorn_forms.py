@@ -12,7 +12,7 @@ everywhere but XLA:CPU.
 Micro: 8 Sinkhorns in a scan (4 layers' worth) at decode (1, 16 rows) and prefill (4096
 rows) sizes, time per call and max |diff| from `rolled`. --engine: gpu_engine.py's model
 (V4-Flash widths, 4 layers; the tiny config on CPU), tok/s at batch 1 and 16 per form, and
-each measurement's wall time (mostly its programs' compiles).
+each engine's warm-up time (mostly its programs' compiles: the forms differ there too).
 """
 
 from __future__ import annotations
@@ -98,9 +98,7 @@ def engine(smoke: bool) -> dict:
             hyper_connection.sinkhorn = form  # hc_mixes looks it up at trace time
             jax.clear_caches()  # the engine's programs re-traced with this form
             for b in (1, 2 if smoke else 16):
-                t = time.perf_counter()
                 row = bench_dsjax(model, b, prompt_len, new_tokens, capacity=capacity, repeats=3)
-                row["wall_s"] = time.perf_counter() - t  # mostly the compiles: forms differ in compile time
                 out[f"{name}/batch_{b}"] = row
                 print(name, b, row["decode_tokens_per_s"], flush=True)
     finally:
