@@ -70,8 +70,8 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float, rolled: bool | None = No
     """Row softmax, then alternate column / row normalisation (fp32) [..., N, N].
     rolled: the iterations as a device loop (default on XLA:CPU, where that is cheapest: 8 of
     them at one row 0.014 ms, against 0.05-0.12 written out) or written out (default
-    elsewhere: on a GPU each loop iteration costs ~26 us, its condition read back on the host;
-    H200, 8 at one row: 4.05 ms rolled, 0.22 written out; benchmarks/sinkhorn_forms.py)."""
+    elsewhere: on a GPU each loop iteration cost ~26 us of loop overhead; H200, 8 at one
+    row: 4.05 ms rolled, 0.22 written out; benchmarks/sinkhorn_forms.py)."""
     c = jax.nn.softmax(logits, axis=-1) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
