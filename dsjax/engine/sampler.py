@@ -217,14 +217,20 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     logits [B, V] (already temperature-scaled). The nucleus is the smallest set of most
     likely tokens whose mass reaches top_p (the most likely token is always kept); min-p
     keeps tokens with p >= min_p * p_max. Ties at a cut-off are kept. Thresholds are found
-    by bisection on the values' bit patterns (no sort)."""
+    by bisection on the values' bit patterns (no sort: XLA:CPU's sorts the whole row, 22 ms
+    for one 129k row), each search only if some row uses it: 32 passes over [B, V] each
+    (batch 8, V 129k: 6.5 ms a search on the AMD box); a row that does not use a filter gets
+    threshold 0, which keeps what the search would have."""
     v = logits.shape[-1]
     keys = _order_keys(logits)
+    everything = jnp.zeros_like(keys[..., :1])  # threshold 0: every key is >= it
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    t_k = _largest_key(keys, lambda keep: jnp.sum(keep.astype(jnp.float32), axis=-1) >= k)
+    t_k = jax.lax.cond(jnp.any(k < v), lambda: _largest_key(
+        keys, lambda keep: jnp.sum(keep.astype(jnp.float32), axis=-1) >= k), lambda: everything)
     in_k = keys >= t_k
     probs = jax.nn.softmax(jnp.where(in_k, logits, -jnp.inf), axis=-1)
-    t_p = _largest_key(keys, lambda keep: jnp.sum(probs * keep, axis=-1) >= top_p)
+    t_p = jax.lax.cond(jnp.any(top_p < 1), lambda: _largest_key(
+        keys, lambda keep: jnp.sum(probs * keep, axis=-1) >= top_p), lambda: everything)
     t_p = jnp.where(top_p[:, None] >= 1.0, 0, t_p)
     keep = in_k & (keys >= t_p)
     if min_p is not None:  # log p >= log(min_p) + log p_max  <=>  logit >= max + log(min_p)
