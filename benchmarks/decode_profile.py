@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from results_io import write_result  # noqa: E402
+from results_io import median_seconds, write_result  # noqa: E402
 from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
 
 import dsjax
@@ -51,16 +51,6 @@ def bench_config():
     small = dsjax.load_config("small")
     return small.replace(name="bench-78m", hidden_size=256, num_hidden_layers=6,
                          layer_types=small.layer_types[:6], mlp_layer_types=small.mlp_layer_types[:6])
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def layer_state(cache, cfg, i):

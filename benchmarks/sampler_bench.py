@@ -1,7 +1,7 @@
 """The sampler's device work per decode step, by setting: `sample_tokens` on [B, V] logits
 (V: V4's 129280) for greedy, temperature alone, top-p, top-k and both, and `filter_logits`
-alone; median ms per call after a warm-up. Top-p / top-k find their thresholds by 32-pass bisections over [B, V]; each runs only
-when some row uses its filter.
+alone; median ms per call after a warm-up. Top-p / top-k find their thresholds by 32-pass
+bisections over [B, V]; each runs only when some row uses its filter.
 
     python benchmarks/sampler_bench.py --out benchmarks/results/sampler_cpu.json
 """
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from results_io import write_result
+from results_io import median_seconds, write_result
 
 from dsjax.engine.sampler import SamplingState, filter_logits, sample_tokens
 
@@ -29,17 +28,6 @@ def state(b: int, temperature: float, top_k: int, top_p: float) -> SamplingState
                          seed=jnp.arange(b, dtype=jnp.uint32), repetition_penalty=f32(1.0),
                          presence_penalty=f32(0.0), frequency_penalty=f32(0.0),
                          history=jnp.zeros((b, 8), jnp.int32), prompt_len=i32(0))
-
-
-def ms(fn, *args, repeats: int) -> float:
-    """Median ms per call after a warm-up (this box's bursts make means unreliable)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def main():
@@ -57,9 +45,9 @@ def main():
         positions = jnp.zeros((b,), jnp.int32)
         for name, (t, k, p) in SETTINGS.items():
             s = state(b, t, k, p)
-            row = {"sample_tokens": ms(sample, logits, s, positions, repeats=args.repeats)}
+            row = {"sample_tokens": 1e3 * median_seconds(sample, logits, s, positions, repeats=args.repeats)}
             if k or p < 1:
-                row["filter_logits"] = ms(filt, logits, s.top_k, s.top_p, repeats=args.repeats)
+                row["filter_logits"] = 1e3 * median_seconds(filt, logits, s.top_k, s.top_p, repeats=args.repeats)
             result["ms"][f"batch_{b}/{name}"] = row
             print(b, name, {key: round(v, 3) for key, v in row.items()}, flush=True)
     write_result(result, args.out)

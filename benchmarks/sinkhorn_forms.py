@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from results_io import write_result
+from results_io import median_seconds, write_result
 
 from dsjax.layers import hyper_connection
 
@@ -66,14 +66,9 @@ def micro(repeats: int) -> dict:
             t = time.perf_counter()
             got = jax.block_until_ready(f(x))
             compile_s = time.perf_counter() - t
-            n = repeats if rows < 4096 else max(3, repeats // 20)
-            times = []
-            for _ in range(n):
-                t = time.perf_counter()
-                jax.block_until_ready(f(x))
-                times.append(time.perf_counter() - t)
+            ms = 1e3 * median_seconds(f, x, repeats=repeats if rows < 4096 else max(3, repeats // 20))
             want = got if want is None else want
-            out[f"{rows}_rows/{name}"] = {"ms": 1e3 * float(np.median(times)), "first_call_s": compile_s,
+            out[f"{rows}_rows/{name}"] = {"ms": ms, "first_call_s": compile_s,
                                           "max_abs_diff_from_rolled": float(jnp.abs(got - want).max())}
             print(rows, name, out[f"{rows}_rows/{name}"], flush=True)
     return out
