@@ -129,3 +129,27 @@ def test_a_multi_step_decode_reads_a_stored_head_as_stored():
             widened = widened_outside(compiled, (vocab, hidden))
             assert not widened, widened
     assert tokens[4] == tokens[1] and [len(t) for t in tokens[1]] == [p.max_tokens for p in params]
+
+
+def test_decode_program_ops_carry_the_profile_groups():
+    """benchmarks/decode_trace.py splits a traced decode step by the named scopes the model
+    puts its ops in (the outermost known one): every group must reach the decode program, each
+    attention kind under its own name and a scanned run's weight slices as layer_weights."""
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from decode_trace import GROUPS, group_of
+
+    tiny = dsjax.load_config("tiny")
+    cfg = tiny.replace(num_hidden_layers=6, layer_types=tiny.layer_types + tiny.layer_types[2:],
+                       mlp_layer_types=tiny.mlp_layer_types + tiny.mlp_layer_types[2:])
+    assert any(run.repeats > 1 for run in cfg.layer_runs)  # a scanned run, whose weights are sliced
+    model = dsjax.Model(cfg, dsjax.params.init_params(dsjax.model.model_specs(cfg, jnp.float32), 0), jnp.float32, None)
+    engine = Engine(model, max_slots=2, capacity=256, prefill_chunk=32)
+    lowered = decode_step.lower(engine.step_params, engine.cache, engine.slots, jnp.zeros(engine.rows, bool),
+                                cfg=cfg, opts=engine.opts, ctx_bucket=256, n_logprobs=0)
+    found = {group_of(loc) for loc in re.findall(r'loc\("([^"]*)"', lowered.as_text(debug_info=True))}
+    assert found >= set(GROUPS), set(GROUPS) - found
+    assert group_of("jit(decode_step)/head/mhc/dot_general") == "head"  # the outermost scope names the group

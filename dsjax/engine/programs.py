@@ -60,6 +60,7 @@ class StepOutput:
     draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence)
 
 
+@jax.named_scope("sampler")  # a profile's op group (benchmarks/decode_trace.py)
 def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array,
                     mask: jax.Array | None = None, *, n_logprobs: int):
     """Sample one token [B] from logits [B, V] at `positions` [B] for the rows in

@@ -88,6 +88,7 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float, rolled: bool | None = No
     return c
 
 
+@jax.named_scope("mhc")  # a profile's op group (benchmarks/decode_trace.py)
 def hc_mixes(p: HyperConnection, streams: jax.Array, cfg: ModelConfig):
     """streams [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (all fp32)."""
     n = cfg.hc_mult
@@ -99,11 +100,13 @@ def hc_mixes(p: HyperConnection, streams: jax.Array, cfg: ModelConfig):
     return pre, post, comb
 
 
+@jax.named_scope("mhc")  # a profile's op group (benchmarks/decode_trace.py)
 def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
     """sum_i pre_i X_i -> [..., D] in the streams' dtype (fp32 products)."""
     return jnp.einsum("...n,...nd->...d", pre, streams.astype(jnp.float32)).astype(streams.dtype)
 
 
+@jax.named_scope("mhc")  # a profile's op group (benchmarks/decode_trace.py)
 def expand(y: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k y + sum_j C[j, k] X_j, computed in the activation dtype as the reference does."""
     dtype = streams.dtype

@@ -278,6 +278,7 @@ def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig, fp8_acts: bool = False
     return linear(h, p.shared_w2, out_sharding=spec("batch", None), fp8_act=fp8_acts)
 
 
+@jax.named_scope("moe")  # a profile's op group (benchmarks/decode_trace.py)
 def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *, kernels: str = "reference",
                 capacity_factor: float | None = None, layer: jax.Array | None = None,
                 rows: int | None = None, fp8_acts: bool = False) -> jax.Array:

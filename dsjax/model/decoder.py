@@ -107,6 +107,7 @@ def layer_block(params: ModelParams, cfg: ModelConfig, i: int) -> Block:
 
 
 # ----------------------------------------------------------------------------- pieces
+@jax.named_scope("embedding")  # a profile's op group (benchmarks/decode_trace.py)
 def embed_streams(params: ModelParams, token_ids: jax.Array, cfg: ModelConfig,
                   opts: RuntimeOptions = DEFAULT_OPTIONS) -> jax.Array:
     """token_ids [B, S] -> X [B, S, N, D]: the embedding copied to the N streams, in
@@ -123,11 +124,13 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     (full-sequence or cached); returns (streams, state). expert_layer: p.moe's routed-expert
     weights are still stacked over the layer run and this is layer `expert_layer`."""
     pre, post, comb = hc_mixes(p.attn_hc, streams, cfg)
-    h = rms_norm(collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
+    with jax.named_scope("mhc"):  # the sublayer's input norm counts with its collapse in a profile
+        h = rms_norm(collapse(streams, pre), p.attn_norm, cfg.rms_norm_eps)
     out, state = attend(p.attn, h)
     streams = expand(out, streams, post, comb)
     pre, post, comb = hc_mixes(p.ffn_hc, streams, cfg)
-    h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
+    with jax.named_scope("mhc"):
+        h = rms_norm(collapse(streams, pre), p.ffn_norm, cfg.rms_norm_eps)
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
                     layer=expert_layer, rows=INVARIANT_ROWS if opts.batch_invariant else None)
     return expand(y, streams, post, comb), state
@@ -139,9 +142,11 @@ def attention_call(layer: LayerSpec, cfg: ModelConfig, opts: RuntimeOptions, *, 
     against the layer's `state` for a chunk at start + i, i < n_valid (`at`: the state is
     a layer run's stacked states, this layer is `at` of them)."""
     if state is None:
-        return lambda p, h: (attention_forward(p, h, positions, layer, cfg, kernels=opts.kernels), None)
-    return lambda p, h: attention_extend(p, state, h, start, n_valid, layer, cfg, n_entries, kernels=opts.kernels,
-                                         at=at)
+        attend = lambda p, h: (attention_forward(p, h, positions, layer, cfg, kernels=opts.kernels), None)  # noqa: E731
+    else:
+        attend = lambda p, h: attention_extend(p, state, h, start, n_valid, layer, cfg, n_entries,  # noqa: E731
+                                               kernels=opts.kernels, at=at)
+    return jax.named_scope(layer.attention)(attend)  # a profile's op group (benchmarks/decode_trace.py)
 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:
@@ -202,6 +207,7 @@ def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
         for run, period in zip(cfg.layer_runs, params.blocks)))
 
 
+@jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
 def head_logits(hc_head: HyperHead, norm: jax.Array, weight: jax.Array, streams: jax.Array,
                 cfg: ModelConfig) -> jax.Array:
     """N streams [..., N, D] -> logits [..., V] fp32: head collapse, norm, vocabulary
@@ -313,7 +319,8 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
                 streams, state = block_apply(block, streams, tokens, attend, cfg, opts)
             else:  # this repeat's slice of the weights; the routed experts are read from the stack
                 moe = block.moe
-                own = jax.tree.map(lambda a: a[at], block.replace(moe=moe.replace(w1=None, w3=None, w2=None)))
+                with jax.named_scope("layer_weights"):  # a profile's op group (benchmarks/decode_trace.py)
+                    own = jax.tree.map(lambda a: a[at], block.replace(moe=moe.replace(w1=None, w3=None, w2=None)))
                 own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
                 streams, state = block_apply(own, streams, tokens, attend, cfg, opts, expert_layer=at)
             new.append(state)

@@ -1,0 +1,198 @@
+"""Where a CPU decode step's time goes inside the engine's own compiled program: the step is
+traced with `jax.profiler` (XLA:CPU records every thunk it runs, per thread), each thunk is
+matched to its HLO instruction in the compiled program, and the instruction to its op group
+by the model's named scopes (embedding, mhc, the three attention kinds, moe, head, sampler,
+and layer_weights: a scanned layer's weights copied out of their stack where a product
+cannot read them in place; the rest: layer-loop control, cache and slot bookkeeping). Unlike decode_profile.py, which
+times each group alone as a program of its own, this splits the real fused step, and it says
+how much of the step both cores were busy (XLA:CPU runs independent thunks side by side).
+
+    python benchmarks/decode_trace.py [--batches 1 8] [--weight-dtype bfloat16] [--steps 20]
+        [--out benchmarks/results/decode_trace_cpu.json]
+
+The tracer adds ~1 us a thunk (a step runs 1-5 thousand), so a traced step is a little
+slower than the engine's untraced one (both reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_profile import bench_config  # noqa: E402
+from results_io import write_result  # noqa: E402
+
+import dsjax  # noqa: E402
+from dsjax.engine.engine import Engine  # noqa: E402
+from dsjax.engine.programs import decode_step  # noqa: E402
+from dsjax.engine.sampler import SamplingParams  # noqa: E402
+from dsjax.model import model_specs  # noqa: E402
+from dsjax.params import init_params  # noqa: E402
+
+# the named scopes the model code puts its ops in (jax.named_scope); the outermost one names the group
+GROUPS = ("embedding", "mhc", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+          "moe", "head", "sampler", "layer_weights")  # layer_weights: a scanned layer's weights cut from the stack
+OTHER = "other (layer loops, cache and slot bookkeeping)"
+NOT_THUNKS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener")  # the runtime's own events
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = \S+ [\w-]+\((.*?)\)(.*)$", re.M)
+OP_NAME = re.compile(r"metadata=\{op_name=\"([^\"]*)\"")
+
+
+def group_of(op_name: str) -> str:
+    return next((part for part in op_name.split("/") if part in GROUPS), OTHER)
+
+
+def instruction_groups(hlo_text: str) -> dict[str, str]:
+    """Every instruction of a compiled program's HLO text -> its op group. An instruction XLA
+    left without metadata (a rewritten dot) takes the group of its first operand that has one."""
+    groups = {}
+    for name, operands, rest in INSTRUCTION.findall(hlo_text):
+        op_name = OP_NAME.search(rest)
+        group = group_of(op_name.group(1)) if op_name else None
+        if group is None or group == OTHER:
+            inherited = (groups.get(o) for o in re.findall(r"%([\w.-]+)", operands))
+            group = next((g for g in inherited if g not in (None, OTHER)), group or OTHER)
+        groups[name] = group
+    return groups
+
+
+def thunk_self_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter, list]:
+    """The XLA:CPU thunks of a jax.profiler trace -> (self nanoseconds per thunk name, calls per
+    name, busy intervals): a thunk's time minus the thunks it ran inside it (a loop's body),
+    summed over every thread."""
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    data = jax.profiler.ProfileData.from_file(path)
+    self_ns, calls, busy = collections.Counter(), collections.Counter(), []
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):  # XLA's worker and client threads
+                continue
+            stack = []  # [end, name, time of the thunks inside]
+
+            def close():
+                end, name, inner, duration = stack.pop()
+                if not name.startswith(NOT_THUNKS):
+                    self_ns[name] += duration - inner
+                    calls[name] += 1
+                    busy.append((end - duration, end))
+
+            for start, duration, name in sorted((e.start_ns, e.duration_ns, e.name) for e in line.events):
+                while stack and stack[-1][0] <= start:
+                    close()
+                if stack:
+                    stack[-1][2] += duration
+                stack.append([start + duration, name, 0, duration])
+            while stack:
+                close()
+    return self_ns, calls, busy
+
+
+def union_ns(intervals) -> float:
+    total, end = 0.0, -np.inf
+    for s, e in sorted(intervals):
+        if s > end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total
+
+
+def trace(model, batch: int, context: int, steps: int) -> dict:
+    cfg = model.config
+    capacity = -(-(context + 2 * steps + 64) // 128) * 128
+    engine = Engine(model, max_slots=batch, capacity=capacity, prefill_chunk=context)
+    rng = np.random.default_rng(batch)
+    for _ in range(batch):
+        engine.add_request(rng.integers(3, cfg.vocab_size, context).tolist(),
+                           SamplingParams(max_tokens=capacity - context, ignore_eos=True))
+    while any(r.state != "decoding" for r in engine.requests.values()):
+        engine.step()
+    for _ in range(4):  # the decode program compiled, outputs flowing
+        engine.step()
+    jax.block_until_ready(engine.cache)
+
+    def run():
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        jax.block_until_ready(engine.cache)
+        return (time.perf_counter() - t) / steps
+
+    untraced = run()
+    bucket = engine._bucket(int(np.max(np.asarray(engine.cache.length))) + steps + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            traced = run()
+        self_ns, calls, busy = thunk_self_times(tmp)
+    # the same program the engine compiled (same arguments, same compiler): its instruction names
+    hlo = decode_step.lower(engine.step_params, engine.cache, engine.slots, jnp.zeros(engine.rows, bool), cfg=cfg,
+                            opts=engine.opts, ctx_bucket=bucket, n_logprobs=engine.max_logprobs,
+                            n_steps=engine.decode_steps).compile().as_text()
+    groups = instruction_groups(hlo)
+    per_group, unmatched = collections.Counter(), 0.0
+    for name, ns in self_ns.items():
+        if name in groups:
+            per_group[groups[name]] += ns
+        else:
+            unmatched += ns
+    thread_ns = sum(per_group.values())
+    top = sorted(((ns, name) for name, ns in self_ns.items() if name in groups), reverse=True)[:12]
+    return {
+        "batch": batch, "context": context, "steps": steps,
+        "engine_step_s": untraced, "traced_step_s": traced, "tokens_per_s": batch / untraced,
+        "thread_s_per_step": {g: per_group[g] / 1e9 / steps for g in (*GROUPS, OTHER)},
+        "thread_s_per_step_total": thread_ns / 1e9 / steps,
+        "busy_s_per_step": union_ns(busy) / 1e9 / steps,  # at least one XLA thread running a thunk
+        "unmatched_thread_s_per_step": unmatched / 1e9 / steps,  # not in the decode program (markers, other programs)
+        "thunks_per_step": sum(calls[n] for n in self_ns if n in groups) / steps,
+        "top_thunks": [{"name": n, "group": groups[n], "s_per_step": ns / 1e9 / steps,
+                        "calls_per_step": calls[n] / steps} for ns, n in top],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="bench-78m", help="bench-78m (the CPU-decode issue's model) or a named config")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=128, help="tokens in each row's cache")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="bfloat16: dsjax.store_weights (16-bit projection weights; activations fp32 either way)")
+    ap.add_argument("--out", help="default: results/decode_trace_cpu[_bf16_weights].json")
+    args = ap.parse_args()
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_trace_cpu"
+                                        + ("_bf16_weights" if args.weight_dtype == "bfloat16" else "") + ".json")
+    cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
+    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
+    if args.weight_dtype == "bfloat16":
+        model = dsjax.store_weights(model)
+    runs = []
+    for b in args.batches:
+        r = trace(model, b, args.context, args.steps)
+        runs.append(r)
+        wall = r["traced_step_s"]
+        print(f"batch {b}: engine step {r['engine_step_s'] * 1e3:.2f} ms untraced, {wall * 1e3:.2f} traced; "
+              f"{r['thunks_per_step']:.0f} thunks a step; XLA threads busy {r['thread_s_per_step_total'] * 1e3:.2f} "
+              f"thread-ms a step (mean {r['thread_s_per_step_total'] / wall:.2f} cores of {os.cpu_count()}), "
+              f"none busy {max(wall - r['busy_s_per_step'], 0) * 1e3:.2f} ms")
+        for g, s in sorted(r["thread_s_per_step"].items(), key=lambda kv: -kv[1]):
+            print(f"  {g:50s} {s * 1e3:7.3f} thread-ms  {s / r['thread_s_per_step_total']:5.1%}")
+    write_result({"config": cfg.name, "weight_dtype": args.weight_dtype, "jax": jax.__version__,
+                  "device": str(jax.devices()[0]), "cpus": os.cpu_count(), "platform": platform.platform(),
+                  "runs": runs}, args.out)
+
+
+if __name__ == "__main__":
+    main()
