@@ -135,22 +135,36 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
             "groups_share_of_sum": {k: v / parts for k, v in groups.items() if k != "whole_decode_program"}}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_args(description: str, stem: str) -> argparse.ArgumentParser:
+    """The arguments decode_profile.py and decode_trace.py share: which model, batches, context,
+    weight storage, and where the JSON goes (default results/<stem>[_bf16_weights].json)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="bench-78m", help="bench-78m (the issue's model) or a named config")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=128, help="tokens in each row's cache")
-    ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="bfloat16: dsjax.store_weights (16-bit projection weights; activations fp32 either way)")
-    ap.add_argument("--out", help="default: results/decode_profile_cpu[_bf16_weights].json")
-    args = ap.parse_args()
-    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_profile_cpu"
+    ap.add_argument("--out", help=f"default: results/{stem}[_bf16_weights].json")
+    ap.set_defaults(stem=stem)
+    return ap
+
+
+def step_model(args) -> tuple:
+    """(config, random-weight model as --weight-dtype says, output path) from `step_args`."""
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.stem
                                         + ("_bf16_weights" if args.weight_dtype == "bfloat16" else "") + ".json")
     cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
     model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
     if args.weight_dtype == "bfloat16":
         model = dsjax.store_weights(model)  # 16-bit weights, fp32 activations
+    return cfg, model, args.out
+
+
+def main():
+    ap = step_args(__doc__, "decode_profile_cpu")
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    cfg, model, _ = step_model(args)
     bandwidth = memory_bandwidth()
     print(f"read bandwidth: {bandwidth['best'] / 1e9:.1f} GB/s (XLA sum {bandwidth['xla'] / 1e9:.1f}, XLA matrix-vector "
           f"{bandwidth['xla_matvec'] / 1e9:.1f}, numpy 1 thread "

@@ -16,7 +16,6 @@ slower than the engine's untraced one (both reported).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import os
@@ -31,15 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_profile import bench_config  # noqa: E402
+from decode_profile import step_args, step_model  # noqa: E402
 from results_io import write_result  # noqa: E402
 
-import dsjax  # noqa: E402
 from dsjax.engine.engine import Engine  # noqa: E402
 from dsjax.engine.programs import decode_step  # noqa: E402
 from dsjax.engine.sampler import SamplingParams  # noqa: E402
-from dsjax.model import model_specs  # noqa: E402
-from dsjax.params import init_params  # noqa: E402
 
 # the named scopes the model code puts its ops in (jax.named_scope); the outermost one names the group
 GROUPS = ("embedding", "mhc", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -163,21 +159,10 @@ def trace(model, batch: int, context: int, steps: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="bench-78m", help="bench-78m (the CPU-decode issue's model) or a named config")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--context", type=int, default=128, help="tokens in each row's cache")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="bfloat16: dsjax.store_weights (16-bit projection weights; activations fp32 either way)")
-    ap.add_argument("--out", help="default: results/decode_trace_cpu[_bf16_weights].json")
+    ap = step_args(__doc__, "decode_trace_cpu")
+    ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_trace_cpu"
-                                        + ("_bf16_weights" if args.weight_dtype == "bfloat16" else "") + ".json")
-    cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
-    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
-    if args.weight_dtype == "bfloat16":
-        model = dsjax.store_weights(model)
+    cfg, model, _ = step_model(args)
     runs = []
     for b in args.batches:
         r = trace(model, b, args.context, args.steps)
