@@ -58,19 +58,26 @@ def layer_state(cache, cfg, i):
     return jax.tree.map(lambda a: a[r], cache.layers[k][j])
 
 
-def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> dict:
-    cfg = model.config
-    capacity = -(-(context + 64) // 128) * 128  # room for the decode steps; a multiple of the HCA ratio
+def decoding_engine(model, batch: int, context: int, room: int = 64) -> Engine:
+    """An engine with `batch` requests of `context` random prompt tokens, all decoding, its
+    decode program compiled and outputs flowing, with room for `room` more tokens a row."""
+    capacity = -(-(context + room) // 128) * 128  # a multiple of the HCA ratio
     engine = Engine(model, max_slots=batch, capacity=capacity, prefill_chunk=context)
-    params = engine.step_params  # what its programs run with (at one row: the head transposed)
     rng = np.random.default_rng(batch)
     for _ in range(batch):
-        engine.add_request(rng.integers(3, cfg.vocab_size, context).tolist(),
+        engine.add_request(rng.integers(3, model.config.vocab_size, context).tolist(),
                            SamplingParams(max_tokens=capacity - context, ignore_eos=True))
     while any(r.state != "decoding" for r in engine.requests.values()):
         engine.step()
     for _ in range(3):  # a few decode steps: the step programs compiled, outputs flowing
         engine.step()
+    return engine
+
+
+def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> dict:
+    cfg = model.config
+    engine = decoding_engine(model, batch, context)
+    params = engine.step_params  # what its programs run with (at one row: the head transposed)
 
     # the engine's wall time per decode step (program + host work)
     steps = 16

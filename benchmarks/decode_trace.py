@@ -30,12 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_profile import step_args, step_model  # noqa: E402
+from decode_profile import decoding_engine, step_args, step_model  # noqa: E402
 from results_io import write_result  # noqa: E402
 
-from dsjax.engine.engine import Engine  # noqa: E402
 from dsjax.engine.programs import decode_step  # noqa: E402
-from dsjax.engine.sampler import SamplingParams  # noqa: E402
 
 # the named scopes the model code puts its ops in (jax.named_scope); the outermost one names the group
 GROUPS = ("embedding", "mhc", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -107,16 +105,7 @@ def union_ns(intervals) -> float:
 
 def trace(model, batch: int, context: int, steps: int) -> dict:
     cfg = model.config
-    capacity = -(-(context + 2 * steps + 64) // 128) * 128
-    engine = Engine(model, max_slots=batch, capacity=capacity, prefill_chunk=context)
-    rng = np.random.default_rng(batch)
-    for _ in range(batch):
-        engine.add_request(rng.integers(3, cfg.vocab_size, context).tolist(),
-                           SamplingParams(max_tokens=capacity - context, ignore_eos=True))
-    while any(r.state != "decoding" for r in engine.requests.values()):
-        engine.step()
-    for _ in range(4):  # the decode program compiled, outputs flowing
-        engine.step()
+    engine = decoding_engine(model, batch, context, room=2 * steps + 64)
     jax.block_until_ready(engine.cache)
 
     def run():
@@ -127,7 +116,10 @@ def trace(model, batch: int, context: int, steps: int) -> dict:
         return (time.perf_counter() - t) / steps
 
     untraced = run()
-    bucket = engine._bucket(int(np.max(np.asarray(engine.cache.length))) + steps + 1)
+    length = int(np.max(np.asarray(engine.cache.length)))
+    bucket = engine._bucket(length + 1)  # the decode program of the traced steps' context bucket
+    if engine._bucket(length + steps) != bucket:
+        raise ValueError(f"the traced steps would cross a context bucket ({bucket}): use a shorter --context or --steps")
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             traced = run()
