@@ -1,17 +1,19 @@
 """Where a CPU decode step's time goes inside the engine's own compiled program: the step is
 traced with `jax.profiler` (XLA:CPU records every thunk it runs, per thread), each thunk is
 matched to its HLO instruction in the compiled program, and the instruction to its op group
-by the model's named scopes (embedding, mhc, the three attention kinds, moe, head, sampler,
-and layer_weights: a scanned layer's weights copied out of their stack where a product
-cannot read them in place; the rest: layer-loop control, cache and slot bookkeeping). Unlike decode_profile.py, which
-times each group alone as a program of its own, this splits the real fused step, and it says
-how much of the step both cores were busy (XLA:CPU runs independent thunks side by side).
+by the model's named scopes: embedding, DeepSeek-V4.1's engram, mhc, the three attention
+kinds, moe, head, sampler, and layer_weights (a V4 scanned layer's weights copied out of
+their stack where a product cannot read them in place); the rest is layer-loop control,
+cache and slot bookkeeping. Unlike decode_profile.py, which times each group alone as a
+program of its own, this splits the real fused step, and it says how much of the step both
+cores were busy (XLA:CPU runs independent thunks side by side).
 
-    python benchmarks/decode_trace.py [--batches 1 8] [--weight-dtype bfloat16] [--steps 20]
+    python benchmarks/decode_trace.py [--batches 1 8] [--weight-dtype bfloat16] [--steps 30]
         [--out benchmarks/results/decode_trace_cpu.json]
 
 The tracer adds ~1 us a thunk (a step runs 1-5 thousand), so a traced step is a little
-slower than the engine's untraced one (both reported).
+slower than the engine's untraced one (both reported). XLA:CPU only (it reads the CPU
+runtime's thunk events).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from results_io import write_result  # noqa: E402
 from dsjax.engine.programs import decode_step  # noqa: E402
 
 # the named scopes the model code puts its ops in (jax.named_scope); the outermost one names the group
-GROUPS = ("embedding", "mhc", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+GROUPS = ("embedding", "engram", "mhc", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
           "moe", "head", "sampler", "layer_weights")  # layer_weights: a scanned layer's weights cut from the stack
 OTHER = "other (layer loops, cache and slot bookkeeping)"
 NOT_THUNKS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener")  # the runtime's own events

@@ -111,15 +111,19 @@ def block_apply_lag(p: Block, streams: jax.Array, pi: jax.Array, token_ids: jax.
     streams with the `pre` the previous sublayer computed on its own input.
     streams [B, S, N, D], pi [B, S, N] fp32 -> (streams, pi_out, attend's state)."""
     a_pre, a_post, a_comb = hc_mixes(p.attn_hc, streams, cfg)
-    out, state = attend(p.attn, rms_norm(collapse(streams, pi), p.attn_norm, cfg.rms_norm_eps))
+    with jax.named_scope("mhc"):  # the sublayer's input norm counts with its collapse in a profile
+        h = rms_norm(collapse(streams, pi), p.attn_norm, cfg.rms_norm_eps)
+    out, state = attend(p.attn, h)
     streams = expand(out, streams, a_post, a_comb)
     f_pre, f_post, f_comb = hc_mixes(p.ffn_hc, streams, cfg)
-    h = rms_norm(collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
+    with jax.named_scope("mhc"):
+        h = rms_norm(collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
                     layer=expert_layer, fp8_acts=opts.round_trips)
     return expand(y, streams, f_post, f_comb), f_pre, state
 
 
+@jax.named_scope("engram")  # a profile's op group (benchmarks/decode_trace.py)
 def engram_before(params: ModelParamsV41, run, streams: jax.Array, engram_rows, cfg: ModelConfig,
                   round_trips: bool) -> jax.Array:
     """The Engram update before a run that starts at an Engram layer (§1.3 step 3). A layer's
@@ -159,7 +163,7 @@ def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, 
             out, shared = shared_attention_forward(pa, h, positions, layer, cfg, shared, kernels=opts.kernels,
                                                    round_trips=opts.round_trips)
             return out, (state, shared)
-        return attend
+        return jax.named_scope(layer.attention)(attend)  # a profile's op group (benchmarks/decode_trace.py)
 
     streams, pi, _, main_hidden = _backbone(params, tokens, cfg, None, lambda ratio: s // ratio, attend_of,
                                             engram_rows, opts, taps)
@@ -242,6 +246,7 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
     return streams, pi, shared, states, out
 
 
+@jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
 def v41_logits(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: ModelConfig) -> jax.Array:
     """logits = W_head Norm(collapse(X, pi)) in fp32 (spec §1.3 step 4; no hc_head)."""
     h = rms_norm(collapse(streams, pi), params.norm, cfg.rms_norm_eps)
@@ -279,6 +284,7 @@ def decodes_equal_prefill(cfg: ModelConfig, opts: RuntimeOptions, length: int) -
     return not reference_key_rule(cfg, opts) or length <= 2 * cfg.index_topk + 1
 
 
+@jax.named_scope("engram")
 def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array, n_valid: jax.Array):
     """The Engram rows of a chunk from host tables, inside a jitted program: `fetch(tokens
     [B, C], history [B, h], n_valid [B])` runs on the host and returns, per Engram layer, the stored
@@ -329,7 +335,7 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
                 pa, state, h, start, n_valid, layer, cfg, shared, n_entries, kernels=opts.kernels, at=at,
                 quirk_keys=quirk_keys, round_trips=opts.round_trips)
             return out, (state, shared)
-        return attend
+        return jax.named_scope(layer.attention)(attend)
 
     streams, pi, states, main_hidden = _backbone(params, tokens, cfg, cache.layers, lambda ratio: ctx_bucket // ratio,
                                                  attend_of, engram_rows, opts, taps)
