@@ -160,8 +160,12 @@ def step_model(args) -> tuple:
     """(config, random-weight model as --weight-dtype says, output path) from `step_args`."""
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.stem
                                         + ("_bf16_weights" if args.weight_dtype == "bfloat16" else "") + ".json")
-    cfg = bench_config() if args.config == "bench-78m" else dsjax.load_config(args.config)
-    model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
+    if args.config == "bench-78m":
+        cfg = bench_config()
+        model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
+    else:  # a named config (V4 or V4.1) with seeded random weights
+        model = dsjax.load_model(args.config, dtype="float32", mtp=False)
+        cfg = model.config
     if args.weight_dtype == "bfloat16":
         model = dsjax.store_weights(model)  # 16-bit weights, fp32 activations
     return cfg, model, args.out
