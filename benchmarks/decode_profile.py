@@ -74,18 +74,21 @@ def decoding_engine(model, batch: int, context: int, room: int = 64) -> Engine:
     return engine
 
 
+def step_seconds(engine: Engine, steps: int) -> float:
+    """The engine's wall time per decode step over `steps` steps (program + host work)."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    jax.block_until_ready(engine.cache)
+    return (time.perf_counter() - t) / steps
+
+
 def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> dict:
     cfg = model.config
     engine = decoding_engine(model, batch, context)
     params = engine.step_params  # what its programs run with (at one row: the head transposed)
 
-    # the engine's wall time per decode step (program + host work)
-    steps = 16
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    jax.block_until_ready(engine.cache)
-    engine_step = (time.perf_counter() - t) / steps
+    engine_step = step_seconds(engine, 16)
 
     cache, slots = engine.cache, engine.slots
     bucket = engine._bucket(int(np.max(np.asarray(cache.length))) + 1)
@@ -157,9 +160,9 @@ def step_args(description: str, stem: str) -> argparse.ArgumentParser:
 
 
 def step_model(args) -> tuple:
-    """(config, random-weight model as --weight-dtype says, output path) from `step_args`."""
-    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.stem
-                                        + ("_bf16_weights" if args.weight_dtype == "bfloat16" else "") + ".json")
+    """(random-weight model as --weight-dtype says, output path) from `step_args`."""
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.stem
+                                   + ("_bf16_weights" if args.weight_dtype == "bfloat16" else "") + ".json")
     if args.config == "bench-78m":
         cfg = bench_config()
         model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 0), jnp.float32, None)
@@ -168,14 +171,15 @@ def step_model(args) -> tuple:
         cfg = model.config
     if args.weight_dtype == "bfloat16":
         model = dsjax.store_weights(model)  # 16-bit weights, fp32 activations
-    return cfg, model, args.out
+    return model, out
 
 
 def main():
     ap = step_args(__doc__, "decode_profile_cpu")
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
-    cfg, model, _ = step_model(args)
+    model, out = step_model(args)
+    cfg = model.config
     bandwidth = memory_bandwidth()
     print(f"read bandwidth: {bandwidth['best'] / 1e9:.1f} GB/s (XLA sum {bandwidth['xla'] / 1e9:.1f}, XLA matrix-vector "
           f"{bandwidth['xla_matvec'] / 1e9:.1f}, numpy 1 thread "
@@ -191,7 +195,7 @@ def main():
     write_result({"config": cfg.name, "dtype": "float32", "weight_dtype": args.weight_dtype, "context": args.context,
                   "jax": jax.__version__,
                   "read_bandwidth_bytes_per_s": bandwidth,
-                  "device": str(jax.devices()[0]), "platform": platform.platform(), "runs": runs}, args.out)
+                  "device": str(jax.devices()[0]), "platform": platform.platform(), "runs": runs}, out)
 
 
 if __name__ == "__main__":

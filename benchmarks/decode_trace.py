@@ -25,14 +25,13 @@ import platform
 import re
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_profile import decoding_engine, step_args, step_model  # noqa: E402
+from decode_profile import decoding_engine, step_args, step_model, step_seconds  # noqa: E402
 from results_io import write_result  # noqa: E402
 
 from dsjax.engine.programs import decode_step  # noqa: E402
@@ -108,23 +107,14 @@ def union_ns(intervals) -> float:
 def trace(model, batch: int, context: int, steps: int) -> dict:
     cfg = model.config
     engine = decoding_engine(model, batch, context, room=2 * steps + 64)
-    jax.block_until_ready(engine.cache)
-
-    def run():
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        jax.block_until_ready(engine.cache)
-        return (time.perf_counter() - t) / steps
-
-    untraced = run()
+    untraced = step_seconds(engine, steps)
     length = int(np.max(np.asarray(engine.cache.length)))
     bucket = engine._bucket(length + 1)  # the decode program of the traced steps' context bucket
     if engine._bucket(length + steps) != bucket:
         raise ValueError(f"the traced steps would cross a context bucket ({bucket}): use a shorter --context or --steps")
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            traced = run()
+            traced = step_seconds(engine, steps)
         self_ns, calls, busy = thunk_self_times(tmp)
     # the same program the engine compiled (same arguments, same compiler): its instruction names
     hlo = decode_step.lower(engine.step_params, engine.cache, engine.slots, jnp.zeros(engine.rows, bool), cfg=cfg,
@@ -156,7 +146,7 @@ def main():
     ap = step_args(__doc__, "decode_trace_cpu")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    cfg, model, _ = step_model(args)
+    model, out = step_model(args)
     runs = []
     for b in args.batches:
         r = trace(model, b, args.context, args.steps)
@@ -168,9 +158,9 @@ def main():
               f"none busy {max(wall - r['busy_s_per_step'], 0) * 1e3:.2f} ms")
         for g, s in sorted(r["thread_s_per_step"].items(), key=lambda kv: -kv[1]):
             print(f"  {g:50s} {s * 1e3:7.3f} thread-ms  {s / r['thread_s_per_step_total']:5.1%}")
-    write_result({"config": cfg.name, "weight_dtype": args.weight_dtype, "jax": jax.__version__,
+    write_result({"config": model.config.name, "weight_dtype": args.weight_dtype, "jax": jax.__version__,
                   "device": str(jax.devices()[0]), "cpus": os.cpu_count(), "platform": platform.platform(),
-                  "runs": runs}, args.out)
+                  "runs": runs}, out)
 
 
 if __name__ == "__main__":
