@@ -13,7 +13,8 @@ from dsjax.model.cache import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
 from dsjax.engine.requests import Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
-from dsjax.layers.quantized import ColumnMajor
+from dsjax.layers import cpu_head
+from dsjax.layers.quantized import ColumnMajor, PackedHead
 from dsjax.model import forward, model_specs
 from dsjax.model.decoder import LayerByLayer, layer_block, one_row_params
 from dsjax.params import init_params
@@ -131,12 +132,14 @@ def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
         assert engine.requests[rid].tokens == alone, (n_others, delay)
 
 
-def test_one_slot_engine_reads_the_head_transposed_with_the_same_tokens(tiny, rng):
-    """A one-slot engine on XLA:CPU runs its steps with the vocabulary head transposed
-    (`one_row_head`: the layout read faster at one row), its layer runs scanned as stored; its
-    sampled tokens are those of a four-slot engine, which reads the weights as stored, and of
-    one that runs the layer runs layer by layer (`one_row_params`: each layer's weights whole,
-    not sliced from a scanned stack; benchmarks/layer_layout.py)."""
+def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
+    """On one XLA:CPU device an engine runs its steps with the vocabulary head packed for the
+    CPU head kernel (`cpu_head_params`), at any slot count; without the kernel a one-slot
+    engine keeps the head transposed (`one_row_head`: the layout XLA reads faster at one row)
+    and more slots the head as stored. Layer runs stay scanned as stored. A one-slot engine's
+    sampled tokens are those of a four-slot engine, and of one that runs the layer runs layer
+    by layer with the transposed head (`one_row_params`: each layer's weights whole, not
+    sliced from a scanned stack; benchmarks/layer_layout.py)."""
     base = tiny.config  # tiny with two scanned runs (2 x sliding, 2 x [CSA, HCA]), as `small` has
     cfg = base.replace(num_hidden_layers=6, layer_types=base.layer_types[:1] * 2 + base.layer_types[1:3] * 2,
                        mlp_layer_types=base.mlp_layer_types[:1] * 2 + base.mlp_layer_types[1:2] * 4)
@@ -144,23 +147,36 @@ def test_one_slot_engine_reads_the_head_transposed_with_the_same_tokens(tiny, rn
     model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 3), jnp.float32, None)
     target = (rng.integers(0, 5000, 37).tolist(),
               SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=99, max_tokens=16, ignore_eos=True))
+    tied = dsjax.load_model()  # the built-in model: its head is the embedding, which the lookup keeps
+    assert tied.params.lm_head is None
     one = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
-    assert isinstance(one.step_params.lm_head, ColumnMajor)
-    np.testing.assert_array_equal(np.asarray(one.step_params.lm_head.t), np.asarray(model.params.lm_head).T)
-    assert one.step_params.blocks is model.params.blocks
+    if cpu_head.available():
+        for engine in (one, Engine(model, max_slots=2, capacity=256, prefill_chunk=32)):
+            assert isinstance(engine.step_params.lm_head, PackedHead)
+            np.testing.assert_array_equal(np.asarray(engine.step_params.lm_head.dense(jnp.float32)),
+                                          np.asarray(model.params.lm_head))
+            assert engine.step_params.blocks is model.params.blocks
+        tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
+        np.testing.assert_array_equal(np.asarray(tied_params.lm_head.dense(jnp.float32)), np.asarray(tied.params.embed))
+        assert tied_params.embed is tied.params.embed
+    with monkeypatch.context() as m:  # without the kernel
+        m.setattr(cpu_head, "available", lambda: False)
+        transposed = Engine(model, max_slots=1, capacity=256, prefill_chunk=32).step_params
+        assert isinstance(transposed.lm_head, ColumnMajor)
+        np.testing.assert_array_equal(np.asarray(transposed.lm_head.t), np.asarray(model.params.lm_head).T)
+        assert transposed.blocks is model.params.blocks
+        assert Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params is model.params
+        tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
+        np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
+        assert tied_params.embed is tied.params.embed
+        assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
     by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
     by_layer.step_params = one_row_params(model.params, cfg, model.dtype)
     assert all(isinstance(blocks, LayerByLayer) for blocks in by_layer.step_params.blocks)
+    assert isinstance(by_layer.step_params.lm_head, ColumnMajor)
     for i in range(cfg.num_hidden_layers):  # layer i's weights where layer i's are
         jax.tree.map(np.testing.assert_array_equal, layer_block(by_layer.step_params, cfg, i),
                      layer_block(model.params, cfg, i))
-    assert Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params is model.params
-    tied = dsjax.load_model()  # the built-in model: its head is the embedding, which the lookup keeps
-    assert tied.params.lm_head is None
-    tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
-    np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
-    assert tied_params.embed is tied.params.embed
-    assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
     assert Engine(model, max_slots=1, capacity=256, prefill_chunk=32, batch_invariant=True).step_params is model.params
     want = _run_alone(model, *target, max_slots=4).tokens
     for engine in (one, by_layer):

@@ -106,9 +106,34 @@ class ColumnMajor:
         return self.t.T.astype(dtype)
 
 
+@struct.dataclass
+class PackedHead:
+    """A vocabulary head [V, D] (fp32 or bf16) kept in tiles [ceil(V / 32), D, 32] of 32
+    vocabulary rows, each k's 32 weights contiguous: the layout the XLA:CPU vocabulary-head
+    kernel reads in one sequential stream (`dsjax.layers.cpu_head`; an engine on one CPU
+    device keeps its head so, `dsjax.model.decoder.cpu_head_params`). Rows past V are zeros.
+    `dense()` is the [V, D] head back."""
+
+    tiles: jax.Array  # [ceil(V / 32), D, 32]
+    vocab: int = struct.field(pytree_node=False)
+
+    @property
+    def shape(self):
+        return (self.vocab, self.tiles.shape[1])
+
+    @property
+    def dtype(self):
+        return self.tiles.dtype
+
+    def dense(self, dtype) -> jax.Array:
+        w = jnp.transpose(self.tiles, (0, 2, 1)).reshape(-1, self.tiles.shape[1])
+        return w[:self.vocab].astype(dtype)
+
+
 def dense(w, dtype) -> jax.Array:
     """A weight as a plain array of `dtype`: dequantized if stored quantized."""
-    return w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight, ColumnMajor)) else w.astype(dtype)
+    return (w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight, ColumnMajor, PackedHead))
+            else w.astype(dtype))
 
 
 def take(w, index):
