@@ -133,13 +133,13 @@ def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
 
 
 def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
-    """On one XLA:CPU device an engine runs its steps with the vocabulary head packed for the
-    CPU head kernel (`cpu_head_params`), at any slot count; without the kernel a one-slot
-    engine keeps the head transposed (`one_row_head`: the layout XLA reads faster at one row)
-    and more slots the head as stored. Layer runs stay scanned as stored. A one-slot engine's
-    sampled tokens are those of a four-slot engine, and of one that runs the layer runs layer
-    by layer with the transposed head (`one_row_params`: each layer's weights whole, not
-    sliced from a scanned stack; benchmarks/layer_layout.py)."""
+    """A one-slot engine on XLA:CPU runs its steps with the vocabulary head transposed
+    (`one_row_head`: the layout XLA reads faster at one row); an engine of more slots on one
+    CPU device with the head packed for the CPU head kernel (`cpu_head_params`), or as stored
+    without the kernel. Layer runs stay scanned as stored. A one-slot engine's sampled tokens
+    are those of a four-slot engine, and of one that runs the layer runs layer by layer
+    (`one_row_params`: each layer's weights whole, not sliced from a scanned stack;
+    benchmarks/layer_layout.py)."""
     base = tiny.config  # tiny with two scanned runs (2 x sliding, 2 x [CSA, HCA]), as `small` has
     cfg = base.replace(num_hidden_layers=6, layer_types=base.layer_types[:1] * 2 + base.layer_types[1:3] * 2,
                        mlp_layer_types=base.mlp_layer_types[:1] * 2 + base.mlp_layer_types[1:2] * 4)
@@ -147,29 +147,26 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
     model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 3), jnp.float32, None)
     target = (rng.integers(0, 5000, 37).tolist(),
               SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=99, max_tokens=16, ignore_eos=True))
+    one = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
+    assert isinstance(one.step_params.lm_head, ColumnMajor)
+    np.testing.assert_array_equal(np.asarray(one.step_params.lm_head.t), np.asarray(model.params.lm_head).T)
+    assert one.step_params.blocks is model.params.blocks
     tied = dsjax.load_model()  # the built-in model: its head is the embedding, which the lookup keeps
     assert tied.params.lm_head is None
-    one = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
+    tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
+    np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
+    assert tied_params.embed is tied.params.embed
+    assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
     if cpu_head.available():
-        for engine in (one, Engine(model, max_slots=2, capacity=256, prefill_chunk=32)):
-            assert isinstance(engine.step_params.lm_head, PackedHead)
-            np.testing.assert_array_equal(np.asarray(engine.step_params.lm_head.dense(jnp.float32)),
-                                          np.asarray(model.params.lm_head))
-            assert engine.step_params.blocks is model.params.blocks
-        tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
+        two = Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params
+        assert isinstance(two.lm_head, PackedHead) and two.blocks is model.params.blocks
+        np.testing.assert_array_equal(np.asarray(two.lm_head.dense(jnp.float32)), np.asarray(model.params.lm_head))
+        tied_params = Engine(tied, max_slots=2, capacity=256, prefill_chunk=32).step_params
         np.testing.assert_array_equal(np.asarray(tied_params.lm_head.dense(jnp.float32)), np.asarray(tied.params.embed))
         assert tied_params.embed is tied.params.embed
-    with monkeypatch.context() as m:  # without the kernel
+    with monkeypatch.context() as m:  # without the kernel: the head as stored
         m.setattr(cpu_head, "available", lambda: False)
-        transposed = Engine(model, max_slots=1, capacity=256, prefill_chunk=32).step_params
-        assert isinstance(transposed.lm_head, ColumnMajor)
-        np.testing.assert_array_equal(np.asarray(transposed.lm_head.t), np.asarray(model.params.lm_head).T)
-        assert transposed.blocks is model.params.blocks
         assert Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params is model.params
-        tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
-        np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
-        assert tied_params.embed is tied.params.embed
-        assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
     by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
     by_layer.step_params = one_row_params(model.params, cfg, model.dtype)
     assert all(isinstance(blocks, LayerByLayer) for blocks in by_layer.step_params.blocks)

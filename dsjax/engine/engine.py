@@ -127,7 +127,10 @@ class Engine(Prefill, ConstrainedDecode):
     `step_params`: the weights the prefill and decode programs run with: the model's, but for
     a one-slot engine on XLA:CPU (not batch-invariant, no drafts), which keeps its own copy
     of a short-hidden fp32 vocabulary head, transposed (`one_row_head`: read 1.2-1.4x
-    faster at one row; the head's bytes again in memory). Its layer runs stay scanned as
+    faster at one row; the head's bytes again in memory), and for any other engine on one
+    XLA:CPU device (not batch-invariant) with the CPU head kernel built, which keeps its
+    fp32 or bf16 head packed for it (`cpu_head_params`; at one row XLA's transposed product
+    measured 3 % faster than the kernel, at eight rows the kernel 1.7x faster than XLA's). Its layer runs stay scanned as
     stored: layer by layer (`one_row_params`) measured 2-7 % slower since the one-row products
     read a vector of their own (`linear.merge_last_two`; benchmarks/layer_layout.py)."""
 
@@ -175,15 +178,13 @@ class Engine(Prefill, ConstrainedDecode):
                        if num_draft_tokens and self.draft_vocab is not None else None)
         if prefix_cache is not None:
             check_prefix_cache(cfg, prefill_chunk, self.mesh)
-        # the params of the prefill and decode steps: on one XLA:CPU device, the head packed for
-        # the CPU head kernel (a copy; `cpu_head_params`), else at one row a short-hidden fp32
-        # head transposed, read faster there (a copy; `one_row_head`)
-        self.step_params = model.params
-        if self.mesh is None and not batch_invariant:
-            self.step_params = cpu_head_params(model.params, model.dtype)
+        # the params of the prefill and decode steps (a copy of the head, or the model's): at one
+        # row on XLA:CPU, a short-hidden fp32 head transposed, read faster there (`one_row_head`);
+        # else on one XLA:CPU device the head packed for the CPU head kernel (`cpu_head_params`)
         one_row = self.rows == 1 and self.mesh is None and not batch_invariant and not num_draft_tokens
-        if one_row and self.step_params is model.params:
-            self.step_params = one_row_head(model.params, model.dtype)
+        self.step_params = one_row_head(model.params, model.dtype) if one_row else model.params
+        if self.step_params is model.params and self.mesh is None and not batch_invariant:
+            self.step_params = cpu_head_params(model.params, model.dtype)
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                         num_draft_tokens=num_draft_tokens)

@@ -4,8 +4,9 @@ XLA:CPU runs a decode step's head product for 2..16 rows ([8, 256] x [256, 12928
 2-core AMD EPYC VM: 7.1 ms fp32, 6.1 ms with bf16 weights) at a third of the FMA rate and
 half the memory rate, in every form it offers (its GEMM, a fused multiply-reduce, batched or
 tiled; issue: CPU decode speed). `csrc/vocab_head.cc` reads the head once for up to 8 rows
-from a tiled layout (`PackedHead`) with 16 vector accumulators: 4.0 / 3.4 ms there. One row
-runs as fast as XLA's matrix-vector product (at the memory rate either way).
+from a tiled layout (`PackedHead`) with 16 vector accumulators: 4.0 / 3.4 ms there. At one
+row both read at the memory rate (XLA's product on the transposed head ~3 % faster in the
+engine, which a one-slot fp32 engine keeps: `dsjax.model.decoder.one_row_head`).
 
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`,
 `g++`, `clang++`; a few seconds, once) into ~/.cache/dsjax/kernels (`$XDG_CACHE_HOME`;

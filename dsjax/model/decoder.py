@@ -179,8 +179,9 @@ def cpu_head_params(params, dtype):
     model's plain fp32 or bf16 head (its own, or the tied embedding's copy: the lookup keeps
     `embed`) packed in tiles (`PackedHead`), which the kernel reads for any row count (bench-78m
     head, [8, 256] x [256, 129280] on a 2-core AMD EPYC VM: 7.1 -> 4.0 ms fp32, 6.1 -> 3.4 ms
-    bf16; one row as fast as XLA's). A copy of the head, held by the caller; else `params`
-    (a quantized head, a bf16 model, no kernel). V4 and V4.1 params alike."""
+    bf16; at one row ~3 % slower than XLA's product on the transposed head in the engine, which
+    a one-slot fp32 engine keeps: `one_row_head`). A copy of the head, held by the caller; else
+    `params` (a quantized head, a bf16 model, no kernel). V4 and V4.1 params alike."""
     w = lm_head_weight(params)
     if (jnp.dtype(dtype) != jnp.float32 or not isinstance(w, jax.Array)
             or w.dtype not in (jnp.float32, jnp.bfloat16) or not cpu_head.available()):
