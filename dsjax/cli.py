@@ -92,11 +92,11 @@ def _load(args, say, **kw):
 
 
 def _compiling(say, cache) -> None:
-    from dsjax.layers import cpu_head
+    from dsjax.layers import cpu_kernels
 
-    if cpu_head.needs_build():
+    if cpu_kernels.needs_build():
         say("building the CPU vocabulary-head kernel (once on this machine) ...")
-        say(f"CPU head kernel: {cpu_head.status()}")
+        say(f"CPU head kernel: {cpu_kernels.status()}")
     if cache.enabled:
         say(f"compiling (programs compiled before are read from the cache in {cache.directory}) ...")
     else:
@@ -210,7 +210,7 @@ def _cmd_info(args, say) -> int:
 
     import dsjax
     from dsjax.config import named_configs
-    from dsjax.layers import cpu_head
+    from dsjax.layers import cpu_kernels
     from dsjax.pallas_kernels.dispatch import resolve_kernels
     from dsjax.tokenizer import tokenizer_path
 
@@ -219,7 +219,7 @@ def _cmd_info(args, say) -> int:
     kinds = sorted({d.device_kind for d in devices})
     info = {"dsjax": dsjax.__version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": jax.default_backend(), "devices": f"{len(devices)} x {', '.join(kinds)}",
-            "kernels (auto)": resolve_kernels("auto"), "cpu head kernel": cpu_head.describe(),
+            "kernels (auto)": resolve_kernels("auto"), "cpu head kernel": cpu_kernels.describe(),
             "compile cache": cache.describe(), "tokenizer": str(tokenizer_path()),
             "named configs": ", ".join(named_configs())}
     if args.json:

@@ -18,7 +18,7 @@ import pytest
 
 import dsjax
 from dsjax import cli
-from dsjax.layers import cpu_head
+from dsjax.layers import cpu_kernels
 from dsjax.tokenizer import bundled_tokenizer_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def test_info(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["backend"] == "cpu" and info["kernels (auto)"] == "reference"
     assert info["jax"] and info["jaxlib"] and "compile cache" in info
-    assert info["cpu head kernel"].startswith("ready (") == cpu_head.available()  # else why not
+    assert info["cpu head kernel"].startswith("ready (") == cpu_kernels.available()  # else why not
     assert "small" in info["named configs"] and info["tokenizer"] == str(bundled_tokenizer_path())
 
 

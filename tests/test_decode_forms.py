@@ -15,7 +15,7 @@ from dsjax.engine.programs import decode_step
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
-from dsjax.layers import cpu_head
+from dsjax.layers import cpu_kernels
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight, PackedHead
 from dsjax.model import forward, init_cache, take_rows
 from dsjax.model.decoder import one_row_head
@@ -50,27 +50,33 @@ def test_linear_forms_match_a_float64_product(rows, stored, out):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.skipif(not cpu_head.available(), reason=f"the CPU head kernel: {cpu_head.status()}")
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU head kernel: {cpu_kernels.status()}")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_head_kernel_matches_a_float64_product_row_by_row(dtype):
-    """The XLA:CPU vocabulary-head kernel (`cpu_head`, what `linear` runs for a `PackedHead`)
+    """The XLA:CPU vocabulary-head kernel (`cpu_kernels`, what `linear` runs for a `PackedHead`)
     against a float64 product, for a vocabulary that is not whole tiles and more rows than one
     pass holds; each row's logits bitwise those it gets with other rows or alone."""
     rng = np.random.default_rng(11)
     vocab, d = 1005, 96
     w = jnp.asarray(rng.normal(size=(vocab, d)).astype(np.float32)).astype(dtype)
-    packed = cpu_head.pack_head(w)
-    assert packed.shape == (vocab, d) and packed.tiles.shape == (-(-vocab // cpu_head.TILE), d, cpu_head.TILE)
+    packed = cpu_kernels.pack_head(w)
+    assert packed.shape == (vocab, d) and packed.tiles.shape == (-(-vocab // cpu_kernels.TILE), d, cpu_kernels.TILE)
     np.testing.assert_array_equal(np.asarray(packed.dense(jnp.float32)), np.asarray(w.astype(jnp.float32)))
     x = jnp.asarray(rng.normal(size=(19, 1, d)).astype(np.float32))  # 19 rows: passes of 8, 8 and 3
     head = jax.jit(linear)
-    assert cpu_head.TARGET in head.lower(x, packed).as_text()  # the kernel, not a product of `dense()`
+    assert cpu_kernels.HEAD in head.lower(x, packed).as_text()  # the kernel, not a product of `dense()`
     got = np.asarray(head(x, packed))
     want = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     assert got.shape == (19, 1, vocab)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     for rows in (slice(0, 1), slice(5, 8), slice(3, 19)):
         np.testing.assert_array_equal(np.asarray(head(x[rows], packed)), got[rows])
+
+    def xla_product(x, w):  # the kernel off: XLA's product on the head unpacked (`PackedHead.dense`)
+        with cpu_kernels.disabled():
+            return linear(x, w)
+    assert cpu_kernels.HEAD not in jax.jit(xla_product).lower(x, packed).as_text()
+    np.testing.assert_allclose(np.asarray(jax.jit(xla_product)(x, packed)), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def _rounded(model):

@@ -13,7 +13,7 @@ from dsjax.model.cache import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
 from dsjax.engine.requests import Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
-from dsjax.layers import cpu_head
+from dsjax.layers import cpu_kernels
 from dsjax.layers.quantized import ColumnMajor, PackedHead
 from dsjax.model import forward, model_specs
 from dsjax.model.decoder import LayerByLayer, layer_block, one_row_params
@@ -157,7 +157,7 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
     np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
     assert tied_params.embed is tied.params.embed
     assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
-    if cpu_head.available():
+    if cpu_kernels.available():
         two = Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params
         assert isinstance(two.lm_head, PackedHead) and two.blocks is model.params.blocks
         np.testing.assert_array_equal(np.asarray(two.lm_head.dense(jnp.float32)), np.asarray(model.params.lm_head))
@@ -165,7 +165,7 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
         np.testing.assert_array_equal(np.asarray(tied_params.lm_head.dense(jnp.float32)), np.asarray(tied.params.embed))
         assert tied_params.embed is tied.params.embed
     with monkeypatch.context() as m:  # without the kernel: the head as stored
-        m.setattr(cpu_head, "available", lambda: False)
+        m.setattr(cpu_kernels, "available", lambda: False)
         assert Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params is model.params
     by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
     by_layer.step_params = one_row_params(model.params, cfg, model.dtype)

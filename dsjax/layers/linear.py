@@ -8,7 +8,7 @@ decode speed). `linear` picks by the static row count:
                                    16-bit or dequantized w as it goes; x @ t for a
                                    `ColumnMajor` w (the engine's one-row head); w @ x for
                                    an fp32 w under `whole_weights` (the library product)
-    any rows, a `PackedHead`      the XLA:CPU vocabulary-head kernel (`cpu_head`: an
+    any rows, a `PackedHead`      the XLA:CPU vocabulary-head kernel (`cpu_kernels`: an
                                    engine's head on one CPU device, fp32 or bf16)
     2..16 rows, w with more than WIDE_TILE rows (the vocabulary head, a big model's layers):
                   sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsjax.layers import cpu_head
+from dsjax.layers import cpu_kernels
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, PackedHead, dense
 from dsjax.sharding.rules import current_mesh, reshape
@@ -81,8 +81,8 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
     """x [..., I] fp32 @ w[O, I].T (plain, or stored: quantized / 16-bit) in fp32 on XLA:CPU
     with few rows, or None (use the GEMM). A stored weight is widened inside the product.
     A `PackedHead` (an engine's vocabulary head on one CPU device): the head kernel, any rows."""
-    if isinstance(w, PackedHead) and current_mesh() is None and not _GEMM_ONLY.get() and cpu_head.available():
-        return cpu_head.vocab_head(x, w)
+    if isinstance(w, PackedHead) and current_mesh() is None and not _GEMM_ONLY.get() and cpu_kernels.available():
+        return cpu_kernels.vocab_head(x, w)
     rows = math.prod(x.shape[:-1])
     if not cpu_forms(x, rows):
         return None

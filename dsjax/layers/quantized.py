@@ -110,7 +110,7 @@ class ColumnMajor:
 class PackedHead:
     """A vocabulary head [V, D] (fp32 or bf16) kept in tiles [ceil(V / 32), D, 32] of 32
     vocabulary rows, each k's 32 weights contiguous: the layout the XLA:CPU vocabulary-head
-    kernel reads in one sequential stream (`dsjax.layers.cpu_head`; an engine on one CPU
+    kernel reads in one sequential stream (`dsjax.layers.cpu_kernels`; an engine on one CPU
     device keeps its head so, `dsjax.model.decoder.cpu_head_params`). Rows past V are zeros.
     `dense()` is the [V, D] head back."""
 

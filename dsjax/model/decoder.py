@@ -27,7 +27,7 @@ from dsjax.config import LayerRun, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.attention import Attention, attention_extend, attention_forward, attention_specs
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
-from dsjax.layers import cpu_head
+from dsjax.layers import cpu_kernels
 from dsjax.layers.linear import few_rows, linear, whole_weights
 from dsjax.layers.quantized import ColumnMajor, PackedHead
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
@@ -175,7 +175,7 @@ def one_row_head(params: ModelParams, dtype) -> ModelParams:
 
 def cpu_head_params(params, dtype):
     """The params an engine on one XLA:CPU device (not batch-invariant: the caller says so)
-    runs with when the vocabulary-head kernel is built (`dsjax.layers.cpu_head`): an fp32
+    runs with when the vocabulary-head kernel is built (`dsjax.layers.cpu_kernels`): an fp32
     model's plain fp32 or bf16 head (its own, or the tied embedding's copy: the lookup keeps
     `embed`) packed in tiles (`PackedHead`), which the kernel reads for any row count (bench-78m
     head, [8, 256] x [256, 129280] on a 2-core AMD EPYC VM: 7.1 -> 4.0 ms fp32, 6.1 -> 3.4 ms
@@ -184,9 +184,9 @@ def cpu_head_params(params, dtype):
     `params` (a quantized head, a bf16 model, no kernel). V4 and V4.1 params alike."""
     w = lm_head_weight(params)
     if (jnp.dtype(dtype) != jnp.float32 or not isinstance(w, jax.Array)
-            or w.dtype not in (jnp.float32, jnp.bfloat16) or not cpu_head.available()):
+            or w.dtype not in (jnp.float32, jnp.bfloat16) or not cpu_kernels.available()):
         return params
-    return params.replace(lm_head=cpu_head.pack_head(w))
+    return params.replace(lm_head=cpu_kernels.pack_head(w))
 
 
 def _fp32_one_row(dtype) -> bool:

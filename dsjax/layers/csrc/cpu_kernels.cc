@@ -1,4 +1,4 @@
-// The vocabulary head on XLA:CPU, as an XLA FFI custom call (dsjax/layers/cpu_head.py builds and
+// The vocabulary head on XLA:CPU, as an XLA FFI custom call (dsjax/layers/cpu_kernels.py builds and
 // registers it): logits [R, NT * 32] = x [R, D] @ W.T, W kept in tiles [NT, D, 32] of 32
 // vocabulary rows (for each k the tile's 32 weights are contiguous: one sequential stream),
 // fp32 or bf16 weights (bf16 widened exactly), fp32 products and sums.

@@ -3,7 +3,7 @@
 XLA:CPU runs a decode step's head product for 2..16 rows ([8, 256] x [256, 129280] on a
 2-core AMD EPYC VM: 7.1 ms fp32, 6.1 ms with bf16 weights) at a third of the FMA rate and
 half the memory rate, in every form it offers (its GEMM, a fused multiply-reduce, batched or
-tiled; issue: CPU decode speed). `csrc/vocab_head.cc` reads the head once for up to 8 rows
+tiled; issue: CPU decode speed). `csrc/cpu_kernels.cc` reads the head once for up to 8 rows
 from a tiled layout (`PackedHead`) with 16 vector accumulators: 4.0 / 3.4 ms there. At one
 row both read at the memory rate (XLA's product on the transposed head ~3 % faster in the
 engine, which a one-slot fp32 engine keeps: `dsjax.model.decoder.one_row_head`).
@@ -11,9 +11,9 @@ engine, which a one-slot fp32 engine keeps: `dsjax.model.decoder.one_row_head`).
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`,
 `g++`, `clang++`; a few seconds, once) into ~/.cache/dsjax/kernels (`$XDG_CACHE_HOME`;
 `DSJAX_KERNEL_CACHE=DIR` elsewhere), for this CPU (`-march=native`: the file name carries a
-hash of the source, compiler, jaxlib and CPU flags). Without a compiler, or with
-`DSJAX_CPU_KERNELS=off`, the head stays XLA's product (`available()` is False, with the reason
-in `status()`), and nothing else changes.
+hash of the source, compiler, jaxlib and CPU flags); jaxlib ships the FFI headers. Without a
+compiler, or with `DSJAX_CPU_KERNELS=off`, the head stays XLA's product (`available()` is
+False, with the reason in `status()`), and nothing else changes.
 
 Each logit is the sequential multiply-add over the hidden size (fused where the CPU has FMA):
 a row's logits do not depend on the other rows, their number, or the threads, so batch
@@ -22,6 +22,8 @@ invariance holds (an engine in batch-invariant mode runs the GEMM throughout any
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import hashlib
 import importlib.metadata
@@ -40,16 +42,16 @@ import numpy as np
 
 from dsjax.layers.quantized import PackedHead
 
-TILE = 32  # vocabulary rows a tile (csrc/vocab_head.cc kTile)
-TARGET = "dsjax_vocab_head"
+TILE = 32  # vocabulary rows a tile (csrc/cpu_kernels.cc kTile)
+HEAD = "dsjax_vocab_head"
 ENV_OFF = "DSJAX_CPU_KERNELS"
 ENV_CACHE = "DSJAX_KERNEL_CACHE"
-SOURCE = Path(__file__).parent / "csrc" / "vocab_head.cc"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 log = logging.getLogger("dsjax")
 _lock = threading.Lock()
-_status: str | None = None  # None: not tried yet; "ready"; else why not
+_status: str | None = None  # None: not tried yet; "ready (<library>)"; else why not
 
 
 def _compiler() -> str | None:
@@ -87,7 +89,7 @@ def _library(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.__version__,
                                     _jaxlib_version(), _cpu_flags()]).encode()).hexdigest()[:16]
-    return _cache_dir() / f"libdsjax_vocab_head_{key}.so"
+    return _cache_dir() / f"libdsjax_cpu_kernels_{key}.so"
 
 
 def _build(cxx: str) -> Path:
@@ -120,7 +122,7 @@ def _load() -> str:
         return "no C++ compiler found (set CXX)"
     try:
         lib = _build(cxx)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).DsjaxVocabHead),
+        jax.ffi.register_ffi_target(HEAD, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).DsjaxVocabHead),
                                     platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         return f"build failed: {e}"
@@ -150,9 +152,23 @@ def status() -> str:
     return _status
 
 
+_OFF = contextvars.ContextVar("dsjax_cpu_kernels_off", default=False)
+
+
+@contextlib.contextmanager
+def disabled():
+    """While tracing inside: the head stays XLA's product (`available()` is False), e.g. to compare."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
 def available() -> bool:
-    """Whether the kernel runs here: the default backend is the CPU and the kernel is built."""
-    return jax.default_backend() == "cpu" and status().startswith("ready")
+    """Whether the kernel runs here: the default backend is the CPU, it is built, and not
+    `disabled()`."""
+    return not _OFF.get() and jax.default_backend() == "cpu" and status().startswith("ready")
 
 
 def describe() -> str:
@@ -176,7 +192,8 @@ def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
     rows = int(np.prod(x.shape[:-1]))
     flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows, w.tiles.shape[0] * TILE), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(flat, w.tiles)
+    y = jax.ffi.ffi_call(HEAD, out, vmap_method="sequential")(flat, w.tiles)
     if y.shape[1] != w.vocab:
         y = y[:, :w.vocab]
     return y.reshape(*x.shape[:-1], w.vocab)
+
