@@ -12,17 +12,16 @@ multiply-reduce) and, for fp32, transposed (`ColumnMajor`: what a one-slot fp32 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import interleaved_reads, write_result  # noqa: E402
 from roofline import memory_bandwidth  # noqa: E402
 
 from dsjax.engine.programs import program  # noqa: E402
@@ -45,17 +44,8 @@ def measure(hidden: int, rows: int, dtype: str, rounds: int) -> dict:
     for name, head in heads.items():
         np.testing.assert_allclose(np.asarray(run(x, head)), want, rtol=0, atol=1e-5 * np.abs(want).max(),
                                    err_msg=name)
-    times = {name: [] for name in heads}
-    for _ in range(rounds):
-        for name, head in heads.items():
-            t = time.perf_counter()
-            jax.block_until_ready(run(x, head))
-            times[name].append(time.perf_counter() - t)
-    out = {"hidden": hidden, "rows": rows, "weights": dtype, "head_bytes": int(w.nbytes)}
-    for name, ts in times.items():
-        out[name] = {"min_s": float(np.min(ts)), "median_s": float(np.median(ts)),
-                     "read_bytes_per_s_at_min": w.nbytes / float(np.min(ts))}
-    return out
+    return {"hidden": hidden, "rows": rows, "weights": dtype, "head_bytes": int(w.nbytes),
+            **interleaved_reads(run, x, heads, rounds, int(w.nbytes))}
 
 
 def main():
@@ -78,10 +68,7 @@ def main():
     result = {"vocab": VOCAB, "jax": jax.__version__, "device": str(jax.devices()[0]), "cpus": os.cpu_count(),
               "platform": platform.platform(), "rounds": args.rounds, "kernel": cpu_kernels.status(),
               "read_bandwidth_bytes_per_s": bandwidth, "runs": runs}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

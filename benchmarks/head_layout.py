@@ -11,17 +11,16 @@ layouts interleaved round by round (this machine's memory bandwidth drifts).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import interleaved_reads, write_result  # noqa: E402
 from roofline import memory_bandwidth  # noqa: E402
 
 from dsjax.engine.programs import program  # noqa: E402
@@ -40,16 +39,8 @@ def measure(hidden: int, rounds: int) -> dict:
     outs = {name: np.asarray(run(x, head)) for name, head in heads.items()}
     np.testing.assert_allclose(outs["transposed_d_by_v"], outs["stored_v_by_d"], rtol=0,
                                atol=1e-5 * np.abs(outs["stored_v_by_d"]).max())
-    times = {name: [] for name in heads}
-    for _ in range(rounds):
-        for name, head in heads.items():
-            t = time.perf_counter()
-            jax.block_until_ready(run(x, head))
-            times[name].append(time.perf_counter() - t)
-    row = {"hidden": hidden, "head_bytes": w.nbytes}
-    for name, ts in times.items():
-        row[name] = {"min_s": float(np.min(ts)), "median_s": float(np.median(ts)),
-                     "read_bytes_per_s_at_min": w.nbytes / float(np.min(ts))}
+    row = {"hidden": hidden, "head_bytes": int(w.nbytes),
+           **interleaved_reads(run, x, heads, rounds, int(w.nbytes))}
     row["speedup_at_median"] = row["stored_v_by_d"]["median_s"] / row["transposed_d_by_v"]["median_s"]
     return row
 
@@ -71,10 +62,7 @@ def main():
     result = {"vocab": VOCAB, "rows": 1, "jax": jax.__version__, "device": str(jax.devices()[0]),
               "cpus": os.cpu_count(), "platform": platform.platform(), "rounds": args.rounds,
               "read_bandwidth_bytes_per_s": bandwidth, "runs": rows}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

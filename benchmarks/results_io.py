@@ -30,6 +30,19 @@ def median_seconds(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_reads(run, x, weights: dict, rounds: int, nbytes: int) -> dict:
+    """run(x, w) for each named w, the forms taking turns round by round (a shared box's
+    bandwidth drifts) -> {name: {min_s, median_s, read_bytes_per_s_at_min}}, nbytes read a call."""
+    times = {name: [] for name in weights}
+    for _ in range(rounds):
+        for name, w in weights.items():
+            t = time.perf_counter()
+            jax.block_until_ready(run(x, w))
+            times[name].append(time.perf_counter() - t)
+    return {name: {"min_s": min(ts), "median_s": statistics.median(ts), "read_bytes_per_s_at_min": nbytes / min(ts)}
+            for name, ts in times.items()}
+
+
 def write_result(result: dict, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
