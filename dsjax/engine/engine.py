@@ -46,7 +46,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.model.cache import batch_axes
-from dsjax.model.decoder import INVARIANT_ROWS, cpu_head_params, one_row_head
+from dsjax.model.decoder import INVARIANT_ROWS, step_head_params
 from dsjax.model.v41 import reference_key_rule
 from dsjax.engine.constrained_step import ConstrainedDecode
 from dsjax.engine.prefill import Prefill
@@ -180,11 +180,11 @@ class Engine(Prefill, ConstrainedDecode):
             check_prefix_cache(cfg, prefill_chunk, self.mesh)
         # the params of the prefill and decode steps (a copy of the head, or the model's): at one
         # row on XLA:CPU, a short-hidden fp32 head transposed, read faster there (`one_row_head`);
-        # else on one XLA:CPU device the head packed for the CPU head kernel (`cpu_head_params`)
-        one_row = self.rows == 1 and self.mesh is None and not batch_invariant and not num_draft_tokens
-        self.step_params = one_row_head(model.params, model.dtype) if one_row else model.params
-        if self.step_params is model.params and self.mesh is None and not batch_invariant:
-            self.step_params = cpu_head_params(model.params, model.dtype)
+        # else on one XLA:CPU device the head packed for the CPU head kernel (`step_head_params`)
+        self.step_params = model.params
+        if self.mesh is None and not batch_invariant:
+            self.step_params = step_head_params(model.params, model.dtype,
+                                                one_row=self.rows == 1 and not num_draft_tokens)
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                         num_draft_tokens=num_draft_tokens)
