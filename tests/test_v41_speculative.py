@@ -26,6 +26,8 @@ from dsjax.params import init_params
 from dsjax.sharding.rules import make_mesh, shardings_for
 
 CAP = 64
+# The confidence policy with its cost curve pinned (nothing timed); the engines here that use it share programs.
+CONFIDENCE = dict(spec_policy="confidence", verify_costs=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5])
 
 
 def _tiny8(mesh=None) -> Model:
@@ -48,14 +50,14 @@ def tiny8():
     return _tiny8()
 
 
-def _greedy_equals_plain(model, max_tokens: int, *spec_options) -> list[dict]:
+def _greedy_equals_plain(model, max_tokens: int, *spec_options, plain_model=None) -> list[dict]:
     """Greedy requests (3 over 2 slots, one prompt of 2 tokens) through a speculative engine with
-    5 drafts per each of `spec_options` (Engine keywords) give the plain engine's tokens.
-    -> each speculative engine's metrics."""
+    5 drafts per each of `spec_options` (Engine keywords) give the plain engine's tokens (the
+    plain engine on `plain_model`, default `model`). -> each speculative engine's metrics."""
     prompts = np.random.default_rng(2).integers(0, 8, (3, 7)).tolist()
     prompts[2] = prompts[2][:2]  # from start 2 a 6-position chunk is past the key rule's exact range: fewer drafts
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    plain = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8).generate(prompts, sampling)
+    plain = Engine(plain_model or model, max_slots=2, capacity=CAP, prefill_chunk=8).generate(prompts, sampling)
     metrics = []
     for options in spec_options:
         engine = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5, **options)
@@ -73,19 +75,20 @@ def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
     (DSpark's sigma(c_k), the cost curve pinned so nothing is timed): rows verify fewer drafts
     than the maximum, and the calibration books every judged draft. (The fixed policy's greedy
     run is the mesh test's; one more engine here cost ~80 s of compiles for no other path.)"""
-    (confidence,) = _greedy_equals_plain(tiny8, 20, dict(spec_policy="confidence",
-                                                         verify_costs=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5]))
+    (confidence,) = _greedy_equals_plain(tiny8, 20, CONFIDENCE)
     assert 0 < confidence["drafts_accepted"] < confidence["drafts_proposed"]
     assert 0 < confidence["drafts_proposed"] < 5 * confidence["row_steps"]
     assert sum(confidence["calibration"]["judged"]) == sum(confidence["judged_by_position"]) > 0
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
-def test_engine_dspark_speculation_on_a_mesh_equals_the_plain_engine():
+def test_engine_dspark_speculation_on_a_mesh_equals_the_plain_engine(tiny8):
     """The same on a mesh (data=2: each slot's row on its own batch shard; prefill chunks over
     every row at once, the DSpark rings written, the Engram id history rolled back and the
-    drafts drawn row by row): greedy tokens equal the plain engine's on that mesh."""
-    (m,) = _greedy_equals_plain(_tiny8(make_mesh("data=2")), 12, dict(spec_policy="fixed"))
+    drafts drawn row by row): greedy tokens equal the plain engine's on one device, on the same
+    weights (whose logits a mesh gives to fp32 rounding: test_v41_sharding). The plain programs
+    are the first test's: the mesh costs only the speculative engine's compiles."""
+    (m,) = _greedy_equals_plain(_tiny8(make_mesh("data=2")), 12, dict(spec_policy="fixed"), plain_model=tiny8)
     assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
 
 
@@ -118,7 +121,7 @@ def test_prefix_cache_hits_equal_fresh_runs(tiny8):
     rng = np.random.default_rng(5)
     base = rng.integers(0, 8, 40).tolist()
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
-    for options, hits in ((dict(), (16, 24, 32)), (dict(num_draft_tokens=5, spec_policy="fixed"), (16, 16, 32))):
+    for options, hits in ((dict(), (16, 24, 32)), (dict(num_draft_tokens=5, **CONFIDENCE), (16, 16, 32))):
         def engine():
             return Engine(tiny8, max_slots=2, capacity=CAP, prefill_chunk=8, prefix_cache=PrefixCacheOptions(),
                           **options)
