@@ -114,7 +114,7 @@ def _run_alone(model, prompt, params, **engine_kw):
 def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
     """Same request + seed alone vs inside batches of 2..8 with other requests, at different
     slots and arrival steps: identical tokens, with sampling on."""
-    target = (rng.integers(0, 5000, 30).tolist(),  # one prompt chunk: one prefill program an engine
+    target = (rng.integers(0, 5000, 37).tolist(),
               SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=16, ignore_eos=True))
     alone = _run_alone(tiny, *target, max_slots=4).tokens
     for n_others, delay in ((1, 0), (3, 2), (7, 5)):
