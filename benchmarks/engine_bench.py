@@ -3,8 +3,10 @@ config and weights, in the same run: decode tokens/s with fp32 and with 16-bit w
 (`dsjax.store_weights`), each one and four decode steps a dispatch (`decode_steps`, the batch
 jobs' default: 4), the ratio to HF, and the fraction of the measured memory roofline
 (benchmarks/roofline.py: read bandwidth from threaded reductions, bytes a decode step must
-read). With --extras: decode step time against context length, async-dispatch overlap,
-batch-invariant mode cost, compile counts in steady state. Writes JSON.
+read; fp32 engines find greedy tokens from the head's bf16 screen, so their step reads the
+head in bf16: `dsjax_no_screen` is the fp32 engine without it). With --extras: decode step
+time against context length, async-dispatch overlap, batch-invariant mode cost, compile
+counts in steady state. Writes JSON.
 
     python benchmarks/engine_bench.py --config bench-78m --batches 1,8 --new-tokens 64 \
         --out benchmarks/results/engine_cpu_bench78m.json
@@ -180,15 +182,25 @@ def main():
                     runners[name + suffix] = dsjax_runner(m, b, args.prompt_len, args.new_tokens, capacity=capacity,
                                                           decode_steps=steps)
                     weight_dtype[name + suffix] = dtype
+            # fp32 without the greedy screen: the head's fp32 product every step (what sampled rows read)
+            runners["dsjax_no_screen"] = dsjax_runner(model, b, args.prompt_len, args.new_tokens, capacity=capacity,
+                                                      greedy_screen=False)
+            weight_dtype["dsjax_no_screen"] = jnp.float32
             if hf_model is not None:
                 runners["hf"] = hf_runner(hf_model, b, args.prompt_len, args.new_tokens)
             before = memory_bandwidth()["best"]
             row = measure(runners, b, args.prompt_len, args.new_tokens, cfg.vocab_size, args.repeats)
             row["read_bandwidth_bytes_per_s"] = max(before, memory_bandwidth()["best"])  # the better of before / after
             for name, dtype in weight_dtype.items():
-                need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)["total"]
-                row[name]["step_bytes"] = need
-                row[name]["roofline_tokens_per_s"] = b * row["read_bandwidth_bytes_per_s"] / need
+                need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)
+                row[name]["step_bytes"] = need["total"]
+                if name.startswith("dsjax") and dtype == jnp.float32 and name != "dsjax_no_screen":
+                    # the greedy screen reads the head in bf16 (and its rows' norms), not in fp32: the
+                    # fraction against the bytes it reads, and against an fp32 step's (over 1 if faster)
+                    row[name]["fraction_of_fp32_step_roofline"] = (row[name]["decode_tokens_per_s"] * need["total"]
+                                                                   / (b * row["read_bandwidth_bytes_per_s"]))
+                    row[name]["step_bytes"] = need["total"] - need["by_group"]["lm_head"] / 2 + cfg.vocab_size * 4
+                row[name]["roofline_tokens_per_s"] = b * row["read_bandwidth_bytes_per_s"] / row[name]["step_bytes"]
                 row[name]["fraction_of_roofline"] = (row[name]["decode_tokens_per_s"]
                                                      / row[name]["roofline_tokens_per_s"])
                 if hf_model is not None:

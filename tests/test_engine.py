@@ -11,6 +11,7 @@ import pytest
 import dsjax
 from dsjax.model.cache import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
+from dsjax.engine.programs import decode_step
 from dsjax.engine.requests import Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
 from dsjax.layers import cpu_kernels
@@ -133,31 +134,45 @@ def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
 
 
 def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
-    """A one-slot engine on XLA:CPU runs its steps with the vocabulary head transposed
-    (`one_row_head`: the layout XLA reads faster at one row); an engine of more slots on one
-    CPU device with the head packed for the CPU head kernel (`cpu_head_params`), or as stored
-    without the kernel. Layer runs stay scanned as stored. A one-slot engine's sampled tokens
-    are those of a four-slot engine, and of one that runs the layer runs layer by layer
-    (`one_row_params`: each layer's weights whole, not sliced from a scanned stack;
-    benchmarks/layer_layout.py)."""
+    """An engine on one XLA:CPU device runs its steps with the vocabulary head packed for the
+    CPU head kernel (`cpu_head_params`), an fp32 head with its greedy screen where its decode
+    steps report no logprobs (`cpu_kernels.greedy_tokens`); a one-slot engine without the
+    screen, with the head transposed (`one_row_head`: the layout XLA reads faster at one
+    row); more slots without the kernel, the head as stored. Layer runs stay scanned as
+    stored. A one-slot engine's sampled and greedy tokens (the screen's) are those of a
+    four-slot engine that reports logprobs (the fp32 kernel's logits, no screen), and of one
+    that runs the layer runs layer by layer (`one_row_params`: each layer's weights whole,
+    not sliced from a scanned stack; benchmarks/layer_layout.py)."""
     base = tiny.config  # tiny with two scanned runs (2 x sliding, 2 x [CSA, HCA]), as `small` has
     cfg = base.replace(num_hidden_layers=6, layer_types=base.layer_types[:1] * 2 + base.layer_types[1:3] * 2,
                        mlp_layer_types=base.mlp_layer_types[:1] * 2 + base.mlp_layer_types[1:2] * 4)
     assert [run.repeats for run in cfg.layer_runs] == [2, 2]
     model = dsjax.Model(cfg, init_params(model_specs(cfg, jnp.float32), 3), jnp.float32, None)
-    target = (rng.integers(0, 5000, 30).tolist(),  # one prompt chunk: one prefill program an engine
-              SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=99, max_tokens=16, ignore_eos=True))
+    prompt = rng.integers(0, 5000, 30).tolist()  # one prompt chunk: one prefill program an engine
+    targets = [(prompt, SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=99, max_tokens=16,
+                                       ignore_eos=True)),
+               (prompt, SamplingParams(max_tokens=16, ignore_eos=True))]  # greedy
     one = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
-    assert isinstance(one.step_params.lm_head, ColumnMajor)
-    np.testing.assert_array_equal(np.asarray(one.step_params.lm_head.t), np.asarray(model.params.lm_head).T)
+    transposed = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, max_logprobs=1).step_params
+    assert isinstance(transposed.lm_head, ColumnMajor)
+    np.testing.assert_array_equal(np.asarray(transposed.lm_head.t), np.asarray(model.params.lm_head).T)
     assert one.step_params.blocks is model.params.blocks
     tied = dsjax.load_model()  # the built-in model: its head is the embedding, which the lookup keeps
     assert tied.params.lm_head is None
-    tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32).step_params
+    tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32, max_logprobs=1).step_params
     np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
     assert tied_params.embed is tied.params.embed
     assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
     if cpu_kernels.available():
+        head = one.step_params.lm_head
+        assert isinstance(head, PackedHead) and head.screen is not None and head.screen.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(head.dense(jnp.float32)), np.asarray(model.params.lm_head))
+        np.testing.assert_array_equal(np.asarray(head.screen), np.asarray(head.tiles.astype(jnp.bfloat16)))
+        norms = np.linalg.norm(np.asarray(model.params.lm_head, np.float64), axis=1)
+        assert (np.asarray(head.norms)[:len(norms)] >= norms).all()
+        lowered = decode_step.lower(one.step_params, one.cache, one.slots, jnp.zeros(1, bool), cfg=cfg,
+                                    opts=one.opts, ctx_bucket=256, n_logprobs=0).as_text()
+        assert cpu_kernels.GREEDY in lowered
         two = Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params
         assert isinstance(two.lm_head, PackedHead) and two.blocks is model.params.blocks
         np.testing.assert_array_equal(np.asarray(two.lm_head.dense(jnp.float32)), np.asarray(model.params.lm_head))
@@ -167,7 +182,7 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
     with monkeypatch.context() as m:  # without the kernel: the head as stored
         m.setattr(cpu_kernels, "available", lambda: False)
         assert Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params is model.params
-    by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
+    by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, max_logprobs=1)
     by_layer.step_params = one_row_params(model.params, cfg, model.dtype)
     assert all(isinstance(blocks, LayerByLayer) for blocks in by_layer.step_params.blocks)
     assert isinstance(by_layer.step_params.lm_head, ColumnMajor)
@@ -175,12 +190,11 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
         jax.tree.map(np.testing.assert_array_equal, layer_block(by_layer.step_params, cfg, i),
                      layer_block(model.params, cfg, i))
     assert Engine(model, max_slots=1, capacity=256, prefill_chunk=32, batch_invariant=True).step_params is model.params
-    want = _run_alone(model, *target, max_slots=4).tokens
+    prompts, params = map(list, zip(*targets))
+    want = Engine(model, max_slots=4, capacity=256, prefill_chunk=32, max_logprobs=1).generate(prompts, params)
+    assert want[0] != want[1]
     for engine in (one, by_layer):
-        rid = engine.add_request(*target)
-        for _ in engine.run():
-            pass
-        assert engine.requests[rid].tokens == want
+        assert engine.generate(prompts, params) == want
 
 
 def test_batch_invariant_mode_logits_bitwise(tiny, rng):

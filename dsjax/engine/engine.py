@@ -77,6 +77,13 @@ class Model(Protocol):
     def batch_shards(self) -> int: ...
 
 
+# the most slots whose greedy decode reads the head's bf16 screen: bench-78m's engine on a 2-core
+# AMD EPYC VM, fp32, screen / fp32 head tokens/s: 1 slot 200 / 143, 2: 298 / 234, 4: 434 / 370,
+# 8: 614 / 618 (the kernel's 8-row pass is bound by its multiply-adds, not the bytes; at 16 rows
+# the bf16 head ran slower than the fp32 one)
+SCREEN_MAX_ROWS = 4
+
+
 class Engine(Prefill, ConstrainedDecode):
     """Continuous batching over `max_slots` decode slots with a `capacity`-token cache each.
 
@@ -125,20 +132,24 @@ class Engine(Prefill, ConstrainedDecode):
     would pass it.
 
     `step_params`: the weights the prefill and decode programs run with: the model's, but for
-    a one-slot engine on XLA:CPU (not batch-invariant, no drafts), which keeps its own copy
-    of a short-hidden fp32 vocabulary head, transposed (`one_row_head`: read 1.2-1.4x
-    faster at one row; the head's bytes again in memory), and for any other engine on one
-    XLA:CPU device (not batch-invariant) with the CPU head kernel built, which keeps its
-    fp32 or bf16 head packed for it (`cpu_head_params`; at one row XLA's transposed product
-    measured 3 % faster than the kernel, at eight rows the kernel 1.7x faster than XLA's). Its layer runs stay scanned as
-    stored: layer by layer (`one_row_params`) measured 2-7 % slower since the one-row products
-    read a vector of their own (`linear.merge_last_two`; benchmarks/layer_layout.py)."""
+    an engine on one XLA:CPU device (not batch-invariant) with the CPU head kernel built,
+    which keeps its fp32 or bf16 head packed for it (`cpu_head_params`; the head's bytes
+    again in memory; at eight rows the kernel 1.7x faster than XLA's product). greedy_screen
+    (at most SCREEN_MAX_ROWS slots, no drafts, no logprobs): an fp32 head also keeps a bf16
+    copy (half its bytes again), from which greedy decode steps find the fp32 logits' first
+    maximum reading half the bytes (`cpu_kernels.greedy_tokens`; the same tokens, bitwise;
+    sampled or penalised rows read the fp32 head); False saves that memory. Otherwise a
+    one-slot engine (no drafts) keeps a short-hidden fp32 head transposed (`one_row_head`:
+    read 1.2-1.4x faster at one row, 3 % faster than the kernel). Its layer runs stay
+    scanned as stored: layer by layer (`one_row_params`) measured 2-7 % slower since the
+    one-row products read a vector of their own (`linear.merge_last_two`;
+    benchmarks/layer_layout.py)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
                  num_draft_tokens: int = 0, spec_policy: str | None = None, verify_costs: list[float] | None = None,
                  draft_vocab=None, device_memory_bytes: int | None = None,
-                 prefix_cache: PrefixCacheOptions | None = None):
+                 prefix_cache: PrefixCacheOptions | None = None, greedy_screen: bool = True):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                           decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
@@ -178,13 +189,15 @@ class Engine(Prefill, ConstrainedDecode):
                        if num_draft_tokens and self.draft_vocab is not None else None)
         if prefix_cache is not None:
             check_prefix_cache(cfg, prefill_chunk, self.mesh)
-        # the params of the prefill and decode steps (a copy of the head, or the model's): at one
-        # row on XLA:CPU, a short-hidden fp32 head transposed, read faster there (`one_row_head`);
-        # else on one XLA:CPU device the head packed for the CPU head kernel (`step_head_params`)
+        # the params of the prefill and decode steps (a copy of the head, or the model's): on one
+        # XLA:CPU device the head packed for the CPU head kernel, with its greedy screen, or at
+        # one row a short-hidden fp32 head transposed (`step_head_params`)
         self.step_params = model.params
         if self.mesh is None and not batch_invariant:
             self.step_params = step_head_params(model.params, model.dtype,
-                                                one_row=self.rows == 1 and not num_draft_tokens)
+                                                one_row=self.rows == 1 and not num_draft_tokens,
+                                                screen=(greedy_screen and self.rows <= SCREEN_MAX_ROWS
+                                                        and not num_draft_tokens and not max_logprobs))
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                         num_draft_tokens=num_draft_tokens)

@@ -27,10 +27,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.engine.sampler import sample_tokens, top_logprobs
+from dsjax.engine.sampler import SamplingState, sample_tokens, top_logprobs
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
 from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
 from dsjax.model.cache import Block, Cache, init_cache, over_tiles, put_block, put_rows, take_block, take_rows
+from dsjax.layers import cpu_kernels
+from dsjax.layers.quantized import PackedHead
 from dsjax.model.decoder import INVARIANT_ROWS
 from dsjax.model.forward_pass import forward
 from dsjax.sharding.rules import current_mesh, per_row, rows
@@ -60,6 +62,27 @@ class StepOutput:
     draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence)
 
 
+def screens(params) -> bool:
+    """Whether `params`' vocabulary head carries a greedy screen (`cpu_kernels.greedy_tokens`)."""
+    return isinstance(params.lm_head, PackedHead) and params.lm_head.screen is not None
+
+
+@jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
+def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions: jax.Array,
+                    rows: jax.Array) -> jax.Array:
+    """`sample_tokens(h @ head.T, s, positions)` [B] from the head's input rows h [B, D] (fp32).
+    When every row in `rows` [B] is greedy and unpenalised, the screen finds each row's first
+    maximum reading the head's bf16 copy and the fp32 tiles of a few candidates: the same
+    tokens, bitwise, as the full product (`cpu_kernels.greedy_tokens`). Otherwise, or where
+    the screen leaves a row undecided, the full fp32 logits and the sampler."""
+    plain = (s.temperature == 0) & (s.repetition_penalty == 1) & (s.presence_penalty == 0) & (
+        s.frequency_penalty == 0)
+    undecided = jnp.full(h.shape[:1], -1, jnp.int32)
+    tokens = jax.lax.cond(jnp.all(plain | ~rows), lambda: cpu_kernels.greedy_tokens(h, head)[0], lambda: undecided)
+    return jax.lax.cond(jnp.all((tokens >= 0) | ~rows), lambda: jnp.maximum(tokens, 0),
+                        lambda: sample_tokens(cpu_kernels.vocab_head(h, head), s, positions))
+
+
 @jax.named_scope("sampler")  # a profile's op group (benchmarks/decode_trace.py)
 def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitting: jax.Array,
                     mask: jax.Array | None = None, *, n_logprobs: int):
@@ -67,6 +90,14 @@ def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitt
     `emitting` (only among the tokens `mask` [B, ceil(V/32)] allows, if given), book it,
     describe the output."""
     tokens = sample_tokens(logits, slots.sampling, positions, mask)
+    return emit_sampled(slots, tokens, positions, emitting, logits, n_logprobs=n_logprobs)
+
+
+@jax.named_scope("sampler")
+def emit_sampled(slots: Slots, tokens: jax.Array, positions: jax.Array, emitting: jax.Array,
+                 logits: jax.Array | None = None, *, n_logprobs: int = 0):
+    """Book the sampled tokens [B] for the rows in `emitting`, describe the output (with
+    logprobs from `logits` when n_logprobs > 0)."""
     slots, _, finished = emit_tokens(slots, tokens[:, None], jnp.ones_like(positions), positions - 1, emitting)
     tokens = slots.last_token  # the sampled token where emitting, the old one elsewhere
     logprob = top_values = top_ids = None
@@ -100,13 +131,20 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
     [n_steps, B]."""
     slots = _stop_cancelled(slots, cancelled)
 
+    screened = not n_logprobs and screens(params)  # the head's input rows, the screen's greedy tokens
+
     def one(carry, _):
         cache, slots = carry
         active = slots.active
         logits, cache = forward(params, slots.last_token[:, None], cfg, cache, opts=opts,
-                                n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True)
-        emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
-        slots, out = emit(slots, logits[:, 0], cache.length, active)
+                                n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True,
+                                hidden=screened)
+        if screened:  # (one device: per_row is the function itself)
+            tokens = screened_tokens(logits[:, 0], params.lm_head, slots.sampling, cache.length, active)
+            slots, out = emit_sampled(slots, tokens, cache.length, active)
+        else:
+            emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
+            slots, out = emit(slots, logits[:, 0], cache.length, active)
         return (cache, slots), out
 
     if n_steps == 1:

@@ -44,6 +44,7 @@ from dsjax.layers.quantized import PackedHead
 
 TILE = 32  # vocabulary rows a tile (csrc/cpu_kernels.cc kTile)
 HEAD = "dsjax_vocab_head"
+GREEDY = "dsjax_greedy_head"
 ENV_OFF = "DSJAX_CPU_KERNELS"
 ENV_CACHE = "DSJAX_KERNEL_CACHE"
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
@@ -122,8 +123,9 @@ def _load() -> str:
         return "no C++ compiler found (set CXX)"
     try:
         lib = _build(cxx)
-        jax.ffi.register_ffi_target(HEAD, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).DsjaxVocabHead),
-                                    platform="cpu")
+        library = ctypes.cdll.LoadLibrary(str(lib))
+        jax.ffi.register_ffi_target(HEAD, jax.ffi.pycapsule(library.DsjaxVocabHead), platform="cpu")
+        jax.ffi.register_ffi_target(GREEDY, jax.ffi.pycapsule(library.DsjaxGreedyHead), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         return f"build failed: {e}"
     return f"ready ({lib})"
@@ -176,15 +178,24 @@ def describe() -> str:
     return status() if jax.default_backend() == "cpu" else f"not used (backend {jax.default_backend()})"
 
 
-def pack_head(w) -> PackedHead:
-    """A [V, D] fp32 or bf16 head -> `PackedHead` (cut on the host; rows past V zero)."""
+def pack_head(w, *, screen: bool = False) -> PackedHead:
+    """A [V, D] fp32 or bf16 head -> `PackedHead` (cut on the host; rows past V zero). screen:
+    an fp32 head also keeps a bf16 copy of its tiles and its rows' norms, from which
+    `greedy_tokens` finds greedy tokens reading half the bytes (not for a head with a
+    non-finite weight, whose logits the screen cannot bound)."""
     a = np.asarray(w)
     v, d = a.shape
     nt = -(-v // TILE)
     if nt * TILE != v:
         a = np.concatenate([a, np.zeros((nt * TILE - v, d), a.dtype)])
     tiles = np.ascontiguousarray(a.reshape(nt, TILE, d).transpose(0, 2, 1))
-    return PackedHead(jax.device_put(tiles), v)  # (jnp.asarray would compile a program per shape)
+    put = jax.device_put  # (jnp.asarray would compile a program per shape)
+    if not (screen and a.dtype == np.float32 and np.isfinite(a).all()):
+        return PackedHead(put(tiles), v)
+    norms = np.sqrt(np.square(a, dtype=np.float64).sum(axis=1))
+    rounded = norms.astype(np.float32)  # rounded up: the screen's bounds need n_j >= ||w_j||
+    rounded = np.where(rounded < norms, np.nextafter(rounded, np.float32(np.inf)), rounded)
+    return PackedHead(put(tiles), v, screen=put(tiles.astype(jnp.bfloat16)), norms=put(rounded))
 
 
 def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
@@ -197,3 +208,18 @@ def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
         y = y[:, :w.vocab]
     return y.reshape(*x.shape[:-1], w.vocab)
 
+
+
+def greedy_tokens(x: jax.Array, w: PackedHead) -> tuple[jax.Array, jax.Array]:
+    """The first maximum of each row's logits x [R, D] @ w.T (those `vocab_head` computes, bitwise)
+    from a screened head (`pack_head(screen=True)`): bf16 logits from the screen bound every fp32
+    logit (bf16 rounding and fp32 sums bounded through the rows' norms, Cauchy-Schwarz) and only
+    the tiles of 32 rows that can hold a maximum are computed in fp32 (csrc/cpu_kernels.cc has
+    the argument). -> (tokens [R] int32, -1 where a row needs all its logits instead: non-finite
+    values, or more than 64 candidate tiles; the screen's logits [R, V])."""
+    rows = x.shape[0]
+    nt = w.tiles.shape[0]
+    out = (jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows, nt * TILE), jnp.float32))
+    tokens, approx = jax.ffi.ffi_call(GREEDY, out, vmap_method="sequential")(
+        x.astype(jnp.float32), w.screen, w.tiles, w.norms, vocab=np.int64(w.vocab))
+    return tokens, approx[:, :w.vocab]

@@ -112,10 +112,14 @@ class PackedHead:
     vocabulary rows, each k's 32 weights contiguous: the layout the XLA:CPU vocabulary-head
     kernel reads in one sequential stream (`dsjax.layers.cpu_kernels`; an engine on one CPU
     device keeps its head so, `dsjax.model.decoder.cpu_head_params`). Rows past V are zeros.
-    `dense()` is the [V, D] head back."""
+    `dense()` is the [V, D] head back. An fp32 head may also carry a bf16 copy of its tiles
+    and its rows' norms (`screen`, `norms`), from which the kernel finds greedy tokens
+    reading half the bytes (`cpu_kernels.greedy_tokens`)."""
 
     tiles: jax.Array  # [ceil(V / 32), D, 32]
     vocab: int = struct.field(pytree_node=False)
+    screen: jax.Array | None = None  # [ceil(V / 32), D, 32] bf16: the tiles rounded to nearest
+    norms: jax.Array | None = None  # [ceil(V / 32) * 32] fp32: ||w_j||_2 rounded up (0 past V)
 
     @property
     def shape(self):

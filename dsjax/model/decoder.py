@@ -173,7 +173,7 @@ def one_row_head(params: ModelParams, dtype) -> ModelParams:
     return params.replace(lm_head=ColumnMajor(jnp.transpose(w)))
 
 
-def cpu_head_params(params, dtype):
+def cpu_head_params(params, dtype, *, screen: bool = False):
     """The params an engine on one XLA:CPU device (not batch-invariant: the caller says so)
     runs with when the vocabulary-head kernel is built (`dsjax.layers.cpu_kernels`): an fp32
     model's plain fp32 or bf16 head (its own, or the tied embedding's copy: the lookup keeps
@@ -181,19 +181,26 @@ def cpu_head_params(params, dtype):
     head, [8, 256] x [256, 129280] on a 2-core AMD EPYC VM: 7.1 -> 4.0 ms fp32, 6.1 -> 3.4 ms
     bf16; at one row ~3 % slower than XLA's product on the transposed head in the engine, which
     a one-slot fp32 engine keeps: `one_row_head`). A copy of the head, held by the caller; else
-    `params` (a quantized head, a bf16 model, no kernel). V4 and V4.1 params alike."""
+    `params` (a quantized head, a bf16 model, no kernel). V4 and V4.1 params alike. screen: an
+    fp32 head also keeps a bf16 copy and its rows' norms (half its bytes again), from which
+    the decode step finds greedy tokens reading half the bytes (`cpu_kernels.greedy_tokens`)."""
     w = lm_head_weight(params)
     if (jnp.dtype(dtype) != jnp.float32 or not isinstance(w, jax.Array)
             or w.dtype not in (jnp.float32, jnp.bfloat16) or not cpu_kernels.available()):
         return params
-    return params.replace(lm_head=cpu_kernels.pack_head(w))
+    return params.replace(lm_head=cpu_kernels.pack_head(w, screen=screen))
 
 
-def step_head_params(params, dtype, *, one_row: bool):
+def step_head_params(params, dtype, *, one_row: bool, screen: bool = False):
     """The head an engine on one XLA:CPU device (not batch-invariant: the caller says so) runs
-    its steps with: at one row the transposed head where `one_row_head` keeps one (XLA's
-    product there ~3 % faster than the kernel), else the packed head (`cpu_head_params`), else
-    `params`."""
+    its steps with. screen (an engine whose decode steps report no logprobs and verify no
+    drafts): an fp32 head packed with its greedy screen (`cpu_head_params`), any row count.
+    Else at one row the transposed head where `one_row_head` keeps one (XLA's product there
+    ~3 % faster than the kernel), else the packed head, else `params`."""
+    if screen and getattr(lm_head_weight(params), "dtype", None) == jnp.float32:
+        packed = cpu_head_params(params, dtype, screen=True)
+        if isinstance(packed.lm_head, PackedHead) and packed.lm_head.screen is not None:
+            return packed
     if one_row:
         transposed = one_row_head(params, dtype)
         if transposed is not params:
@@ -237,12 +244,18 @@ def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
 
 
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
+def head_input(hc_head: HyperHead, norm: jax.Array, streams: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """N streams [..., N, D] -> the vocabulary projection's input [..., D]: collapse, norm."""
+    return rms_norm(head_collapse(hc_head, streams, cfg), norm, cfg.rms_norm_eps)
+
+
+@jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
 def head_logits(hc_head: HyperHead, norm: jax.Array, weight: jax.Array, streams: jax.Array,
                 cfg: ModelConfig) -> jax.Array:
     """N streams [..., N, D] -> logits [..., V] fp32: head collapse, norm, vocabulary
     projection. The main model and the MTP drafter each have their own collapse and norm
     and share the projection `weight` ([V, D])."""
-    h = rms_norm(head_collapse(hc_head, streams, cfg), norm, cfg.rms_norm_eps)
+    h = head_input(hc_head, norm, streams, cfg)
     logits = linear(h, weight, out_dtype=jnp.float32)  # vocab-parallel under a mesh
     out = spec("batch", *([None] * (logits.ndim - 1)))
     return logits if out is None else jax.sharding.reshard(logits, out)  # gather the vocabulary

@@ -13,16 +13,17 @@ import jax.numpy as jnp
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers.linear import gemm_only
 from dsjax.model.cache import Cache, over_tiles
-from dsjax.model.decoder import (DEFAULT_OPTIONS, INVARIANT_ROWS, ModelParams, decoder_streams, last_valid,
-                                 lm_head_weight, logits_of, rows_logits)
+from dsjax.model.decoder import (DEFAULT_OPTIONS, INVARIANT_ROWS, ModelParams, decoder_streams, head_input,
+                                 last_valid, lm_head_weight, logits_of, rows_logits)
 from dsjax.model.v41 import ModelParamsV41, v41_forward_rows
 from dsjax.sharding.rules import axis_size, current_mesh
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "last_only"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "last_only", "hidden"),
+                   donate_argnames=("cache",))
 def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None = None, *,
             opts: RuntimeOptions = DEFAULT_OPTIONS, n_valid: jax.Array | None = None, ctx_bucket: int | None = None,
-            last_only: bool = False) -> tuple[jax.Array, Cache | None]:
+            last_only: bool = False, hidden: bool = False) -> tuple[jax.Array, Cache | None]:
     """tokens [B, S] int32 -> (logits fp32, cache).
 
     cache None: a whole causal sequence at positions 0..S-1; returns (logits [B, S, V], None).
@@ -31,6 +32,8 @@ def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelC
     level). ctx_bucket (static, required with a cache) bounds the compressed entries read:
     every entry a query can see must lie below ctx_bucket / ratio.
     last_only: logits [B, 1, V] at each row's last valid position only.
+    hidden: the vocabulary head's input rows (collapsed and normed; [..., D] fp32) instead of
+    the logits, for a caller that applies the head itself (the engine's greedy screen).
     opts.batch_invariant (cached path): B rows (a multiple of INVARIANT_ROWS) run as tiles of
     INVARIANT_ROWS, each its own forward of the same shape; on a mesh each device holds
     exactly one tile (B = INVARIANT_ROWS x batch shards), whose per-device program is the
@@ -42,33 +45,36 @@ def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelC
         raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
     if opts.batch_invariant and cache is not None:  # the same products on one device as on a mesh
         with gemm_only():
-            return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
-    return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
+            return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
+    return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
 
 
-def _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
+def _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden):
     b = tokens.shape[0]
     if cache is not None and opts.batch_invariant and current_mesh() is not None:  # each device: one tile
         if b != INVARIANT_ROWS * axis_size("batch"):
             raise ValueError(f"batch_invariant on a mesh: {b} rows, not {INVARIANT_ROWS} on each of the "
                              f"{axis_size('batch')} batch shards")
-        return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
+        return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
     if cache is None or not opts.batch_invariant:
-        return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)
+        return _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
     n_valid = jnp.full((b,), tokens.shape[1], jnp.int32) if n_valid is None else n_valid
 
     def tile(cache, x):
-        logits, cache = _forward_rows(params, x[0], cfg, cache, opts, x[1], ctx_bucket, last_only)
+        logits, cache = _forward_rows(params, x[0], cfg, cache, opts, x[1], ctx_bucket, last_only, hidden)
         return cache, logits
 
     cache, logits = over_tiles(tile, cache, (tokens, n_valid), INVARIANT_ROWS)
     return logits, cache
 
 
-def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only):
+def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden):
     if cfg.v41 is not None:  # DeepSeek-V4.1's backbone
-        return v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only)[:2]
+        return v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only,
+                                head_rows=hidden)[:2]
     streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
     if last_only:
         streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
+    if hidden:
+        return head_input(params.hc_head, params.norm, streams, cfg), cache
     return rows_logits(lambda: logits_of(params, streams, cfg), lm_head_weight(params), n_valid, streams.dtype), cache

@@ -247,10 +247,15 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
 
 
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
+def v41_head_input(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Norm(collapse(X, pi)): the vocabulary projection's input [..., D] (no hc_head)."""
+    return rms_norm(collapse(streams, pi), params.norm, cfg.rms_norm_eps)
+
+
+@jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
 def v41_logits(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: ModelConfig) -> jax.Array:
     """logits = W_head Norm(collapse(X, pi)) in fp32 (spec §1.3 step 4; no hc_head)."""
-    h = rms_norm(collapse(streams, pi), params.norm, cfg.rms_norm_eps)
-    return linear(h, lm_head_weight(params), out_dtype=jnp.float32)
+    return linear(v41_head_input(params, streams, pi, cfg), lm_head_weight(params), out_dtype=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- with a cache
@@ -344,9 +349,10 @@ def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConf
 
 def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None,
                      opts: RuntimeOptions, n_valid: jax.Array | None, ctx_bucket: int | None, last_only: bool,
-                     taps: bool = False):
+                     taps: bool = False, head_rows: bool = False):
     """`dsjax.model.forward` for a V4.1 config, the Engram rows from the params' host tables if
-    they have them -> (logits fp32, cache, DSpark's taps [B, S, T * D] with taps=True, else None)."""
+    they have them -> (logits fp32, cache, DSpark's taps [B, S, T * D] with taps=True, else None);
+    head_rows: the head's input rows instead of the logits."""
     if cache is None:
         streams, pi, hidden = v41_streams(params, tokens, cfg, opts=opts, taps=taps)
     else:
@@ -355,5 +361,7 @@ def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig
     if last_only:
         n = jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid
         streams, pi = last_valid(streams, n), last_valid(pi, n)
+    if head_rows:
+        return v41_head_input(params, streams, pi, cfg), cache, hidden
     logits = rows_logits(lambda: v41_logits(params, streams, pi, cfg), lm_head_weight(params), n_valid, streams.dtype)
     return logits, cache, hidden

@@ -9,11 +9,15 @@
 // rate. Each logit is the sequential multiply-add over k = 0..D-1 (fused where the CPU has
 // FMA), so a row's logits do not depend on the other rows, the row count or the threads.
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <functional>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -127,7 +131,156 @@ ffi::Error VocabHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- greedy tokens through a screen
+// The first maximum of each row's fp32 logits (the logits `VocabHead` computes from the fp32
+// tiles, bitwise) read mostly from a bf16 copy of the head (half the bytes):
+//  1. approx[r, j] = x_r . bf16(w_j) from the screen tiles (parallel, as `VocabHead`);
+//  2. |approx[r, j] - logit[r, j]| <= e_r * n_j, n_j >= ||w_j||_2 (fp32 `norms`, rounded up on
+//     the host) and e_r = c * ||x_r||_2 + a: bf16 rounding moves each weight by at most 2^-8 of
+//     itself (2^-134 absolute below 2^-126) and each fp32 multiply-add sum differs from the real
+//     sum by at most gamma_2D * sum_k |x_k w_jk| (fused or not), so by Cauchy-Schwarz
+//     c = (2^-8 + (2 + 2^-8) gamma_2D) and a covers the subnormal terms; both are taken 2^-10
+//     larger, which also covers rounding in computing the bounds in fp32;
+//  3. t_r = max_j (approx - bound) <= the row's largest logit; every column whose upper bound
+//     approx + bound reaches t_r is a candidate, and every maximum is one (its logit >= t_r);
+//  4. the candidates' tiles are computed exactly from the fp32 tiles (the same per-lane
+//     multiply-add sequence as `VocabHead`), and the first maximum among them, columns in
+//     ascending order, is the first maximum of the row.
+// A row gets -1 (the caller computes all its logits instead) when x or an approx value is not
+// finite, the threshold is not finite, a candidate's logit is not finite, or more than
+// kMaxCandidateTiles tiles are candidates (near-equal rows: screening saves nothing).
+constexpr int64_t kMaxCandidateTiles = 64;
+
+struct Screen {
+  std::vector<float> lo, hi;  // [items, rows]: the largest lower / upper bound in an item
+  std::vector<uint8_t> finite;  // [items, rows]: all approx values finite
+};
+
+void screen_item(const float* approx, int64_t rows, int64_t stride, const float* norms, const float* e,
+                 int64_t j0, int64_t j1, int64_t vocab, Screen& s, int64_t item) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = approx + r * stride;
+    float lo = -INFINITY, hi = -INFINITY;
+    bool finite = true;
+    for (int64_t j = j0; j < std::min(j1, vocab); ++j) {
+      float b = e[r] * norms[j];
+      finite &= std::fabs(a[j]) <= FLT_MAX;
+      lo = std::max(lo, a[j] - b);
+      hi = std::max(hi, a[j] + b);
+    }
+    s.lo[item * rows + r] = lo;
+    s.hi[item * rows + r] = hi;
+    s.finite[item * rows + r] = finite;
+  }
+}
+
+ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> screen,
+                      ffi::Buffer<ffi::F32> exact, ffi::Buffer<ffi::F32> norms, int64_t vocab,
+                      ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> approx) {
+  auto xd = x.dimensions();
+  auto sd = screen.dimensions();
+  auto ed = exact.dimensions();
+  if (xd.size() != 2 || sd.size() != 3 || sd[2] != kTile || sd[1] != xd[1] || ed.size() != 3 || ed[0] != sd[0] ||
+      ed[1] != sd[1] || ed[2] != kTile || norms.element_count() != sd[0] * kTile || vocab > sd[0] * kTile)
+    return ffi::Error::InvalidArgument(
+        "dsjax_greedy_head: x [R, D], screen and exact tiles [NT, D, 32], norms [NT * 32], vocab <= NT * 32 expected");
+  const int64_t rows = xd[0], d = xd[1], nt = sd[0], stride = nt * kTile;
+  const float* xs = x.typed_data();
+  const float* ns = norms.typed_data();
+  const uint16_t* sw = reinterpret_cast<const uint16_t*>(screen.untyped_data());
+  const float* ew = exact.typed_data();
+  float* ap = approx->typed_data();
+  int32_t* out = tokens->typed_data();
+
+  const double gamma = 2.0 * d * 0x1p-24 / (1.0 - 2.0 * d * 0x1p-24);
+  const double c = (0x1p-8 + (2.0 + 0x1p-8) * gamma) * (1.0 + 0x1p-10);
+  std::vector<float> e(rows);
+  std::vector<uint8_t> ok(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t k = 0; k < d; ++k) ss += double(xs[r * d + k]) * xs[r * d + k];
+    double norm = std::sqrt(ss);
+    double a = (d * 0x1p-147 + std::sqrt(double(d)) * norm * 0x1p-133) * (1.0 + 0x1p-10);
+    double bound = c * norm * (1.0 + 0x1p-20) + a;
+    ok[r] = std::isfinite(norm) && bound < 1e30;  // else the caller's path: nothing to screen with
+    e[r] = ok[r] ? float(bound) * (1.0f + 0x1p-20f) : 0.0f;
+  }
+
+  // 1-2: the screen's logits and each item's bounds, shared out over the threads as `run`
+  Screen s;
+  const int64_t items = (nt + kItem - 1) / kItem;
+  s.lo.resize(items * rows);
+  s.hi.resize(items * rows);
+  s.finite.resize(items * rows);
+  auto work = std::make_shared<Work>();
+  work->items = items;
+  auto drain = [&, work]() {
+    for (int64_t i; (i = work->next.fetch_add(1)) < work->items;) {
+      int64_t t0 = i * kItem, t1 = std::min(nt, (i + 1) * kItem);
+      tiles(xs, rows, d, sw, ap, stride, t0, t1);
+      screen_item(ap, rows, stride, ns, e.data(), t0 * kTile, t1 * kTile, vocab, s, i);
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  // helpers hold references into this frame: it waits below until every claimed item is done,
+  // and a helper that starts later claims nothing (the counter is past the end) and returns
+  auto shared = std::make_shared<std::function<void()>>(drain);
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, work]() {
+    if (work->next.load() < work->items) (*shared)();
+  });
+  drain();
+  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+
+  // 3-4: per row, the candidates' exact logits
+  float exact_tile[kTile];
+  for (int64_t r = 0; r < rows; ++r) {
+    out[r] = -1;
+    if (!ok[r]) continue;
+    float t = -INFINITY;
+    bool finite = true;
+    for (int64_t i = 0; i < items; ++i) {
+      t = std::max(t, s.lo[i * rows + r]);
+      finite &= s.finite[i * rows + r] != 0;
+    }
+    if (!finite || !std::isfinite(t)) continue;
+    const float* a = ap + r * stride;
+    int64_t candidates = 0, best = -1;
+    float best_value = -INFINITY;
+    bool good = true;
+    for (int64_t i = 0; i < items && good; ++i) {
+      if (!(s.hi[i * rows + r] >= t)) continue;
+      for (int64_t tile = i * kItem; tile < std::min(nt, (i + 1) * kItem) && good; ++tile) {
+        int64_t j0 = tile * kTile, j1 = std::min(j0 + kTile, vocab);
+        bool candidate = false;
+        for (int64_t j = j0; j < j1; ++j) candidate |= a[j] + e[r] * ns[j] >= t;
+        if (!candidate) continue;
+        if (++candidates > kMaxCandidateTiles) { good = false; break; }
+        tile_rows<1>(xs + r * d, d, ew + tile * d * kTile, exact_tile, kTile);
+        for (int64_t j = j0; j < j1; ++j) {
+          float v = exact_tile[j - j0];
+          if (!std::isfinite(v)) { good = false; break; }
+          if (v > best_value) { best_value = v; best = j; }
+        }
+      }
+    }
+    if (good && best >= 0) out[r] = int32_t(best);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxGreedyHead, GreedyHead,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("vocab")
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxVocabHead, VocabHead,
                               ffi::Ffi::Bind()
