@@ -8,7 +8,8 @@ prefilled `--context` tokens per row, timed alone (median of `--repeats` calls, 
 blocked on): the embedding, per layer the mHC mixing (both sublayers: mixes, collapse,
 norm, expand), attention by kind (sliding / CSA with its Lightning Indexer / HCA), the MoE
 (router, routed and shared experts), the head (collapse, norm, vocabulary projection) and
-the sampler. Beside them: the whole decode program (`decode_step`, what the engine
+the sampler (an engine with the greedy screen: the head is the screen's greedy tokens, and
+no sampler runs). Beside them: the whole decode program (`decode_step`, what the engine
 dispatches; XLA fuses across the groups, so the groups' sum is not its time) and the
 engine's wall time per step (the program plus host work: scheduling, reading tokens
 back). Calling a group alone adds a dispatch (~tens of microseconds) to each.
@@ -34,13 +35,13 @@ from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
 import dsjax
 from dsjax.config import CSA, HCA, SLIDING
 from dsjax.engine.engine import Engine
-from dsjax.engine.programs import decode_step, program
+from dsjax.engine.programs import decode_step, program, screened_tokens, screens
 from dsjax.engine.sampler import SamplingParams, sample_tokens
 from dsjax.layers.attention import attention_extend
 from dsjax.layers.hyper_connection import collapse, expand, hc_mixes
 from dsjax.layers.moe import moe_forward
 from dsjax.layers.norms import rms_norm
-from dsjax.model.decoder import embed_streams, layer_block, layer_slot, logits_of
+from dsjax.model.decoder import embed_streams, head_input, layer_block, layer_slot, logits_of
 from dsjax.params import init_params
 from dsjax.model import model_specs
 
@@ -86,7 +87,7 @@ def step_seconds(engine: Engine, steps: int) -> float:
 def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> dict:
     cfg = model.config
     engine = decoding_engine(model, batch, context)
-    params = engine.step_params  # what its programs run with (at one row: the head transposed)
+    params = engine.step_params  # what its programs run with (the head packed, screened at few rows)
 
     engine_step = step_seconds(engine, 16)
 
@@ -129,13 +130,24 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
                                                                      repeats=repeats)),
                               ("moe", median_seconds(moe, block.moe, x, tokens, repeats=repeats))):
             groups[name] = groups.get(name, 0.0) + seconds
-    groups["head"] = median_seconds(program(lambda p, s: logits_of(p, s, cfg)), params, streams, repeats=repeats)
-    logits = logits_of(params, streams, cfg)[:, 0]
-    groups["sampler"] = median_seconds(program(lambda lg, s, p: sample_tokens(lg, s, p)), logits, slots.sampling,
-                                       start, repeats=repeats)
+    if screens(params):  # greedy rows: the screen finds the tokens (what the engine's step runs), no sampler
+        rows = jnp.ones((engine.rows,), bool)
+        screened = program(lambda p, s, st: screened_tokens(head_input(p.hc_head, p.norm, s, cfg)[:, 0], p.lm_head,
+                                                            st, start, rows))
+        groups["head"] = median_seconds(screened, params, streams, slots.sampling, repeats=repeats)
+        groups["sampler"] = 0.0
+    else:
+        groups["head"] = median_seconds(program(lambda p, s: logits_of(p, s, cfg)), params, streams, repeats=repeats)
+        logits = logits_of(params, streams, cfg)[:, 0]
+        groups["sampler"] = median_seconds(program(lambda lg, s, p: sample_tokens(lg, s, p)), logits,
+                                           slots.sampling, start, repeats=repeats)
     parts = sum(v for k, v in groups.items() if k != "whole_decode_program")
     weights = jnp.bfloat16 if model.options.compute_dtype else jnp.float32  # store_weights: 16-bit projections
     need = decode_step_bytes(cfg, batch=batch, context=context + 8, dtype=weights)
+    if screens(params):  # the screen reads the head in bf16, and its rows' norms
+        head = need["by_group"]["lm_head"] / 2 + 4 * cfg.vocab_size
+        need = {"total": need["total"] - need["by_group"]["lm_head"] + head,
+                "by_group": {**need["by_group"], "lm_head": head}}
     roofline = batch * bandwidth / need["total"]
     return {"batch": batch, "engine_step_s": engine_step, "tokens_per_s": batch / engine_step,
             "step_bytes": need, "roofline_tokens_per_s": roofline,
