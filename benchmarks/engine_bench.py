@@ -3,11 +3,10 @@ config and weights, in the same run: decode tokens/s with fp32 and with 16-bit w
 (`dsjax.store_weights`), each one and four decode steps a dispatch (`decode_steps`, the batch
 jobs' default: 4), the ratio to HF, and the fraction of the measured memory roofline
 (benchmarks/roofline.py: read bandwidth from threaded reductions, bytes a decode step must
-read; fp32 engines of at most SCREEN_MAX_ROWS slots find greedy tokens from the head's bf16
-screen, so their step reads the head in bf16: `dsjax_no_screen` is the fp32 engine without
-it). With --extras: decode step
-time against context length, async-dispatch overlap, batch-invariant mode cost, compile
-counts in steady state. Writes JSON.
+read; fp32 engines of at most `cpu_kernels.screen_rows()` slots find greedy tokens from the
+head's bf16 screen, so their step reads the head in bf16: `dsjax_no_screen` is the fp32
+engine without it). With --extras: decode step time against context length, async-dispatch
+overlap, batch-invariant mode cost, compile counts in steady state. Writes JSON.
 
     python benchmarks/engine_bench.py --config bench-78m --batches 1,8 --new-tokens 64 \
         --out benchmarks/results/engine_cpu_bench78m.json
@@ -33,8 +32,9 @@ from results_io import write_result  # noqa: E402
 from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
 
 import dsjax
-from dsjax.engine.engine import SCREEN_MAX_ROWS, Engine
+from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
+from dsjax.layers import cpu_kernels
 from dsjax.model import model_specs
 from dsjax.params import init_params
 
@@ -195,7 +195,7 @@ def main():
             for name, dtype in weight_dtype.items():
                 need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)
                 row[name]["step_bytes"] = need["total"]
-                if dtype == jnp.float32 and name != "dsjax_no_screen" and b <= SCREEN_MAX_ROWS:
+                if dtype == jnp.float32 and name != "dsjax_no_screen" and b <= cpu_kernels.screen_rows():
                     # the greedy screen reads the head in bf16 (and its rows' norms), not in fp32: the
                     # fraction against the bytes it reads, and against an fp32 step's (over 1 if faster)
                     row[name]["fraction_of_fp32_step_roofline"] = (row[name]["decode_tokens_per_s"] * need["total"]

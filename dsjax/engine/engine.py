@@ -56,6 +56,7 @@ from dsjax.engine.programs import StepOutput, decode_step, init_state, spec_deco
 from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_request, context_bucket,
                                    context_buckets, first_tokens_mask, stop_ids)
 from dsjax.engine.sampler import SamplingParams
+from dsjax.layers import cpu_kernels
 from dsjax.engine.speculative import Schedule, calibration_centres
 from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
 from dsjax.sharding.distributed import to_host
@@ -75,13 +76,6 @@ class Model(Protocol):
 
     def mesh_context(self) -> ContextManager: ...
     def batch_shards(self) -> int: ...
-
-
-# the most slots whose greedy decode reads the head's bf16 screen: bench-78m's engine on a 2-core
-# AMD EPYC VM, fp32, screen / fp32 head tokens/s: 1 slot 200 / 143, 2: 298 / 234, 4: 434 / 370,
-# 8: 614 / 618 (the kernel's 8-row pass is bound by its multiply-adds, not the bytes; at 16 rows
-# the bf16 head ran slower than the fp32 one)
-SCREEN_MAX_ROWS = 4
 
 
 class Engine(Prefill, ConstrainedDecode):
@@ -135,10 +129,11 @@ class Engine(Prefill, ConstrainedDecode):
     an engine on one XLA:CPU device (not batch-invariant) with the CPU head kernel built,
     which keeps its fp32 or bf16 head packed for it (`cpu_head_params`; the head's bytes
     again in memory; at eight rows the kernel 1.7x faster than XLA's product). greedy_screen
-    (at most SCREEN_MAX_ROWS slots, no drafts, no logprobs): an fp32 head also keeps a bf16
-    copy (half its bytes again), from which greedy decode steps find the fp32 logits' first
-    maximum reading half the bytes (`cpu_kernels.greedy_tokens`; the same tokens, bitwise;
-    sampled or penalised rows read the fp32 head); False saves that memory. Otherwise a
+    (at most `cpu_kernels.screen_rows()` slots: 16 with AVX512-BF16, else 4; no drafts, no
+    logprobs): an fp32 head also keeps a bf16 copy (half its bytes again), from which greedy
+    decode steps find the fp32 logits' first maximum reading half the bytes
+    (`cpu_kernels.greedy_tokens`; the same tokens, bitwise; sampled or penalised rows read
+    the fp32 head); False saves that memory. Otherwise a
     one-slot engine (no drafts) keeps a short-hidden fp32 head transposed (`one_row_head`:
     read 1.2-1.4x faster at one row, 3 % faster than the kernel). Its layer runs stay
     scanned as stored: layer by layer (`one_row_params`) measured 2-7 % slower since the
@@ -196,7 +191,7 @@ class Engine(Prefill, ConstrainedDecode):
         if self.mesh is None and not batch_invariant:
             self.step_params = step_head_params(model.params, model.dtype,
                                                 one_row=self.rows == 1 and not num_draft_tokens,
-                                                screen=(greedy_screen and self.rows <= SCREEN_MAX_ROWS
+                                                screen=(greedy_screen and self.rows <= cpu_kernels.screen_rows()
                                                         and not num_draft_tokens and not max_logprobs))
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,

@@ -53,6 +53,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", 
 log = logging.getLogger("dsjax")
 _lock = threading.Lock()
 _status: str | None = None  # None: not tried yet; "ready (<library>)"; else why not
+_screen_dot = False  # the library's greedy screen multiplies bf16 pairs (AVX512-BF16)
 
 
 def _compiler() -> str | None:
@@ -124,6 +125,8 @@ def _load() -> str:
     try:
         lib = _build(cxx)
         library = ctypes.cdll.LoadLibrary(str(lib))
+        global _screen_dot
+        _screen_dot = bool(library.DsjaxScreenDot())
         jax.ffi.register_ffi_target(HEAD, jax.ffi.pycapsule(library.DsjaxVocabHead), platform="cpu")
         jax.ffi.register_ffi_target(GREEDY, jax.ffi.pycapsule(library.DsjaxGreedyHead), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
@@ -182,7 +185,8 @@ def pack_head(w, *, screen: bool = False) -> PackedHead:
     """A [V, D] fp32 or bf16 head -> `PackedHead` (cut on the host; rows past V zero). screen:
     an fp32 head also keeps a bf16 copy of its tiles and its rows' norms, from which
     `greedy_tokens` finds greedy tokens reading half the bytes (not for a head with a
-    non-finite weight, whose logits the screen cannot bound)."""
+    non-finite weight or a non-zero row of norm under 2^-30, whose logits its bound does not
+    cover)."""
     a = np.asarray(w)
     v, d = a.shape
     nt = -(-v // TILE)
@@ -190,9 +194,9 @@ def pack_head(w, *, screen: bool = False) -> PackedHead:
         a = np.concatenate([a, np.zeros((nt * TILE - v, d), a.dtype)])
     tiles = np.ascontiguousarray(a.reshape(nt, TILE, d).transpose(0, 2, 1))
     put = jax.device_put  # (jnp.asarray would compile a program per shape)
-    if not (screen and a.dtype == np.float32 and np.isfinite(a).all()):
+    norms = np.sqrt(np.square(a, dtype=np.float64).sum(axis=1)) if screen and a.dtype == np.float32 else None
+    if norms is None or not (np.isfinite(norms).all() and ((norms == 0) | (norms >= 2.0**-30)).all()):
         return PackedHead(put(tiles), v)
-    norms = np.sqrt(np.square(a, dtype=np.float64).sum(axis=1))
     rounded = norms.astype(np.float32)  # rounded up: the screen's bounds need n_j >= ||w_j||
     rounded = np.where(rounded < norms, np.nextafter(rounded, np.float32(np.inf)), rounded)
     return PackedHead(put(tiles), v, screen=put(tiles.astype(jnp.bfloat16)), norms=put(rounded))
@@ -210,13 +214,23 @@ def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
 
 
 
+def screen_rows() -> int:
+    """The most rows a greedy screen is worth it for: bench-78m's head
+    (129280 x 256) on a 2-core AMD EPYC VM, median ms, screen / fp32 kernel, at 1 / 4 / 8 / 16
+    rows: 1.73 / 1.80 / 2.24 / 5.02 against 3.27 / 3.65 / 3.84 / 6.20 with AVX512-BF16 pairs;
+    without them (bf16 widened, fp32 multiply-adds) 2.08 / 2.39 / 4.10 / 8.40 against 4.05 /
+    2.98 / 3.41 / 6.33: the pass over 8 rows is bound by its multiply-adds, not the bytes."""
+    return 16 if available() and _screen_dot else 4
+
+
 def greedy_tokens(x: jax.Array, w: PackedHead) -> tuple[jax.Array, jax.Array]:
     """The first maximum of each row's logits x [R, D] @ w.T (those `vocab_head` computes, bitwise)
-    from a screened head (`pack_head(screen=True)`): bf16 logits from the screen bound every fp32
-    logit (bf16 rounding and fp32 sums bounded through the rows' norms, Cauchy-Schwarz) and only
-    the tiles of 32 rows that can hold a maximum are computed in fp32 (csrc/cpu_kernels.cc has
-    the argument). -> (tokens [R] int32, -1 where a row needs all its logits instead: non-finite
-    values, or more than 64 candidate tiles; the screen's logits [R, V])."""
+    from a screened head (`pack_head(screen=True)`): bf16 logits from the screen (x rounded to
+    bf16 too where the CPU has AVX512-BF16 dot products) bound every fp32 logit (the roundings
+    and fp32 sums bounded through the rows' norms, Cauchy-Schwarz) and only the tiles of 32 rows
+    that can hold a maximum are computed in fp32 (csrc/cpu_kernels.cc has the argument).
+    -> (tokens [R] int32, -1 where a row needs all its logits instead: non-finite values,
+    ||x|| under 2^-30, or more than 64 candidate tiles; the screen's logits [R, V])."""
     rows = x.shape[0]
     nt = w.tiles.shape[0]
     out = (jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows, nt * TILE), jnp.float32))
