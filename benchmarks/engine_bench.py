@@ -195,7 +195,7 @@ def main():
             for name, dtype in weight_dtype.items():
                 need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)
                 row[name]["step_bytes"] = need["total"]
-                if dtype == jnp.float32 and name != "dsjax_no_screen" and b <= cpu_kernels.screen_rows():
+                if dtype == jnp.float32 and name != "dsjax_no_screen" and cpu_kernels.worth_screening(dtype, b):
                     # the greedy screen reads the head in bf16 (and its rows' norms), not in fp32: the
                     # fraction against the bytes it reads, and against an fp32 step's (over 1 if faster)
                     row[name]["fraction_of_fp32_step_roofline"] = (row[name]["decode_tokens_per_s"] * need["total"]

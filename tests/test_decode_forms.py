@@ -193,7 +193,8 @@ def test_decode_program_ops_carry_the_profile_groups(name):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU head kernel: {cpu_kernels.status()}")
-def test_greedy_screen_is_the_first_maximum_of_the_fp32_logits():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_screen_is_the_first_maximum_of_the_fp32_logits(dtype):
     """`cpu_kernels.greedy_tokens` (an engine's greedy decode with an fp32 head): each decided
     row's token is the first maximum of the fp32 kernel's logits (`vocab_head`), found from
     the bf16 screen and the fp32 tiles of a few candidates: rows at many scales, an exact tie
@@ -201,14 +202,23 @@ def test_greedy_screen_is_the_first_maximum_of_the_fp32_logits():
     that is not whole tiles, 1 / 8 / 19 rows. The screen's logits are each within the bound
     the screen relies on (csrc/cpu_kernels.cc: 2^-7 of ||x|| ||w_j|| plus the fp32 sums'
     error) of the fp32 logit. Rows it cannot bound (zero, NaN, inf) come back -1, for the
-    caller's full product; a head with a tiny non-zero row gets no screen."""
+    caller's full product; a head with a tiny non-zero row gets no screen. A bf16 head (16-bit
+    weights) is its own screen where the screen multiplies bf16 pairs (AVX512-BF16): the same
+    against its kernel logits (x in fp32)."""
     rng = np.random.default_rng(21)
     vocab, d = 3013, 64
     w = rng.normal(size=(vocab, d)).astype(np.float32)
     w[2500] = w[40]  # an exact tie for rows near w[40]
     w[1700] = np.asarray(jnp.asarray(w[1700]).astype(jnp.bfloat16).astype(jnp.float32))
     w[1701] = w[1700] * np.float32(1 + 2**-12)  # the same bf16 row: only the fp32 tiles tell them apart
-    head = cpu_kernels.pack_head(w, screen=True)
+    if dtype == "bfloat16":  # then an exact tie, and x rounded to bf16 is the screen's only rounding
+        w = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))
+    head = cpu_kernels.pack_head(jnp.asarray(w).astype(dtype), screen=True)
+    if dtype == "bfloat16":
+        if cpu_kernels.screen_rows() == cpu_kernels.SCREEN_ROWS:
+            assert head.screen is None  # a bf16 screen of a bf16 head would save nothing
+            return
+        assert head.screen is head.tiles
     assert head.screen is not None and cpu_kernels.pack_head(w).screen is None
     tiny = w.copy()
     tiny[7] = 2.0**-40
@@ -229,7 +239,7 @@ def test_greedy_screen_is_the_first_maximum_of_the_fp32_logits():
         assert (tokens >= 0).all()  # nothing here needs the full product
         np.testing.assert_array_equal(tokens, np.asarray(argmax_first(jnp.asarray(exact))))
         assert tokens[rows // 2] == 40
-        if rows > 1:  # the screen's logits tie, the first of them is not the maximum
+        if rows > 1 and dtype == "float32":  # the screen's logits tie, the first of them is not the maximum
             assert approx[-1, 1700] == approx[-1, 1701] and exact[-1, 1701] > exact[-1, 1700]
             assert tokens[-1] == 1701
     x = rng.normal(size=(4, d)).astype(np.float32)

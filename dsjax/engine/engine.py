@@ -46,7 +46,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.model.cache import batch_axes
-from dsjax.model.decoder import INVARIANT_ROWS, step_head_params
+from dsjax.model.decoder import INVARIANT_ROWS, head_dtype, step_head_params
 from dsjax.model.v41 import reference_key_rule
 from dsjax.engine.constrained_step import ConstrainedDecode
 from dsjax.engine.prefill import Prefill
@@ -129,11 +129,12 @@ class Engine(Prefill, ConstrainedDecode):
     an engine on one XLA:CPU device (not batch-invariant) with the CPU head kernel built,
     which keeps its fp32 or bf16 head packed for it (`cpu_head_params`; the head's bytes
     again in memory; at eight rows the kernel 1.7x faster than XLA's product). greedy_screen
-    (at most `cpu_kernels.screen_rows()` slots: 16 with AVX512-BF16, else 4; no drafts, no
+    (`cpu_kernels.worth_screening`: up to 16 slots with AVX512-BF16, else 4; no drafts, no
     logprobs): an fp32 head also keeps a bf16 copy (half its bytes again), from which greedy
     decode steps find the fp32 logits' first maximum reading half the bytes
     (`cpu_kernels.greedy_tokens`; the same tokens, bitwise; sampled or penalised rows read
-    the fp32 head); False saves that memory. Otherwise a
+    the fp32 head); False saves that memory. A bf16 head (16-bit weights) is its own screen
+    at 4-16 slots with AVX512-BF16 (fewer multiply-adds, no copy). Otherwise a
     one-slot engine (no drafts) keeps a short-hidden fp32 head transposed (`one_row_head`:
     read 1.2-1.4x faster at one row, 3 % faster than the kernel). Its layer runs stay
     scanned as stored: layer by layer (`one_row_params`) measured 2-7 % slower since the
@@ -191,8 +192,8 @@ class Engine(Prefill, ConstrainedDecode):
         if self.mesh is None and not batch_invariant:
             self.step_params = step_head_params(model.params, model.dtype,
                                                 one_row=self.rows == 1 and not num_draft_tokens,
-                                                screen=(greedy_screen and self.rows <= cpu_kernels.screen_rows()
-                                                        and not num_draft_tokens and not max_logprobs))
+                                                screen=greedy_screen and not num_draft_tokens and not max_logprobs
+                                                and cpu_kernels.worth_screening(head_dtype(model.params), self.rows))
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                         num_draft_tokens=num_draft_tokens)

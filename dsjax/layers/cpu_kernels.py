@@ -54,6 +54,7 @@ log = logging.getLogger("dsjax")
 _lock = threading.Lock()
 _status: str | None = None  # None: not tried yet; "ready (<library>)"; else why not
 _screen_dot = False  # the library's greedy screen multiplies bf16 pairs (AVX512-BF16)
+SCREEN_ROWS, SCREEN_DOT_ROWS = 4, 16  # `screen_rows`
 
 
 def _compiler() -> str | None:
@@ -184,9 +185,10 @@ def describe() -> str:
 def pack_head(w, *, screen: bool = False) -> PackedHead:
     """A [V, D] fp32 or bf16 head -> `PackedHead` (cut on the host; rows past V zero). screen:
     an fp32 head also keeps a bf16 copy of its tiles and its rows' norms, from which
-    `greedy_tokens` finds greedy tokens reading half the bytes (not for a head with a
-    non-finite weight or a non-zero row of norm under 2^-30, whose logits its bound does not
-    cover)."""
+    `greedy_tokens` finds greedy tokens reading half the bytes; a bf16 head is its own screen
+    (its rows' norms only) where the screen multiplies bf16 pairs (`screen_rows`: then it
+    saves multiply-adds). Not for a head with a non-finite weight or a non-zero row of norm
+    under 2^-30, whose logits its bound does not cover."""
     a = np.asarray(w)
     v, d = a.shape
     nt = -(-v // TILE)
@@ -194,12 +196,15 @@ def pack_head(w, *, screen: bool = False) -> PackedHead:
         a = np.concatenate([a, np.zeros((nt * TILE - v, d), a.dtype)])
     tiles = np.ascontiguousarray(a.reshape(nt, TILE, d).transpose(0, 2, 1))
     put = jax.device_put  # (jnp.asarray would compile a program per shape)
-    norms = np.sqrt(np.square(a, dtype=np.float64).sum(axis=1)) if screen and a.dtype == np.float32 else None
+    own = a.dtype == jnp.bfloat16  # its own screen
+    norms = (np.sqrt(np.square(a, dtype=np.float64).sum(axis=1))
+             if screen and (a.dtype == np.float32 or own and _screen_dot) else None)
     if norms is None or not (np.isfinite(norms).all() and ((norms == 0) | (norms >= 2.0**-30)).all()):
         return PackedHead(put(tiles), v)
     rounded = norms.astype(np.float32)  # rounded up: the screen's bounds need n_j >= ||w_j||
     rounded = np.where(rounded < norms, np.nextafter(rounded, np.float32(np.inf)), rounded)
-    return PackedHead(put(tiles), v, screen=put(tiles.astype(jnp.bfloat16)), norms=put(rounded))
+    packed = put(tiles)
+    return PackedHead(packed, v, screen=packed if own else put(tiles.astype(jnp.bfloat16)), norms=put(rounded))
 
 
 def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
@@ -215,12 +220,24 @@ def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
 
 
 def screen_rows() -> int:
-    """The most rows a greedy screen is worth it for: bench-78m's head
-    (129280 x 256) on a 2-core AMD EPYC VM, median ms, screen / fp32 kernel, at 1 / 4 / 8 / 16
-    rows: 1.73 / 1.80 / 2.24 / 5.02 against 3.27 / 3.65 / 3.84 / 6.20 with AVX512-BF16 pairs;
+    """The most rows a greedy screen is worth it for: bench-78m's head (129280 x 256) on a
+    2-core AMD EPYC VM, median ms, fp32 head's screen / fp32 kernel, at 1 / 4 / 8 / 16 rows:
+    1.73 / 1.80 / 2.24 / 5.02 against 3.27 / 3.65 / 3.84 / 6.20 with AVX512-BF16 pairs;
     without them (bf16 widened, fp32 multiply-adds) 2.08 / 2.39 / 4.10 / 8.40 against 4.05 /
     2.98 / 3.41 / 6.33: the pass over 8 rows is bound by its multiply-adds, not the bytes."""
-    return 16 if available() and _screen_dot else 4
+    return SCREEN_DOT_ROWS if available() and _screen_dot else SCREEN_ROWS
+
+
+def worth_screening(dtype, rows: int) -> bool:
+    """Whether an engine of `rows` slots screens a head of `dtype` for greedy rows: an fp32 head
+    up to `screen_rows()`; a bf16 head (its own screen: it saves multiply-adds, not bytes) from
+    4 rows up to 16, with AVX512-BF16 pairs only (16-bit bench-78m engine, alternating, screen /
+    not, tokens/s: batch 8 888 / 789, batch 1 266 / 280)."""
+    if dtype is None:  # a quantized head
+        return False
+    if jnp.dtype(dtype) == jnp.float32:
+        return rows <= screen_rows()
+    return jnp.dtype(dtype) == jnp.bfloat16 and screen_rows() > SCREEN_ROWS and SCREEN_ROWS <= rows <= screen_rows()
 
 
 def greedy_tokens(x: jax.Array, w: PackedHead) -> tuple[jax.Array, jax.Array]:

@@ -183,7 +183,8 @@ def cpu_head_params(params, dtype, *, screen: bool = False):
     a one-slot fp32 engine keeps: `one_row_head`). A copy of the head, held by the caller; else
     `params` (a quantized head, a bf16 model, no kernel). V4 and V4.1 params alike. screen: an
     fp32 head also keeps a bf16 copy and its rows' norms (half its bytes again), from which
-    the decode step finds greedy tokens reading half the bytes (`cpu_kernels.greedy_tokens`)."""
+    the decode step finds greedy tokens reading half the bytes (`cpu_kernels.greedy_tokens`;
+    a bf16 head is its own screen where that saves multiply-adds: `cpu_kernels.pack_head`)."""
     w = lm_head_weight(params)
     if (jnp.dtype(dtype) != jnp.float32 or not isinstance(w, jax.Array)
             or w.dtype not in (jnp.float32, jnp.bfloat16) or not cpu_kernels.available()):
@@ -191,13 +192,20 @@ def cpu_head_params(params, dtype, *, screen: bool = False):
     return params.replace(lm_head=cpu_kernels.pack_head(w, screen=screen))
 
 
+def head_dtype(params):
+    """The vocabulary head's stored dtype (None for a quantized or other stored head)."""
+    w = lm_head_weight(params)
+    return w.dtype if isinstance(w, jax.Array) else None
+
+
 def step_head_params(params, dtype, *, one_row: bool, screen: bool = False):
     """The head an engine on one XLA:CPU device (not batch-invariant: the caller says so) runs
     its steps with. screen (an engine whose decode steps report no logprobs and verify no
-    drafts): an fp32 head packed with its greedy screen (`cpu_head_params`), any row count.
+    drafts): an fp32 or bf16 head packed with its greedy screen where it gets one
+    (`cpu_head_params`).
     Else at one row the transposed head where `one_row_head` keeps one (XLA's product there
     ~3 % faster than the kernel), else the packed head, else `params`."""
-    if screen and getattr(lm_head_weight(params), "dtype", None) == jnp.float32:
+    if screen and head_dtype(params) in (jnp.float32, jnp.bfloat16):
         packed = cpu_head_params(params, dtype, screen=True)
         if isinstance(packed.lm_head, PackedHead) and packed.lm_head.screen is not None:
             return packed

@@ -136,7 +136,8 @@ ffi::Error VocabHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 
 // ---------------------------------------------------------------- greedy tokens through a screen
 // The first maximum of each row's fp32 logits (the logits `VocabHead` computes from the fp32
-// tiles, bitwise) read mostly from a bf16 copy of the head (half the bytes):
+// tiles, bitwise) read mostly from a bf16 copy of the head (half the bytes); a bf16 head is
+// its own screen (then the pass saves multiply-adds, not bytes: AVX512-BF16 only):
 //  1. approx[r, j] = x_r . bf16(w_j) from the screen tiles (parallel, as `VocabHead`), with
 //     AVX512-BF16 as bf16(x_r) . bf16(w_j) (`vdpbf16ps`: 32 products an instruction, twice the
 //     fp32 multiply-adds', which bound the 8-row pass);
@@ -151,7 +152,7 @@ ffi::Error VocabHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 //     computing the bounds in fp32;
 //  3. t_r = max_j (approx - bound) <= the row's largest logit; every column whose upper bound
 //     approx + bound reaches t_r is a candidate, and every maximum is one (its logit >= t_r);
-//  4. the candidates' tiles are computed exactly from the fp32 tiles (the same per-lane
+//  4. the candidates' tiles are computed exactly from the exact tiles (the same per-lane
 //     multiply-add sequence as `VocabHead`), and the first maximum among them, columns in
 //     ascending order, is the first maximum of the row.
 // A row gets -1 (the caller computes all its logits instead) when x or an approx value is not
@@ -239,7 +240,7 @@ void screen_item(const float* approx, int64_t rows, int64_t stride, const float*
 }
 
 ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> screen,
-                      ffi::Buffer<ffi::F32> exact, ffi::Buffer<ffi::F32> norms, int64_t vocab,
+                      ffi::AnyBuffer exact, ffi::Buffer<ffi::F32> norms, int64_t vocab,
                       ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> approx) {
   auto xd = x.dimensions();
   auto sd = screen.dimensions();
@@ -252,7 +253,11 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* xs = x.typed_data();
   const float* ns = norms.typed_data();
   const uint16_t* sw = reinterpret_cast<const uint16_t*>(screen.untyped_data());
-  const float* ew = exact.typed_data();
+  const bool exact_bf16 = exact.element_type() == ffi::DataType::BF16;  // a bf16 head: its own screen
+  if (!exact_bf16 && exact.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("dsjax_greedy_head: exact tiles must be float32 or bfloat16");
+  const float* ew = static_cast<const float*>(exact.untyped_data());
+  const uint16_t* ehw = static_cast<const uint16_t*>(exact.untyped_data());
   float* ap = approx->typed_data();
   int32_t* out = tokens->typed_data();
 
@@ -329,7 +334,10 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         for (int64_t j = j0; j < j1; ++j) candidate |= a[j] + e[r] * ns[j] >= t;
         if (!candidate) continue;
         if (++candidates > kMaxCandidateTiles) { good = false; break; }
-        tile_rows<1>(xs + r * d, d, ew + tile * d * kTile, exact_tile, kTile);
+        if (exact_bf16)
+          tile_rows<1>(xs + r * d, d, ehw + tile * d * kTile, exact_tile, kTile);
+        else
+          tile_rows<1>(xs + r * d, d, ew + tile * d * kTile, exact_tile, kTile);
         for (int64_t j = j0; j < j1; ++j) {
           float v = exact_tile[j - j0];
           if (!std::isfinite(v)) { good = false; break; }
@@ -349,7 +357,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxGreedyHead, GreedyHead,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("vocab")
                                   .Ret<ffi::Buffer<ffi::S32>>()
