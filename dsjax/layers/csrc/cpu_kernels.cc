@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -72,6 +73,21 @@ inline void tile_rows(const float* x, int64_t d, const W* tile, float* out, int6
   }
 }
 
+// f(std::integral_constant<int, RB>) with RB = min(n, kRows): a pass's row count as a constant
+template <typename F>
+inline void with_rows(int64_t n, F f) {
+  switch (std::min<int64_t>(n, kRows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 template <typename W>
 void tiles(const float* x, int64_t rows, int64_t d, const W* w, float* out, int64_t stride, int64_t t0,
            int64_t t1) {
@@ -80,16 +96,7 @@ void tiles(const float* x, int64_t rows, int64_t d, const W* w, float* out, int6
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {  // the tile stays in cache for the next 8 rows
       const float* xr = x + r0 * d;
       float* o = out + r0 * stride + t * kTile;
-      switch (std::min<int64_t>(rows - r0, kRows)) {
-        case 1: tile_rows<1>(xr, d, tile, o, stride); break;
-        case 2: tile_rows<2>(xr, d, tile, o, stride); break;
-        case 3: tile_rows<3>(xr, d, tile, o, stride); break;
-        case 4: tile_rows<4>(xr, d, tile, o, stride); break;
-        case 5: tile_rows<5>(xr, d, tile, o, stride); break;
-        case 6: tile_rows<6>(xr, d, tile, o, stride); break;
-        case 7: tile_rows<7>(xr, d, tile, o, stride); break;
-        default: tile_rows<8>(xr, d, tile, o, stride); break;
-      }
+      with_rows(rows - r0, [&](auto rb) { tile_rows<decltype(rb)::value>(xr, d, tile, o, stride); });
     }
   }
 }
@@ -99,23 +106,32 @@ struct Work {
   int64_t items = 0;
 };
 
-// Work items are claimed from a shared counter by this thread and by helpers scheduled on
-// XLA's intra-op pool; this thread waits only for items already claimed (a helper that starts
-// late finds nothing left), so a busy pool delays nothing.
-template <typename W>
-void run(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t d, const W* w, float* out, int64_t nt) {
+// item(i) for i in [0, items), claimed from a shared counter by this thread and by helpers
+// scheduled on XLA's intra-op pool; this thread waits only for items already claimed (a helper
+// that starts late finds nothing left and never calls `item`, whose references into the
+// caller's frame may be gone by then), so a busy pool delays nothing.
+template <typename F>
+void parallel_items(ffi::ThreadPool& pool, int64_t items, F item) {
   auto work = std::make_shared<Work>();
-  work->items = (nt + kItem - 1) / kItem;
-  auto drain = [=]() {
+  work->items = items;
+  auto body = std::make_shared<std::function<void(int64_t)>>(item);
+  auto drain = [work, body]() {
     for (int64_t i; (i = work->next.fetch_add(1)) < work->items;) {
-      tiles(x, rows, d, w, out, nt * kTile, i * kItem, std::min(nt, (i + 1) * kItem));
+      (*body)(i);
       work->done.fetch_add(1, std::memory_order_release);
     }
   };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain]() { drain(); });
   drain();
   while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+}
+
+template <typename W>
+void run(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t d, const W* w, float* out, int64_t nt) {
+  parallel_items(pool, (nt + kItem - 1) / kItem, [&](int64_t i) {
+    tiles(x, rows, d, w, out, nt * kTile, i * kItem, std::min(nt, (i + 1) * kItem));
+  });
 }
 
 ffi::Error VocabHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -201,16 +217,7 @@ void dot_tiles(const uint32_t* xp, int64_t rows, int64_t d, const uint16_t* w, f
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const uint32_t* xr = xp + r0 * (d / 2);
       float* o = out + r0 * stride + t * kTile;
-      switch (std::min<int64_t>(rows - r0, kRows)) {
-        case 1: dot_tile_rows<1>(xr, d, tile, o, stride); break;
-        case 2: dot_tile_rows<2>(xr, d, tile, o, stride); break;
-        case 3: dot_tile_rows<3>(xr, d, tile, o, stride); break;
-        case 4: dot_tile_rows<4>(xr, d, tile, o, stride); break;
-        case 5: dot_tile_rows<5>(xr, d, tile, o, stride); break;
-        case 6: dot_tile_rows<6>(xr, d, tile, o, stride); break;
-        case 7: dot_tile_rows<7>(xr, d, tile, o, stride); break;
-        default: dot_tile_rows<8>(xr, d, tile, o, stride); break;
-      }
+      with_rows(rows - r0, [&](auto rb) { dot_tile_rows<decltype(rb)::value>(xr, d, tile, o, stride); });
     }
   }
 }
@@ -285,30 +292,16 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   s.lo.resize(items * rows);
   s.hi.resize(items * rows);
   s.finite.resize(items * rows);
-  auto work = std::make_shared<Work>();
-  work->items = items;
-  auto drain = [&, work]() {
-    for (int64_t i; (i = work->next.fetch_add(1)) < work->items;) {
-      int64_t t0 = i * kItem, t1 = std::min(nt, (i + 1) * kItem);
+  parallel_items(pool, items, [&](int64_t i) {
+    int64_t t0 = i * kItem, t1 = std::min(nt, (i + 1) * kItem);
 #ifdef __AVX512BF16__
-      if (dot)
-        dot_tiles(pairs.data(), rows, d, sw, ap, stride, t0, t1);
-      else
+    if (dot)
+      dot_tiles(pairs.data(), rows, d, sw, ap, stride, t0, t1);
+    else
 #endif
-        tiles(xs, rows, d, sw, ap, stride, t0, t1);
-      screen_item(ap, rows, stride, ns, e.data(), t0 * kTile, t1 * kTile, vocab, s, i);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  // helpers hold references into this frame: it waits below until every claimed item is done,
-  // and a helper that starts later claims nothing (the counter is past the end) and returns
-  auto shared = std::make_shared<std::function<void()>>(drain);
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, work]() {
-    if (work->next.load() < work->items) (*shared)();
+      tiles(xs, rows, d, sw, ap, stride, t0, t1);
+    screen_item(ap, rows, stride, ns, e.data(), t0 * kTile, t1 * kTile, vocab, s, i);
   });
-  drain();
-  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
 
   // 3-4: per row, the candidates' exact logits
   float exact_tile[kTile];
