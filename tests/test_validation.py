@@ -93,6 +93,7 @@ def test_sampling_params_accept_numpy_scalars_unchanged():
     (dict(max_logprobs=VOCAB + 1), rf"^max_logprobs must be at most the vocabulary size \({VOCAB}\), got {VOCAB + 1}$"),
     (dict(num_draft_tokens=1.5), r"^num_draft_tokens must be an int >= 0, got 1.5$"),
     (dict(overlap="yes"), r"^overlap must be a bool, got 'yes'$"),
+    (dict(greedy_screen="no"), r"^greedy_screen must be a bool, got 'no'$"),
     (dict(capacity=131072), r"^capacity 131072 exceeds 65536, .*max_position_embeddings 65536.*lower capacity"),
 ])
 def test_engine_refuses_bad_arguments(tiny, kwargs, match):

@@ -149,7 +149,7 @@ class Engine(Prefill, ConstrainedDecode):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                           decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
-                          overlap=overlap, batch_invariant=batch_invariant)
+                          overlap=overlap, batch_invariant=batch_invariant, greedy_screen=greedy_screen)
         if batch_invariant is None:
             batch_invariant = model.options.batch_invariant
         self.model, self.cfg, self.mesh = model, cfg, model.mesh

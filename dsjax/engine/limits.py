@@ -14,7 +14,7 @@ from dsjax.model.cache import cache_bytes
 
 
 def check_engine_args(cfg: ModelConfig, *, max_slots, capacity, prefill_chunk, decode_steps, max_logprobs,
-                      num_draft_tokens, overlap, batch_invariant) -> None:
+                      num_draft_tokens, overlap, batch_invariant, greedy_screen=True) -> None:
     """Each constructor argument of `Engine`, by name: ints in range, bools, a capacity that
     the compression ratios divide and the model's positions can use."""
     for name, value, lo in (("max_slots", max_slots, 1), ("capacity", capacity, 1),
@@ -24,7 +24,7 @@ def check_engine_args(cfg: ModelConfig, *, max_slots, capacity, prefill_chunk, d
             raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
     if max_logprobs > cfg.vocab_size:
         raise ValueError(f"max_logprobs must be at most the vocabulary size ({cfg.vocab_size}), got {max_logprobs}")
-    for name, value in (("overlap", overlap), ("batch_invariant", batch_invariant)):
+    for name, value in (("overlap", overlap), ("batch_invariant", batch_invariant), ("greedy_screen", greedy_screen)):
         if not (isinstance(value, (bool, np.bool_)) or (name == "batch_invariant" and value is None)):
             raise ValueError(f"{name} must be a bool, got {value!r}")
     ratio = cfg.max_compress_ratio

@@ -218,7 +218,6 @@ def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
     return y.reshape(*x.shape[:-1], w.vocab)
 
 
-
 def screen_rows() -> int:
     """The most rows a greedy screen is worth it for: bench-78m's head (129280 x 256) on a
     2-core AMD EPYC VM, median ms, fp32 head's screen / fp32 kernel, at 1 / 4 / 8 / 16 rows:
