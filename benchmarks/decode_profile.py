@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from results_io import median_seconds, write_result  # noqa: E402
-from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
+from roofline import decode_step_bytes, memory_bandwidth, screened_step_bytes  # noqa: E402
 
 import dsjax
 from dsjax.config import CSA, HCA, SLIDING
@@ -144,10 +144,8 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
     parts = sum(v for k, v in groups.items() if k != "whole_decode_program")
     weights = jnp.bfloat16 if model.options.compute_dtype else jnp.float32  # store_weights: 16-bit projections
     need = decode_step_bytes(cfg, batch=batch, context=context + 8, dtype=weights)
-    if screens(params):  # the screen reads the head in bf16, and its rows' norms
-        head = need["by_group"]["lm_head"] / 2 + 4 * cfg.vocab_size
-        need = {"total": need["total"] - need["by_group"]["lm_head"] + head,
-                "by_group": {**need["by_group"], "lm_head": head}}
+    if screens(params) and params.lm_head.tiles.dtype == jnp.float32:  # (a bf16 head is its own screen)
+        need = screened_step_bytes(need, cfg)
     roofline = batch * bandwidth / need["total"]
     return {"batch": batch, "engine_step_s": engine_step, "tokens_per_s": batch / engine_step,
             "step_bytes": need, "roofline_tokens_per_s": roofline,

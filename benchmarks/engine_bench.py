@@ -29,7 +29,7 @@ import numpy as np
 
 from decode_profile import bench_config  # noqa: E402
 from results_io import write_result  # noqa: E402
-from roofline import decode_step_bytes, memory_bandwidth  # noqa: E402
+from roofline import decode_step_bytes, memory_bandwidth, screened_step_bytes  # noqa: E402
 
 import dsjax
 from dsjax.engine.engine import Engine
@@ -200,7 +200,7 @@ def main():
                     # fraction against the bytes it reads, and against an fp32 step's (over 1 if faster)
                     row[name]["fraction_of_fp32_step_roofline"] = (row[name]["decode_tokens_per_s"] * need["total"]
                                                                    / (b * row["read_bandwidth_bytes_per_s"]))
-                    row[name]["step_bytes"] = need["total"] - need["by_group"]["lm_head"] / 2 + cfg.vocab_size * 4
+                    row[name]["step_bytes"] = screened_step_bytes(need, cfg)["total"]
                 row[name]["roofline_tokens_per_s"] = b * row["read_bandwidth_bytes_per_s"] / row[name]["step_bytes"]
                 row[name]["fraction_of_roofline"] = (row[name]["decode_tokens_per_s"]
                                                      / row[name]["roofline_tokens_per_s"])

@@ -33,7 +33,8 @@ from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_spe
 from dsjax.model.cache import Block, Cache, init_cache, over_tiles, put_block, put_rows, take_block, take_rows
 from dsjax.layers import cpu_kernels
 from dsjax.layers.quantized import PackedHead
-from dsjax.model.decoder import INVARIANT_ROWS
+from dsjax.layers.linear import linear
+from dsjax.model.decoder import INVARIANT_ROWS, screens
 from dsjax.model.forward_pass import forward
 from dsjax.sharding.rules import current_mesh, per_row, rows
 
@@ -62,11 +63,6 @@ class StepOutput:
     draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence)
 
 
-def screens(params) -> bool:
-    """Whether `params`' vocabulary head carries a greedy screen (`cpu_kernels.greedy_tokens`)."""
-    return isinstance(params.lm_head, PackedHead) and params.lm_head.screen is not None
-
-
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
 def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions: jax.Array,
                     rows: jax.Array) -> jax.Array:
@@ -80,7 +76,7 @@ def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions:
     undecided = jnp.full(h.shape[:1], -1, jnp.int32)
     tokens = jax.lax.cond(jnp.all(plain | ~rows), lambda: cpu_kernels.greedy_tokens(h, head)[0], lambda: undecided)
     return jax.lax.cond(jnp.all((tokens >= 0) | ~rows), lambda: jnp.maximum(tokens, 0),
-                        lambda: sample_tokens(cpu_kernels.vocab_head(h, head), s, positions))
+                        lambda: sample_tokens(linear(h, head, out_dtype=jnp.float32), s, positions))
 
 
 @jax.named_scope("sampler")  # a profile's op group (benchmarks/decode_trace.py)

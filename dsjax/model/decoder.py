@@ -198,6 +198,11 @@ def head_dtype(params):
     return w.dtype if isinstance(w, jax.Array) else None
 
 
+def screens(params) -> bool:
+    """Whether `params`' vocabulary head carries a greedy screen (`cpu_kernels.greedy_tokens`)."""
+    return isinstance(params.lm_head, PackedHead) and params.lm_head.screen is not None
+
+
 def step_head_params(params, dtype, *, one_row: bool, screen: bool = False):
     """The head an engine on one XLA:CPU device (not batch-invariant: the caller says so) runs
     its steps with. screen (an engine whose decode steps report no logprobs and verify no
@@ -205,15 +210,14 @@ def step_head_params(params, dtype, *, one_row: bool, screen: bool = False):
     (`cpu_head_params`).
     Else at one row the transposed head where `one_row_head` keeps one (XLA's product there
     ~3 % faster than the kernel), else the packed head, else `params`."""
-    if screen and head_dtype(params) in (jnp.float32, jnp.bfloat16):
-        packed = cpu_head_params(params, dtype, screen=True)
-        if isinstance(packed.lm_head, PackedHead) and packed.lm_head.screen is not None:
-            return packed
+    packed = cpu_head_params(params, dtype, screen=True) if screen else None
+    if packed is not None and screens(packed):
+        return packed
     if one_row:
         transposed = one_row_head(params, dtype)
         if transposed is not params:
             return transposed
-    return cpu_head_params(params, dtype)
+    return packed if packed is not None else cpu_head_params(params, dtype)  # (packed without a screen)
 
 
 def _fp32_one_row(dtype) -> bool:
