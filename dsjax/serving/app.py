@@ -61,9 +61,17 @@ async def read_json(request: Request, limit: int):
             raise APIError(413, f"the request body is over the limit of {limit} bytes")
         body.append(chunk)
     try:
-        return json.loads(b"".join(body))
+        return json.loads(b"".join(body), parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+
+
+def _not_json(name: str):
+    """Python's json reads NaN / Infinity / -Infinity; RFC 8259 JSON has no such values, and a
+    non-finite number in a sampling field would reach the device as one."""
+    raise ValueError(f"{name} is not a JSON value (RFC 8259 numbers are finite)")
 
 
 class Server:
