@@ -453,7 +453,7 @@ def test_fuzzed_bodies_never_500(served):
     from hypothesis import strategies as st
 
     url = served[1].url
-    scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=8)
+    scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.integers() | st.floats() | st.text(max_size=8)
     values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
                           max_leaves=6)
     keys = st.sampled_from(["messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "tools",
@@ -470,9 +470,14 @@ def test_fuzzed_bodies_never_500(served):
         @example(path="/v1/messages", body={**chat, "messages": float("inf")})
         @example(path="/v1/chat/completions", body={**chat, "temperature": float("nan")})
         @example(path="/v1/completions", body={"model": NAME, "prompt": "x", "max_tokens": 2, "top_p": -float("inf")})
+        @example(path="/v1/chat/completions", body={**chat, "seed": 2**64})
+        @example(path="/v1/chat/completions", body={**chat, "seed": 2**64 - 1, "temperature": 2**63})
+        @example(path="/v1/completions", body={"model": NAME, "prompt": "x", "max_tokens": 2**70})
+        @example(path="/v1/messages", body={**chat, "max_tokens": -2**70})
+        @example(path="/v1/responses", body={"model": NAME, "input": "x", "max_output_tokens": 2**64})
         def check(path, body):
-            if isinstance(body.get("max_tokens"), int) and not 1 <= body["max_tokens"] <= 3:
-                body["max_tokens"] = 2  # keep valid bodies cheap: a few tokens each
+            if isinstance(body.get("max_tokens"), int) and not 1 <= body["max_tokens"] <= 3 and abs(body["max_tokens"]) < 2**40:
+                body["max_tokens"] = 2  # keep valid bodies cheap: a few tokens each (out-of-range ones must be refused)
             r = client.post(url + path, content=json.dumps(body, allow_nan=True).encode(),
                             headers={"content-type": "application/json"})
             if non_finite(body):

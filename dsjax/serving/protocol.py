@@ -277,6 +277,19 @@ def _culprit(api: API, body: dict, error: str) -> str:
     return error
 
 
+def _wide_integer(value, path: str = "") -> str | None:
+    """The path of the first integer in a JSON body that no 64-bit field holds."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
+        return path or "body"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _wide_integer(item, f"{path}.{key}" if isinstance(key, str) and path else
+                              key if isinstance(key, str) else f"{path}[{key}]")
+        if found:
+            return found
+    return None
+
+
 def _parallel_tool_calls(api: API, body: dict) -> bool:
     """Whether one answer may call several tools: OpenAI `parallel_tool_calls` (default
     true), Anthropic `tool_choice.disable_parallel_tool_use`."""
@@ -293,6 +306,9 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
         req = api.request_cls(body)
     except ValueError as e:
         raise APIError(400, _culprit(api, body, str(e))) from None
+    except OverflowError:  # the recipe reads JSON integers as 64-bit
+        where = _wide_integer(body)
+        raise APIError(400, f"{where or 'a number'}: an integer out of the 64-bit range", param=where) from None
     try:
         model = req.model
         extra = (req.echo(), req.namespace_tool_map(ctx.conversion)) if api is RESPONSES else None
