@@ -104,7 +104,7 @@ class Engine(Prefill, ConstrainedDecode):
     chunk width per call), the MoE sums in expert order over fixed row tiles, and there is
     one context bucket, the capacity. The device state has max_slots rounded up to whole
     tiles (`rows`; on a mesh one tile per batch shard). With speculation: the fixed policy,
-    each verify step in tiles too (on a mesh one tile per device; README "Batch invariance").
+    each verify step in tiles too (on a mesh one tile per device; docs/batch-invariance.md).
 
     On a mesh, speculation runs as on one device but for the prefill, which (as a plain
     engine's) runs every row at once (`spec_prefill_rows`); the drafter's state (`spec`) is
