@@ -157,3 +157,12 @@ def test_quickstart_runs():
     assert c.finish_reason in ("stop", "length") and len(c.logprobs) == len(c.ids)
     assert namespace["logits"].shape == (1, 4, namespace["model"].config.vocab_size)
     assert namespace["ids"][0] == tok.bos_id
+
+
+def test_relative_links_in_the_documents_resolve():
+    docs = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "REPORT.md",
+            ROOT / "dsjax" / "weights" / "dsjax-tiny-py" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = [(d.name, target) for d in docs
+              for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", d.read_text(encoding="utf-8"))
+              if not target.startswith(("http://", "https://")) and not (d.parent / target).exists()]
+    assert not broken
