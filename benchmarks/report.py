@@ -40,7 +40,7 @@ MACHINE_KEYS = ("machine", "platform", "device", "devices", "backend", "cpus")
 MAX_STRING = 100      # longer strings are cut (the JSON keeps them whole)
 MAX_LIST = 6          # longer lists of numbers are left out of tables
 MAX_ROWS = 64         # rows of one table
-MAX_COLS = 10         # columns of a table whose records are its rows
+MAX_COLS = 12         # columns of a table whose records are its rows
 FEW_RECORDS = 6       # at most this many records: one column each
 
 
@@ -100,6 +100,24 @@ def records(v):
     return None
 
 
+def expand(recs):
+    """Records made of records ({batch: {engine: {...}}}) -> one record per (outer, inner) pair,
+    labelled "outer / inner", so the table has a row per leaf record; an outer record's own
+    plain fields stay as a row of their own, labelled by it."""
+    def nested(r):
+        return isinstance(r, dict) and sum(isinstance(v, dict) for v in r.values()) >= max(2, len(r) - 1)
+
+    while recs and all(nested(r) for _, r in recs) and sum(len(r) for _, r in recs) <= MAX_ROWS:
+        out = []
+        for label, r in recs:
+            plain = {k: v for k, v in r.items() if not isinstance(v, dict)}
+            if plain:
+                out.append((label, plain))
+            out += [(f"{label} / {k}", v) for k, v in r.items() if isinstance(v, dict)]
+        recs = out
+    return recs
+
+
 def main_collection(d: dict):
     """The key of the top-level (or second-level) collection of records holding most values."""
     best, best_n = None, 0
@@ -153,7 +171,7 @@ def render_file(name: str, d) -> list[str]:
         left_out += max(0, len(rest) - MAX_ROWS)
         if rest:
             lines.append("")
-        recs = records(main)
+        recs = expand(records(main))
         cols, per = [], []
         for label, r in recs:
             fl, sk = leaves(r)
@@ -162,6 +180,8 @@ def render_file(name: str, d) -> list[str]:
             for p, _ in fl:
                 if p not in cols:
                     cols.append(p)
+        # plain numbers and words first: the lists (every repeat's timing) are the first to go
+        cols.sort(key=lambda c: any(isinstance(vals.get(c), list) for _, vals in per))
         lines.append(f"Table: `{'.'.join(path)}`.")
         lines.append("")
         if len(recs) <= FEW_RECORDS:
