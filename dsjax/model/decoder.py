@@ -245,8 +245,8 @@ def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
             or not all(isinstance(a, jax.Array) and a.dtype in (jnp.float32, jnp.int32) for a in leaves)
             or sum(a.nbytes for a in leaves) > ONE_ROW_COPY_MAX_BYTES):
         return params
-    # cut on the host (XLA:CPU arrays): eager `a[r]` compiles a slice program per leaf shape (bench-78m:
-    # the first engine made 1.07 s, now 0.37)
+    # cut on the host (XLA:CPU arrays): eager `a[r]` would compile a slice program per leaf shape,
+    # most of the first engine's set-up time
     layer = lambda tree, r: jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[r]), tree)
     return params.replace(blocks=tuple(
         LayerByLayer(tuple(tuple(layer(block, r) for block in period) for r in range(run.repeats)))
