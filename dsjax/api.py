@@ -227,7 +227,7 @@ def store_weights(model: Model, dtype="bfloat16") -> Model:
     from a scanned stack or gathered, whole, outside the loop); the vocabulary head, never cut
     or gathered in a program, is a plain bf16 array: XLA:CPU's fused multiply-reduce of a few
     rows reads it as it is, where the bits would first be widened into a fp32 copy of the
-    whole head (bench-78m's head at batch 8: 14 -> 8 ms on a 20 GB/s box)."""
+    whole head (docs/cpu-decode.md, "16-bit weights")."""
     if resolve_dtype(dtype) != jnp.bfloat16 or jnp.dtype(model.dtype) != jnp.float32:
         raise ValueError(f"store_weights stores bfloat16 weights under a float32 model, not {dtype!r} weights "
                          f"under {jnp.dtype(model.dtype).name}; a bfloat16 model already is one (load_model(dtype=))")

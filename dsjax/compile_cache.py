@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache, on by default for dsjax.
 
-Compiling a model's programs is most of a first run's wall time (the `tiny` CLI run: ~17 s
-cold, ~4.5 s with the cache warm). JAX can keep compiled executables on disk; dsjax turns that
+Compiling a model's programs is most of a first run's wall time (docs/cli.md has the
+figures). JAX can keep compiled executables on disk; dsjax turns that
 on once per process (`load_model` and the CLI call `setup_compile_cache`):
 
     setting                              where compiled programs go

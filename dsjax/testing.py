@@ -11,7 +11,7 @@ with a readable diff: which entries differ, the first position where each does, 
 around it on both sides, and their text when a tokenizer is given. `update=True` or the
 environment variable DSJAX_UPDATE_GOLDEN=1 rewrites the file. The file records where it was
 made (dsjax / jax / jaxlib versions, backend, devices): a diff names what differs there too, since
-tokens are only promised equal on the same setup (see the README's Numerics section).
+tokens are only promised equal on the same setup (see docs/numerics.md).
 """
 
 from __future__ import annotations

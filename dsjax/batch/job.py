@@ -6,7 +6,7 @@
   off, finished ids are skipped, the rest runs. The manifest must match (manifest.py).
 - When every record is done, the output is rewritten in input order (error lines in their
   places) atomically, and the manifest says complete. A finished job's output therefore does
-  not depend on how often it was interrupted (given batch invariance: see the README).
+  not depend on how often it was interrupted (given batch invariance: see docs/batch-invariance.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class RuntimeOptions:
     and drop assignments past it; None (default) = dropless.
     batch_invariant: every cached forward runs tiles of a fixed number of rows (one program
     shape at any batch size or mesh layout), so a request's logits are bitwise independent
-    of its neighbours, its slot and the mesh (README "Batch invariance").
+    of its neighbours, its slot and the mesh (docs/batch-invariance.md).
     quantized: how FP8 / MXFP4 checkpoint weights were loaded ("dequantize" | "resident");
     recorded by `load_model`, read by reports.
     index_keys_from_owner (V4.1): a ratio-2 index source always scores its own KV source's

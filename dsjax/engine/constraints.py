@@ -23,14 +23,14 @@ Kinds (deepseek-recipe's `OutputConstraint.kind` names, plus the engine's own):
   tool_call_required  the same tools; the prompt has opened the block (`<｜DSML｜tool_calls>\\n`),
                       the answer is one or more invocations and the block's end
 
-Why llguidance (benchmarks/grammar_bench.py, results/grammar_cpu.json): no dependencies (a
-Rust wheel) where xgrammar brings torch (+4.9 s import); grammars compile in ~2 ms where
-xgrammar precomputes for 0.1 s (JSON) to 1 s (regex) on this 129k vocabulary, on the request
-path; it reads the tokenizer's special tokens and keeps `</think>` and the placeholders out
-of generated text (xgrammar finds none in this tokenizer.json and allows `</think>` inside a
-JSON string); and its Lark grammars take inline JSON schemas and regex intersection /
-complement, which the DSML tool-call format needs. xgrammar's masks are faster per token
-(p50 4 us vs 26 us on JSON), both far below a decode step, which hides them (the engine
+Why llguidance (benchmarks/grammar_bench.py; figures in docs/structured-output.md): no
+dependencies (a Rust wheel) where xgrammar brings torch and its import time; grammars compile
+in milliseconds where xgrammar precomputes for a large fraction of a second on this 129k
+vocabulary, on the request path; it reads the tokenizer's special tokens and keeps
+`</think>` and the placeholders out of generated text (xgrammar finds none in this
+tokenizer.json and allows `</think>` inside a JSON string); and its Lark grammars take inline
+JSON schemas and regex intersection / complement, which the DSML tool-call format needs.
+xgrammar's masks are faster per token, both far below a decode step, which hides them (the engine
 computes masks while the device runs the forward).
 """
 

@@ -104,7 +104,7 @@ class Engine(Prefill, ConstrainedDecode):
     chunk width per call), the MoE sums in expert order over fixed row tiles, and there is
     one context bucket, the capacity. The device state has max_slots rounded up to whole
     tiles (`rows`; on a mesh one tile per batch shard). With speculation: the fixed policy,
-    each verify step in tiles too (on a mesh one tile per device; README "Batch invariance").
+    each verify step in tiles too (on a mesh one tile per device; docs/batch-invariance.md).
 
     On a mesh, speculation runs as on one device but for the prefill, which (as a plain
     engine's) runs every row at once (`spec_prefill_rows`); the drafter's state (`spec`) is
@@ -128,7 +128,7 @@ class Engine(Prefill, ConstrainedDecode):
     `step_params`: the weights the prefill and decode programs run with: the model's, but for
     an engine on one XLA:CPU device (not batch-invariant) with the CPU head kernel built,
     which keeps its fp32 or bf16 head packed for it (`cpu_head_params`; the head's bytes
-    again in memory; at eight rows the kernel 1.7x faster than XLA's product). greedy_screen
+    again in memory; from two rows up the kernel is faster than XLA's product). greedy_screen
     (`cpu_kernels.worth_screening`: up to 16 slots with AVX512-BF16, else 4; no drafts, no
     logprobs): an fp32 head also keeps a bf16 copy (half its bytes again), from which greedy
     decode steps find the fp32 logits' first maximum reading half the bytes
@@ -136,8 +136,8 @@ class Engine(Prefill, ConstrainedDecode):
     the fp32 head); False saves that memory. A bf16 head (16-bit weights) is its own screen
     at 4-16 slots with AVX512-BF16 (fewer multiply-adds, no copy). Otherwise a
     one-slot engine (no drafts) keeps a short-hidden fp32 head transposed (`one_row_head`:
-    read 1.2-1.4x faster at one row, 3 % faster than the kernel). Its layer runs stay
-    scanned as stored: layer by layer (`one_row_params`) measured 2-7 % slower since the
+    read faster at one row than as stored, and than the kernel). Its layer runs stay
+    scanned as stored: layer by layer (`one_row_params`) measured slower since the
     one-row products read a vector of their own (`linear.merge_last_two`;
     benchmarks/layer_layout.py)."""
 

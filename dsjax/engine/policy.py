@@ -8,9 +8,9 @@ next step runs. The cost curve (K + 1 relative costs of verifying k = 0..K draft
 pinned by the user or measured once on the device. The drafter's confidence is calibrated
 online: every judged draft's confidence and outcome are binned, and the acceptance observed
 per bin (shrunk toward the bin's centre by CALIBRATION_PRIOR pseudo-drafts) replaces the
-raw confidence (a small drafter's softmax says 0.3 where 77 % of its greedy drafts match
-the target). The output distribution never depends on the policy; sampled tokens follow
-the k chosen.
+raw confidence (a small drafter's softmax can be far below the rate at which its greedy
+drafts match the target: docs/speculation.md). The output distribution never depends on
+the policy; sampled tokens follow the k chosen.
 
 A policy with K = 0 is plain decoding: every question gets the no-speculation answer.
 """

@@ -40,8 +40,8 @@ from dsjax.sharding.rules import current_mesh, per_row, rows
 
 # XLA:CPU vectorises the loops it emits itself (its matrix-vector products and fusions; library
 # GEMMs are untouched) 256 bits wide by default, even on CPUs with AVX-512. The engine's decode
-# steps are such loops reading weights from memory: 512 bits ran bench-78m's decode step 5-10 %
-# faster on an Ice Lake box (benchmarks/engine_bench.py). LLVM keeps to the CPU's widest vectors
+# steps are such loops reading weights from memory, and 512 bits ran them faster
+# (docs/cpu-decode.md, "512-bit loops"). LLVM keeps to the CPU's widest vectors
 # (AVX2: 256); GPU and TPU compilers do not read xla_cpu_* options (not yet run on one: no GPU
 # lent so far). `compiler_options` only apply to top-level programs, so `forward` (called
 # inside these) cannot carry them.

@@ -140,9 +140,9 @@ def apply_penalties(logits: jax.Array, s: SamplingState, seen: jax.Array, counts
 
 # XLA's CPU backend runs sort, cumsum, top_k, (value, index) argmax reductions - and even
 # select-then-reduce fusions - over a 129k vocabulary one to two orders of magnitude slower
-# than a plain max / sum (measured on [32, 129280]: sort ~1 s, cumsum 27 ms, argmax 10 ms,
-# max 0.6 ms). The helpers below reduce the vocabulary once with a plain reduction, then
-# work on one block. They are exact, and no slower on other backends.
+# than a plain max / sum (docs/cpu-decode.md, "Sampling"). The helpers below reduce the
+# vocabulary once with a plain reduction, then work on one block. They are exact, and no
+# slower on other backends.
 def _block_size(v: int) -> int:
     """A block length dividing v (no padded copy of the logits), near 512."""
     divisors = [d for d in range(256, 2049) if v % d == 0]
@@ -198,8 +198,8 @@ def _order_keys(x: jax.Array) -> jax.Array:
 
 def _largest_key(keys: jax.Array, ok, used: jax.Array) -> jax.Array:
     """Per row, the largest uint32 t with ok(keys >= t) (ok is monotone: true at t = 0),
-    by bisection over the 32 key bits: 32 passes over [B, V] (batch 8, V 129k: ~5-6 ms on
-    the AMD box), run only if some row is `used` [B]; other rows get 0, which keeps every
+    by bisection over the 32 key bits: 32 passes over [B, V], the costliest part of a sampled
+    CPU step, so run only if some row is `used` [B]; other rows get 0, which keeps every
     key. -> [B, 1]"""
     lo = jnp.zeros_like(keys[..., :1])  # (zeros_like: varies over the same mesh axes as keys)
 
@@ -222,7 +222,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     likely tokens whose mass reaches top_p (the most likely token is always kept); min-p
     keeps tokens with p >= min_p * p_max. Ties at a cut-off are kept. Thresholds are found
     by bisection on the values' bit patterns (no sort: XLA:CPU's lax.top_k sorts the whole
-    row, 22 ms for one of 129k), each search only for the rows that use its filter."""
+    row, far slower than the passes), each search only for the rows that use its filter."""
     v = logits.shape[-1]
     keys = _order_keys(logits)
     k = jnp.minimum(top_k, v)

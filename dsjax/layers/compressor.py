@@ -76,8 +76,8 @@ def pool_windows(p: Compressor, kv: jax.Array, gate: jax.Array, *, overlap: bool
 
 def pool(kv: jax.Array, weights: jax.Array) -> jax.Array:
     """sum over slots of kv * weights ([B, W, m, d] each) -> [B, W, d], as a product over m:
-    XLA:CPU runs the multiply-reduce over a middle axis ~50x slower (1.7 ms per HCA layer at a
-    batch-8 decode step, most of the step's attention time)."""
+    XLA:CPU runs the multiply-reduce over a middle axis far slower (it was most of a batch-8
+    decode step's attention time: docs/cpu-decode.md)."""
     return jnp.einsum("bwmd,bwmd->bwd", kv, weights, preferred_element_type=jnp.float32).astype(kv.dtype)
 
 

@@ -1,12 +1,12 @@
 """The vocabulary head on XLA:CPU as a small C++ kernel (an XLA FFI custom call).
 
-XLA:CPU runs a decode step's head product for 2..16 rows ([8, 256] x [256, 129280] on a
-2-core AMD EPYC VM: 7.1 ms fp32, 6.1 ms with bf16 weights) at a third of the FMA rate and
+XLA:CPU runs a decode step's head product for 2..16 rows at a third of the FMA rate and
 half the memory rate, in every form it offers (its GEMM, a fused multiply-reduce, batched or
-tiled; issue: CPU decode speed). `csrc/cpu_kernels.cc` reads the head once for up to 8 rows
-from a tiled layout (`PackedHead`) with 16 vector accumulators: 4.0 / 3.4 ms there. At one
-row both read at the memory rate (XLA's product on the transposed head ~3 % faster in the
-engine, which a one-slot fp32 engine keeps: `dsjax.model.decoder.one_row_head`).
+tiled). `csrc/cpu_kernels.cc` reads the head once for up to 8 rows from a tiled layout
+(`PackedHead`) with 16 vector accumulators. At one row both read at the memory rate (XLA's
+product on the transposed head measured a little faster in the engine, so a one-slot fp32
+engine keeps it: `dsjax.model.decoder.one_row_head`). Measurements: docs/cpu-decode.md and
+benchmarks/head_kernel.py.
 
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`,
 `g++`, `clang++`; a few seconds, once) into ~/.cache/dsjax/kernels (`$XDG_CACHE_HOME`;
@@ -219,19 +219,18 @@ def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
 
 
 def screen_rows() -> int:
-    """The most rows a greedy screen is worth it for: bench-78m's head (129280 x 256) on a
-    2-core AMD EPYC VM, median ms, fp32 head's screen / fp32 kernel, at 1 / 4 / 8 / 16 rows:
-    1.73 / 1.80 / 2.24 / 5.02 against 3.27 / 3.65 / 3.84 / 6.20 with AVX512-BF16 pairs;
-    without them (bf16 widened, fp32 multiply-adds) 2.08 / 2.39 / 4.10 / 8.40 against 4.05 /
-    2.98 / 3.41 / 6.33: the pass over 8 rows is bound by its multiply-adds, not the bytes."""
+    """The most rows a greedy screen is worth it for: 16 with AVX512-BF16 pairs, else 4. Without
+    the pairs (bf16 widened, fp32 multiply-adds) the pass over 8 rows is bound by its
+    multiply-adds, not the bytes, and the screen stops paying past 4 rows (the timings:
+    docs/cpu-decode.md)."""
     return SCREEN_DOT_ROWS if available() and _screen_dot else SCREEN_ROWS
 
 
 def worth_screening(dtype, rows: int) -> bool:
     """Whether an engine of `rows` slots screens a head of `dtype` for greedy rows: an fp32 head
     up to `screen_rows()`; a bf16 head (its own screen: it saves multiply-adds, not bytes) from
-    4 rows up to 16, with AVX512-BF16 pairs only (16-bit bench-78m engine, alternating, screen /
-    not, tokens/s: batch 8 888 / 789, batch 1 266 / 280)."""
+    4 rows up to 16, with AVX512-BF16 pairs only (at one row it measured slower than no screen:
+    docs/cpu-decode.md)."""
     if dtype is None:  # a quantized head
         return False
     if jnp.dtype(dtype) == jnp.float32:

@@ -68,10 +68,10 @@ def _normalized_mix(fn: jax.Array, streams: jax.Array, eps: float) -> jax.Array:
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float, rolled: bool | None = None) -> jax.Array:
     """Row softmax, then alternate column / row normalisation (fp32) [..., N, N].
-    rolled: the iterations as a device loop (default on XLA:CPU, where that is cheapest: 8 of
-    them at one row 0.014 ms, against 0.05-0.12 written out) or written out (default
-    elsewhere: on a GPU each loop iteration cost ~26 us of loop overhead; H200, 8 at one
-    row: 4.05 ms rolled, 0.22 written out; benchmarks/sinkhorn_forms.py)."""
+    rolled: the iterations as a device loop (default on XLA:CPU, where that is cheapest) or
+    written out (default elsewhere: on a GPU each loop iteration costs a fixed loop overhead
+    far above its 16 numbers a row of arithmetic; benchmarks/sinkhorn_forms.py, figures in
+    docs/kernels.md and benchmarks/REPORT.md)."""
     c = jax.nn.softmax(logits, axis=-1) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 

@@ -129,8 +129,8 @@ def merge_last_two(x: jax.Array) -> jax.Array:
     """x [..., A, B] -> [..., A * B], as the vector of a one-row product (`linear`) reads it
     best. On XLA:CPU a one-row product fuses its vector's producers into its matrix-vector
     loop, and a vector that is a reshape of a multi-dim buffer (mHC's N streams, W_oa's
-    groups) is read there through per-element index arithmetic: the loop ran 7x slower
-    ([4, 128] -> [512] against a [512] buffer, W_ob). There the A pieces are concatenated
+    groups) is read there through per-element index arithmetic, several times slower than a
+    buffer of its own (docs/cpu-decode.md). There the A pieces are concatenated
     instead, into a buffer of its own; elsewhere it is the reshape."""
     if x.shape[-2] > 1 and math.prod(x.shape[:-2]) == 1 and cpu_forms(x, 1):
         return jnp.concatenate([x[..., i, :] for i in range(x.shape[-2])], axis=-1)

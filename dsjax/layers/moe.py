@@ -137,9 +137,10 @@ def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, 
 def expert_ffn_each(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, weights=None, down=None) -> jax.Array:
     """The experts for a handful of assignments on XLA:CPU (`linear.cpu_forms`): per assignment
     three matrix-vector products, each reading its expert's rows where they lie (a 16-bit or
-    quantized weight widened as it is read) instead of a gathered copy: 4x less time for a
-    batch-1 step's routed experts. Same arguments and result as `expert_ffn_gathered`.
-    Unrolled (at most linear.FEW_ROWS assignments): a loop over them ran 5x slower."""
+    quantized weight widened as it is read) instead of a gathered copy, which XLA:CPU reads
+    far slower at a few rows. Same arguments and result as `expert_ffn_gathered`.
+    Unrolled (at most linear.FEW_ROWS assignments): a loop over them ran several times slower
+    (docs/cpu-decode.md)."""
     t, k = idx.shape
 
     def one(i: int, j: int) -> jax.Array:

@@ -161,9 +161,8 @@ def one_row_head(params: ModelParams, dtype) -> ModelParams:
     """The params a one-row decode on XLA:CPU (one device, not batch-invariant: the caller
     says so) runs with: a float32 head (its own, or the tied embedding's copy: the lookup
     keeps `embed`) with a short hidden size kept transposed (`ColumnMajor`), which XLA:CPU
-    reads 1.2-1.4x faster at one row (a 129280-row head,
-    hidden 128 / 256 / 512 / 1024, median ms: 3.3 / 6.3 / 12.6 / 63 -> 2.7 / 5.4 / 10.1 / 44 on an
-    Ice Lake VM; benchmarks/head_layout.py). A copy of the head, held by the caller (an
+    reads faster at one row: a vector-matrix loop streaming whole rows, against each row
+    reduced on its own (docs/cpu-decode.md; benchmarks/head_layout.py). A copy of the head, held by the caller (an
     `Engine`); a bf16 or quantized head, a bf16 model, a wider hidden size and other
     backends keep `params` (a bf16 head transposed is widened whole before the product)."""
     w = lm_head_weight(params)
@@ -177,10 +176,10 @@ def cpu_head_params(params, dtype, *, screen: bool = False):
     """The params an engine on one XLA:CPU device (not batch-invariant: the caller says so)
     runs with when the vocabulary-head kernel is built (`dsjax.layers.cpu_kernels`): an fp32
     model's plain fp32 or bf16 head (its own, or the tied embedding's copy: the lookup keeps
-    `embed`) packed in tiles (`PackedHead`), which the kernel reads for any row count (bench-78m
-    head, [8, 256] x [256, 129280] on a 2-core AMD EPYC VM: 7.1 -> 4.0 ms fp32, 6.1 -> 3.4 ms
-    bf16; at one row ~3 % slower than XLA's product on the transposed head in the engine, which
-    a one-slot fp32 engine keeps: `one_row_head`). A copy of the head, held by the caller; else
+    `embed`) packed in tiles (`PackedHead`), which the kernel reads for any row count, faster
+    than any form of XLA's product from 2 rows up (docs/cpu-decode.md); at one row XLA's
+    product on the transposed head measured a little faster, so a one-slot fp32 engine keeps
+    that: `one_row_head`). A copy of the head, held by the caller; else
     `params` (a quantized head, a bf16 model, no kernel). V4 and V4.1 params alike. screen: an
     fp32 head also keeps a bf16 copy and its rows' norms (half its bytes again), from which
     the decode step finds greedy tokens reading half the bytes (`cpu_kernels.greedy_tokens`;
@@ -209,7 +208,7 @@ def step_head_params(params, dtype, *, one_row: bool, screen: bool = False):
     drafts): an fp32 or bf16 head packed with its greedy screen where it gets one
     (`cpu_head_params`).
     Else at one row the transposed head where `one_row_head` keeps one (XLA's product there
-    ~3 % faster than the kernel), else the packed head, else `params`."""
+    measured a little faster than the kernel), else the packed head, else `params`."""
     packed = cpu_head_params(params, dtype, screen=True) if screen else None
     if packed is not None and screens(packed):
         return packed
@@ -234,20 +233,20 @@ def one_row_params(params: ModelParams, cfg: ModelConfig, dtype) -> ModelParams:
     layer by layer (`LayerByLayer`): each layer's weights are then whole program arguments,
     which a one-row product reads in place through the library matrix-vector product
     (`linear.whole_weights`), where XLA:CPU reads a scanned run's slices in an element-by-element
-    loop at 3-13 GB/s (bench-78m, one-slot engine on an Ice Lake VM: 5-16 % more tokens/s). A
+    loop well below the memory rate (docs/cpu-decode.md, "Layer by layer"). A
     copy of those layers' weights, held by the caller; its programs unroll those runs. A run
     of one layer keeps its [1, ...] leaves (read in place already). Not what an `Engine` runs
     with since the one-row products read a vector of their own (`linear.merge_last_two`):
-    the scanned runs then measured 2-7 % faster on an AMD EPYC VM; benchmarks/layer_layout.py
-    compares the two layouts on a machine."""
+    the scanned runs then measured faster; benchmarks/layer_layout.py compares the two layouts
+    on a machine, since the balance has moved with the machine before."""
     params = one_row_head(params, dtype)
     leaves = jax.tree.leaves(params.blocks)
     if (cfg.v41 is not None or not _fp32_one_row(dtype) or not any(run.repeats > 1 for run in cfg.layer_runs)
             or not all(isinstance(a, jax.Array) and a.dtype in (jnp.float32, jnp.int32) for a in leaves)
             or sum(a.nbytes for a in leaves) > ONE_ROW_COPY_MAX_BYTES):
         return params
-    # cut on the host (XLA:CPU arrays): eager `a[r]` compiles a slice program per leaf shape (bench-78m:
-    # the first engine made 1.07 s, now 0.37)
+    # cut on the host (XLA:CPU arrays): eager `a[r]` would compile a slice program per leaf shape,
+    # most of the first engine's set-up time
     layer = lambda tree, r: jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[r]), tree)
     return params.replace(blocks=tuple(
         LayerByLayer(tuple(tuple(layer(block, r) for block in period) for r in range(run.repeats)))
@@ -291,9 +290,9 @@ def rows_logits(compute, weight, n_valid: jax.Array | None, dtype) -> jax.Array:
     the activations' `dtype` (a bf16 head under fp32, `dsjax.store_weights`; a quantized one).
     Such a product widens the head in an op of its own, which XLA hoists out of an enclosing
     loop as loop-invariant: the engine's multi-step decode (`decode_steps` > 1) then widened
-    the whole head into a new fp32 buffer per dispatch and read that each step (16-bit
-    bench-78m, 4 steps a dispatch: 63 tokens/s at batch 1, 226 at batch 8, against 300 and
-    434 one step a dispatch), and so did a speculative step for its MTP drafter's loop. XLA
+    the whole head into a new fp32 buffer per dispatch and read that each step (several times
+    slower than one step a dispatch: docs/cpu-decode.md), and so did a speculative step for
+    its MTP drafter's loop. XLA
     leaves a conditional's branch in place, so inside the `lax.cond` the product reads the
     head as a single step does. Only for XLA:CPU's few-row decode forms, which read the
     stored head inside the product (`linear`): plain heads, the GEMM (more rows,

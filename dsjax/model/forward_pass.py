@@ -40,7 +40,7 @@ def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelC
     same; the MoE takes its grouped path in fixed row tiles.
     XLA:CPU picks how a reduction or product sums by the operand shapes, so a fixed shape
     makes a row's results depend on its own tokens only, not on the batch size, its slot
-    or its neighbours (see README "Batch invariance")."""
+    or its neighbours (see docs/batch-invariance.md)."""
     if cache is not None and ctx_bucket is None:
         raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
     if opts.batch_invariant and cache is not None:  # the same products on one device as on a mesh

@@ -298,8 +298,8 @@ def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array,
     (`dsjax.checkpoint.engram_tables.EngramStore.fetch`). -> (rows per layer, history).
     A `pure_callback`: the lookup is a function of its operands (the tables do not change), so XLA
     may schedule it beside the layers before the first Engram layer. An `io_callback` (effectful,
-    even unordered) cost a CPU decode step of tiny-v41 ~7.5 ms for a 0.7 ms lookup; this hides it
-    (benchmarks/engram_transfer.py)."""
+    even unordered) serialised the step around it, costing it many times the lookup itself
+    (docs/v41.md; benchmarks/engram_transfer.py)."""
     e = cfg.v41.engram
     b, c = tokens.shape
     shapes = [jax.ShapeDtypeStruct((b, c, e.n_hash, width), jnp.uint8)
