@@ -118,6 +118,30 @@ def test_chat_greedy_equals_generate_on_recipe_ids(model, oai):
     assert r.model == NAME and r.object == "chat.completion"
 
 
+def test_max_completion_tokens_is_max_tokens(model, oai):
+    """OpenAI's clients now send max_completion_tokens: it caps the answer as max_tokens does."""
+    messages = [{"role": "user", "content": "Count to ten."}]
+    r = oai.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=3, temperature=0,
+                                    extra_body=NO_THINKING)
+    ids = greedy(model, recipe_ids({"model": NAME, "messages": messages, **NO_THINKING}), 3)
+    assert r.usage.completion_tokens == len(ids) <= 3 and r.choices[0].message.content == text_of(ids)
+
+
+def test_count_tokens_is_the_messages_prompt(claude):
+    """Anthropic's count_tokens: the length of the prompt deepseek-recipe builds for the same
+    Messages body (its own conversion and V4 encoding), which is what usage reports."""
+    system, messages = "Be brief.", [{"role": "user", "content": "Name a prime."}]
+    n = claude.messages.count_tokens(model=NAME, system=system, messages=messages, thinking={"type": "disabled"})
+    options = recipe.ConversionOptions().with_model_versions_by_name({NAME: recipe.ModelVersion.DeepseekV4Pro})
+    conv = recipe.MessagesRequest({"model": NAME, "max_tokens": 1, "system": system, "messages": messages,
+                                   "thinking": {"type": "disabled"}}).convert(options)
+    ids = recipe.DeepseekV4Encoding().with_tokenizer(dsjax.load_tokenizer().recipe).encode(conv.conversation)
+    assert n.input_tokens == len(ids) > 5
+    m = claude.messages.create(model=NAME, max_tokens=1, system=system, messages=messages,
+                               thinking={"type": "disabled"})
+    assert m.usage.input_tokens == n.input_tokens
+
+
 def test_chat_stream_equals_non_stream_and_seeds_repeat(oai):
     kw = dict(model=NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=10, temperature=0.9, seed=1234,
               extra_body=NO_THINKING)
@@ -395,6 +419,12 @@ def test_api_key(guarded):
     ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": [0, 10**9]}, 400, "vocab"),
     ("/v1/messages", {"model": NAME, "max_tokens": 5}, 400, "messages"),
+    ("/v1/messages", {"model": NAME, "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens: required"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                              "max_completion_tokens": 4}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/messages/count_tokens", {"model": "claude-x", "messages": []}, 404, "claude-x"),
     ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": []}, 404, "claude-x"),
     ("/v1/nowhere", {}, 404, "no route"),
 ])
@@ -404,7 +434,7 @@ def test_bad_requests_get_the_right_json_error(served, path, body, status, expec
     r = httpx.post(url + path, **kw, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == status, r.text
     data = r.json()
-    if path == "/v1/messages":
+    if path.startswith("/v1/messages"):
         assert data["type"] == "error" and expect in data["error"]["message"]
     else:
         assert expect in data["error"]["message"] and data["error"]["type"]
@@ -414,6 +444,11 @@ def test_bad_requests_get_the_right_json_error(served, path, body, status, expec
 def test_models_health_metrics(served, oai, claude):
     assert [m.id for m in oai.models.list().data] == [NAME]
     assert [m.id for m in claude.models.list().data] == [NAME]
+    assert oai.models.retrieve(NAME).id == NAME and claude.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        oai.models.retrieve("gpt-9")
+    with pytest.raises(anthropic.NotFoundError, match="claude-x"):
+        claude.models.retrieve("claude-x")
     url = served[1].url
     text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
     for name in ("dsjax_requests_running", "dsjax_requests_waiting", "dsjax_slots_used", "dsjax_prompt_tokens_total",
@@ -436,7 +471,7 @@ def assert_api_error(path: str, r: httpx.Response):
     """A non-200 answer is a 4xx in its API's own error shape."""
     assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
     data = r.json()
-    if path == "/v1/messages":
+    if path.startswith("/v1/messages"):
         assert data["type"] == "error" and data["error"]["type"] and data["error"]["message"], data
     else:
         assert data["error"]["type"] and data["error"]["message"], data
@@ -461,7 +496,8 @@ def test_fuzzed_bodies_never_500(served):
     bodies = st.fixed_dictionaries({"model": st.just(NAME), "max_tokens": st.integers(1, 3)},
                                    optional={"messages": st.just([{"role": "user", "content": "x"}])}).flatmap(
         lambda base: st.dictionaries(keys, values, max_size=3).map(lambda extra: {**base, **extra}))
-    paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
+    paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                             "/v1/messages/count_tokens"])
     chat = {"model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
 
     with httpx.Client(timeout=TIMEOUT) as client:

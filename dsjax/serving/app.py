@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from dsjax.serving.loop import EngineFailed, EngineLoop, QueueFull
 from dsjax.serving.metrics import Metrics
-from dsjax.serving.protocol import CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, prepare
+from dsjax.serving.protocol import (CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, count_tokens,
+                                    prepare)
 
 log = logging.getLogger("dsjax.serving")
 
@@ -237,15 +238,44 @@ class Server:
         return Response(body if isinstance(body, str) else json.dumps(body), media_type="application/json")
 
     # ------------------------------------------------------------------ the rest
+    def _model_card(self, name: str) -> dict:
+        """One served model in both APIs' shapes (OpenAI's object / owned_by, Anthropic's type /
+        display_name / created_at)."""
+        created = self.ctx.created
+        return {"id": name, "object": "model", "type": "model", "created": created, "owned_by": "dsjax",
+                "display_name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                "max_model_len": self.ctx.capacity}
+
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return error_response(False, APIError(401, "invalid or missing API key", kind="authentication_error"))
-        created = self.ctx.created
-        data = [{"id": name, "object": "model", "type": "model", "created": created, "owned_by": "dsjax",
-                 "display_name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-                 "max_model_len": self.ctx.capacity} for name in self.ctx.names]
+        data = [self._model_card(name) for name in self.ctx.names]
         return JSONResponse({"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"],
                              "last_id": data[-1]["id"]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id} (`client.models.retrieve`); the two APIs share the path, so an
+        unknown id is answered in the shape of the client that asked (Anthropic's send
+        anthropic-version)."""
+        anthropic = "anthropic-version" in request.headers
+        if not self._authorized(request):
+            return error_response(anthropic, APIError(401, "invalid or missing API key", kind="authentication_error"))
+        name = request.path_params["model_id"]
+        if name not in self.ctx.names:
+            return error_response(anthropic, APIError(404, f"model {name!r} is not served here; GET /v1/models lists "
+                                                           f"{', '.join(self.ctx.names)}", kind="not_found_error",
+                                                      param="model", code="model_not_found"))
+        return JSONResponse(self._model_card(name))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's POST /v1/messages/count_tokens: the prompt's length, nothing generated."""
+        try:
+            if not self._authorized(request):
+                raise APIError(401, "invalid or missing API key", kind="authentication_error")
+            body = await read_json(request, self.ctx.limits.max_body_bytes)
+            return JSONResponse({"input_tokens": count_tokens(body, self.ctx)})
+        except APIError as e:
+            return error_response(True, e)
 
     async def health(self, request: Request) -> Response:
         if self.loop.alive:
@@ -272,6 +302,8 @@ def create_app(loop: EngineLoop, ctx: Context, metrics: Metrics, api_key: str | 
 
     routes = [Route(api.path, endpoint(api), methods=["POST"]) for api in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)]
     routes += [Route("/v1/models", server.models, methods=["GET"]), Route("/health", server.health, methods=["GET"]),
+               Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+               Route(MESSAGES.path + "/count_tokens", server.count_tokens, methods=["POST"]),
                Route("/metrics", server.metrics_endpoint, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.server = server

@@ -299,7 +299,28 @@ def _parallel_tool_calls(api: API, body: dict) -> bool:
     return body.get("parallel_tool_calls") is not False
 
 
-def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
+def _recipe_body(api: API, body: dict) -> dict:
+    """Fields the recipe does not read, mapped onto those it does or refused by name:
+    Chat's `max_completion_tokens` (the name OpenAI's clients send) is `max_tokens`;
+    Anthropic's required `max_tokens` is required."""
+    if api is CHAT and "max_completion_tokens" in body:
+        value = body["max_completion_tokens"]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise _field_error("max_completion_tokens", f"an integer >= 1, got {value!r}")
+        if body.get("max_tokens") is not None and value is not None and body["max_tokens"] != value:
+            raise _field_error("max_completion_tokens", f"{value} differs from max_tokens {body['max_tokens']!r} "
+                                                        f"(send one of them)")
+        body = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+        if value is not None:
+            body["max_tokens"] = value
+    if api is MESSAGES and body.get("max_tokens") is None:
+        raise _field_error("max_tokens", "required: the most tokens to generate (an integer >= 1)")
+    return body
+
+
+def convert(api: API, body: dict, ctx: Context):
+    """A body's model name, Responses extras (echo, tool namespaces), the recipe's conversion
+    and the prompt ids (APIError on bad input)."""
     check_limits(body, api, ctx)
     check_no_images(body)
     try:
@@ -312,12 +333,25 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     try:
         model = req.model
         extra = (req.echo(), req.namespace_tool_map(ctx.conversion)) if api is RESPONSES else None
-        conv = req.convert(ctx.conversion)
+        conv = req.convert(ctx.conversion)  # consumes req
     except (ValueError, recipe.ConversionError) as e:  # the recipe's messages name the field
         raise APIError(400, str(e)) from None
-    conversation = conv.conversation
-    prompt = ctx.encoding.encode(conversation)
+    prompt = ctx.encoding.encode(conv.conversation)
     check_prompt_length(len(prompt), ctx)
+    return model, extra, conv, prompt
+
+
+def count_tokens(body: Any, ctx: Context) -> int:
+    """Anthropic's /v1/messages/count_tokens: the prompt ids a Messages body would send."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return len(convert(MESSAGES, {**body, "max_tokens": 1}, ctx)[3])
+
+
+def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
+    body = _recipe_body(api, body)
+    model, extra, conv, prompt = convert(api, body, ctx)
+    conversation = conv.conversation
     opts = conv.inference_options
     try:
         max_tokens = conv.resolve_max_tokens(len(prompt), ctx.capacity)
