@@ -176,6 +176,9 @@ def test_tool_call_grammar_accepts_what_the_recipe_renders_and_nothing_malformed
     opened = answer.split("<｜DSML｜tool_calls>\n", 1)[1]  # tool_choice=required: the prompt opened the block
     assert accepted("tool_call_required", opened)
     assert not accepted("tool_call_required", "")
+    assert accepted("tool_call_any", "<｜DSML｜tool_calls>\n" + opened)  # Anthropic's tool_choice any: a call
+    assert not accepted("tool_call_any", answer)  # ... with no text before it
+    assert not accepted("tool_call_any", "A plain answer, no call.")
     assert not accepted("tool_call", answer.replace("get_time", "get_tme"))
     assert not accepted("tool_call", answer.replace('string="false">3<', 'string="false">"3"<'))  # integer
     assert not accepted("tool_call", answer.replace(">Rome<", ">Oslo<"))  # not in the enum

@@ -278,8 +278,8 @@ def test_json_schema_output_validates(oai, thinking):
     mode the reasoning stays free (closed after the server's 6-token budget) and the answer
     validates."""
     jsonschema = pytest.importorskip("jsonschema")
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": False}}
-    for temperature, seed in ((0.0, 0), (1.0, 3)):
+    for temperature, seed, strict in ((0.0, 0, False), (1.0, 3, True)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": strict}}
         r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "A person as JSON."}],
                                         max_tokens=120, temperature=temperature, seed=seed, response_format=fmt,
                                         extra_body={"thinking": {"type": thinking}})
@@ -291,6 +291,62 @@ def test_json_schema_output_validates(oai, thinking):
                                        max_tokens=12, temperature=0, extra_body=NO_THINKING)
     with pytest.raises(ValueError):  # the same model unconstrained: not JSON
         json.loads(free.choices[0].message.content)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_the_grammar_is_compiled_from_the_callers_schema(api):
+    """deepseek-recipe's strict schemas leave maxLength out (a 15-character name came back for
+    maxLength 5); the server compiles the body's own schema, tools included."""
+    from dsjax.serving.protocol import CHAT, MESSAGES, RESPONSES, callers_constraint
+    API_BY_NAME = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}
+    strict = {**SCHEMA, "properties": {**SCHEMA["properties"], "name": {"type": "string", "maxLength": 5}}}
+    tool = {"name": "person", "strict": True, "parameters": strict}
+    body = {"chat": {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                                                                              "schema": strict}},
+                     "messages": [{"role": "user", "content": "x"}]},
+            "responses": {"text": {"format": {"type": "json_schema", "name": "p", "strict": True, "schema": strict}},
+                          "input": "x"},
+            "messages": {"tools": [{"name": "person", "input_schema": strict}], "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "x"}], **NO_THINKING}}[api]
+    body["model"] = NAME
+    options = recipe.ConversionOptions().with_model_versions_by_name({NAME: recipe.ModelVersion.DeepseekV4Pro})
+    oc = API_BY_NAME[api].request_cls(body).convert(options).inference_options.output_constraint
+    kind, schema = callers_constraint(API_BY_NAME[api], body, oc.kind, oc.schema)
+    own = json.loads(schema) if api != "messages" else json.loads(schema)[0]["function"]["parameters"]
+    assert own == strict and kind == oc.kind
+    if api == "chat":  # tools in a Chat body, strict: their parameters as written too
+        body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], **NO_THINKING,
+                "tools": [{"type": "function", "function": tool}]}
+        oc = recipe.ChatCompletionRequest(body).convert(options).inference_options.output_constraint
+        assert "maxLength" not in oc.schema  # what the recipe hands on
+        assert json.loads(callers_constraint(API_BY_NAME[api], body, oc.kind, oc.schema)[1])[0]["function"][
+            "parameters"] == strict
+
+
+def test_json_object_is_an_object(oai):
+    """response_format json_object means a JSON object (the recipe's "any JSON value" let a
+    random model answer with a bare value, which the reply parser turned into spaces)."""
+    r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Reply in JSON."}],
+                                    max_tokens=40, temperature=0, response_format={"type": "json_object"},
+                                    extra_body=NO_THINKING)
+    text = r.choices[0].message.content
+    assert text.lstrip().startswith("{"), text
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_anthropic_tool_choice_any_calls_a_tool(claude):
+    """tool_choice any: the answer is a tool_use block (the recipe read it as auto and a
+    random model answered in text); its input validates against the tool's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    fn = TOOLS[0]["function"]
+    tools = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]
+    m = claude.messages.create(model=NAME, max_tokens=100, messages=[{"role": "user", "content": "Weather?"}],
+                               tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True}, thinking={"type": "disabled"},
+                               extra_body={"temperature": 0})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses and uses[0].name == fn["name"], m
+    jsonschema.validate(uses[0].input, fn["parameters"])
 
 
 def test_tool_call_round_trip_with_strict_tools(oai):

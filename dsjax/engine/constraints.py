@@ -22,6 +22,8 @@ Kinds (deepseek-recipe's `OutputConstraint.kind` names, plus the engine's own):
                       the answer is text, optionally followed by one DSML tool-call block
   tool_call_required  the same tools; the prompt has opened the block (`<｜DSML｜tool_calls>\\n`),
                       the answer is one or more invocations and the block's end
+  tool_call_any       the same tools; the answer opens the block itself and calls (Anthropic's
+                      tool_choice "any": no text before the call, as Anthropic's API does it)
 
 Why llguidance (benchmarks/grammar_bench.py; figures in docs/structured-output.md): no
 dependencies (a Rust wheel) where xgrammar brings torch and its import time; grammars compile
@@ -48,7 +50,7 @@ import numpy as np
 
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
-KINDS = ("json", "json_schema", "regex", "choice", "tool_call", "tool_call_required")
+KINDS = ("json", "json_schema", "regex", "choice", "tool_call", "tool_call_required", "tool_call_any")
 THINK_END = "</think>"
 DSML = "｜DSML｜"  # the V4 tool-call marker (token 128825, an ordinary text token to the grammar)
 # JSON between its lexemes allows at most this much whitespace: enough for indented output,
@@ -323,10 +325,11 @@ def _parameter_rules(t: int, tool: dict) -> tuple[str, list[str]]:
     return " ".join(parts), rules
 
 
-def tool_call_grammar(tools: list[dict], required: bool, parallel: bool = True) -> str:
+def tool_call_grammar(tools: list[dict], required: bool, parallel: bool = True, must_open: bool = False) -> str:
     """Lark grammar of a V4 answer that calls `tools` in DSML. required=False: text, then
-    optionally one tool-call block; required=True: the prompt opened the block, the answer
-    is one or more invocations (exactly one with parallel=False) and the block's end."""
+    optionally one tool-call block (must_open=True: no text, the answer opens the block);
+    required=True: the prompt opened the block, the answer is one or more invocations
+    (exactly one with parallel=False) and the block's end."""
     rules, invokes = [], []
     for t, tool in enumerate(tools):
         params, param_rules = _parameter_rules(t, tool)
@@ -335,7 +338,8 @@ def tool_call_grammar(tools: list[dict], required: bool, parallel: bool = True) 
         rules.append(f"invoke_{t}: {head} {params} {tail}")
         invokes.append(f"invoke_{t}")
     calls = f"({' | '.join(invokes)}){'+' if parallel else ''} {_lit(f'</{DSML}tool_calls>')}"
-    start = [f"start: {calls}"] if required else [f"start: TEXT | OPEN {calls}", f"TEXT: {_TEXT}", f"OPEN: {_OPEN}"]
+    start = [f"start: {calls}"] if required else [f"start: {_lit(f'<{DSML}tool_calls>')} {_lit(chr(10))} {calls}"] \
+        if must_open else [f"start: TEXT | OPEN {calls}", f"TEXT: {_TEXT}", f"OPEN: {_OPEN}"]
     return "\n".join([*start, *rules, f"RAW_VALUE: {_RAW_VALUE}", "PARAM_NAME: /[A-Za-z0-9_.\\-]+/"]) + "\n"
 
 
@@ -365,7 +369,8 @@ def grammar_for(kind: str, schema, parallel_tool_calls: bool = True) -> str:
         return M.grammar_from_lark("start: " + " | ".join(_lit(c) for c in choices) + "\n")
     tools = _tools(kind, schema)
     try:
-        lark = tool_call_grammar(tools, required=kind == "tool_call_required", parallel=parallel_tool_calls)
+        lark = tool_call_grammar(tools, required=kind == "tool_call_required", parallel=parallel_tool_calls,
+                                 must_open=kind == "tool_call_any")
     except ValueError as e:
         raise ValueError(f"{kind} constraint: {e}") from None
     return M.grammar_from_lark(lark)

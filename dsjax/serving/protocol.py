@@ -290,6 +290,48 @@ def _wide_integer(value, path: str = "") -> str | None:
     return None
 
 
+def _callers_tools(api: API, body: dict) -> dict:
+    """Tool name -> parameters schema, as the body wrote them (Chat: tools[].function;
+    Responses: flat function tools; Messages: input_schema)."""
+    out = {}
+    for tool in body.get("tools") or []:
+        fn = tool.get("function", tool) if api is CHAT and isinstance(tool, dict) else tool
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("input_schema" if api is MESSAGES else "parameters")
+            if isinstance(params, dict):
+                out[fn["name"]] = params
+    return out
+
+
+def callers_constraint(api: API, body: dict, kind: str, schema: str) -> tuple[str, str]:
+    """The output constraint as the caller asked for it. The recipe names the kind and the
+    tools, but its strict-mode schemas leave keywords out (maxLength, minLength, ...), it
+    reads `json_object` as any JSON value and Anthropic's tool_choice "any" as "auto". The
+    grammar is compiled from the body's own schemas, so a keyword the grammar library
+    cannot enforce is refused by name (400) rather than dropped."""
+    if kind == "json":
+        fmt = body.get("response_format") if api is CHAT else (body.get("text") or {}).get("format") \
+            if api is RESPONSES and isinstance(body.get("text"), dict) else None
+        if not schema:  # json_object: a JSON object, as OpenAI defines it
+            return kind, json.dumps({"type": "object"})
+        if isinstance(fmt, dict):
+            own = (fmt.get("json_schema") or {}).get("schema") if api is CHAT else fmt.get("schema")
+            if isinstance(own, (dict, bool)):
+                return kind, json.dumps(own)
+        return kind, schema
+    if kind.startswith("tool_call"):
+        own, tools = _callers_tools(api, body), json.loads(schema)
+        for tool in tools:
+            fn = tool.get("function", tool)
+            if fn.get("name") in own:
+                fn["parameters"] = own[fn["name"]]
+        choice = body.get("tool_choice")
+        if api is MESSAGES and kind == "tool_call" and isinstance(choice, dict) and choice.get("type") == "any":
+            kind = "tool_call_any"
+        return kind, json.dumps(tools)
+    return kind, schema
+
+
 def _parallel_tool_calls(api: API, body: dict) -> bool:
     """Whether one answer may call several tools: OpenAI `parallel_tool_calls` (default
     true), Anthropic `tool_choice.disable_parallel_tool_use`."""
@@ -363,8 +405,8 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     params = sampling(ctx, temperature=opts.temperature, top_p=opts.top_p, max_tokens=max_tokens, seed=opts.seed,
                       logprobs=n_logprobs, body=body)
     constraint = opts.output_constraint
-    spec = None if constraint is None else (constraint.kind, constraint.schema, conversation.thinking_mode,
-                                            _parallel_tool_calls(api, body))
+    spec = None if constraint is None else (*callers_constraint(api, body, constraint.kind, constraint.schema),
+                                            conversation.thinking_mode, _parallel_tool_calls(api, body))
     response_id, created = _new_id(api), int(time.time())
     if api is MESSAGES:
         generator = recipe.MessagesChunkGenerator(response_id, model, conversation.thinking_mode)
