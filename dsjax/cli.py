@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 from dsjax.cli_reports import cmd_cache as _cmd_cache
 from dsjax.cli_reports import cmd_memory as _cmd_memory
 from dsjax.cli_reports import cmd_params as _cmd_params
-from dsjax.cli_runner import UsageError, run_command
+from dsjax.cli_runner import UsageError, on_interrupt, run_command
 from dsjax.weights import DEFAULT_MODEL, resolve
 
 SIDE_FILES = ("draft_vocab.json", "tokenizer.json", "tokenizer_config.json", "training.json")
@@ -260,6 +261,8 @@ def _cmd_serve(args, say) -> int:
 
     if args.port < 0 or args.port > 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if not args.drain_timeout >= 0:
+        raise UsageError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     api_key = args.api_key or os.environ.get("DSJAX_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it "
@@ -285,8 +288,18 @@ def _cmd_serve(args, say) -> int:
     say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
         f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "
         f"/v1/completions, /v1/responses; Anthropic /v1/messages; /v1/models, /health, /metrics")
+    stopped_by: list[int] = []
+
+    def stop(signum: int) -> None:  # the first SIGINT / SIGTERM: drain, then close
+        stopped_by.append(signum)
+        say(f"{signal.Signals(signum).name}: draining {served.loop.in_flight} requests (up to "
+            f"{args.drain_timeout:g} s; again to stop now)")
+        ended = served.shutdown(args.drain_timeout)
+        say(f"stopped {ended} requests at the drain timeout" if ended else "drained")
+
+    on_interrupt(stop)
     run(served, args.host, args.port, log_level="warning" if args.quiet else "info")
-    return 0
+    return 128 + stopped_by[0] if stopped_by else 0
 
 
 def add_prefix_cache_args(parser) -> None:
@@ -401,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "close the reasoning after N tokens so the constrained answer gets its turn (default: no limit)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may run (0: no limit)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGINT / SIGTERM: seconds requests in "
+                   "flight may finish (new ones get 503) before they are stopped with a final event; a second "
+                   "signal stops at once")
     s.add_argument("--max-body-bytes", type=int, default=4 << 20)
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: capacity - 1")
     s.add_argument("--max-tokens", type=int, default=None, help="cap on a request's max_tokens (default: capacity)")

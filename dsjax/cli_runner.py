@@ -61,15 +61,30 @@ def report_crash(e: BaseException, argv) -> str:
     return "(could not be written)"
 
 
+_graceful: dict = {}  # the running command's own stop (dsjax serve drains its requests)
+
+
+def on_interrupt(stop) -> None:
+    """Let the running command stop itself on the first SIGINT / SIGTERM: stop(signum) runs
+    in a thread of its own while the command finishes; a second signal exits at once."""
+    _graceful["stop"] = stop
+
+
 def interrupted(signum, frame):
-    """Ctrl-C: one line, status 130, now. os._exit skips interpreter teardown, which would
-    otherwise run while the worker thread is inside XLA (the source of the old SIGSEGV)."""
+    """Ctrl-C (or SIGTERM): one line, status 128 + signal (130 for Ctrl-C), now, unless the
+    command asked to stop itself (`on_interrupt`). os._exit skips interpreter teardown,
+    which would otherwise run while the worker thread is inside XLA (the source of the old
+    SIGSEGV)."""
+    stop = _graceful.pop("stop", None)
+    if stop is not None:
+        threading.Thread(target=stop, args=(signum,), name="dsjax-stop", daemon=True).start()
+        return
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
     os.write(2, b"\ndsjax: interrupted\n" if sys.stderr.isatty() else b"dsjax: interrupted\n")
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(128 + signum)
 
 
 def run_in_worker(func, args, say):
@@ -84,14 +99,17 @@ def run_in_worker(func, args, say):
 
     worker = threading.Thread(target=target, name="dsjax-command", daemon=True)
     on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, interrupted) if on_main else None
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = [signal.signal(s, interrupted) for s in signals] if on_main else None
     try:
         worker.start()
         while worker.is_alive():
             worker.join(0.5)
     finally:
+        _graceful.clear()
         if on_main:
-            signal.signal(signal.SIGINT, previous)
+            for s, handler in zip(signals, previous):
+                signal.signal(s, handler)
     if "error" in box:
         raise box["error"]
     return box.get("rc", 0)

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import anthropic
@@ -526,6 +527,10 @@ def non_finite(value) -> bool:
 def assert_api_error(path: str, r: httpx.Response):
     """A non-200 answer is a 4xx in its API's own error shape."""
     assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+    assert_api_error_shape(path, r)
+
+
+def assert_api_error_shape(path: str, r: httpx.Response):
     data = r.json()
     if path.startswith("/v1/messages"):
         assert data["type"] == "error" and data["error"]["type"] and data["error"]["message"], data
@@ -589,13 +594,16 @@ def test_fuzzed_bodies_never_500(served):
 
 
 def test_dsjax_serve_cli_process(tmp_path):
-    """`python -m dsjax.serving` in its own process: ready line, a real request, Ctrl-C -> 130."""
+    """`python -m dsjax.serving` in its own process: ready line, a real request; Ctrl-C with
+    two streams in flight (--drain-timeout 0: stopped at once) ends each with its finish
+    chunk and [DONE], then the process exits with 130."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     proc = subprocess.Popen([sys.executable, "-m", "dsjax.serving", "--dtype", "float32", "--port", str(port),
-                             "--max-slots", "2", "--capacity", "256", "--prefill-chunk", "32", "--no-warmup"],
+                             "--max-slots", "2", "--capacity", "256", "--prefill-chunk", "32", "--no-warmup",
+                             "--drain-timeout", "0"],
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -612,13 +620,74 @@ def test_dsjax_serve_cli_process(tmp_path):
         r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT).chat.completions.create(
             model="dsjax-tiny-py", messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body=NO_THINKING)
         assert r.usage.completion_tokens == 3 or r.choices[0].finish_reason == "stop"
+        lines = [[], []]
+        first = [threading.Event(), threading.Event()]
+
+        def stream(i):
+            body = {"model": "dsjax-tiny-py", "prompt": f"def f{i}(x):", "max_tokens": 200, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        lines[i].append(line[6:])
+                        first[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in first), "the streams did not start"
         proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(60)
         assert proc.wait(60) == 130
+        for got in lines:  # every client got its API's ending: a finish chunk, then [DONE]
+            assert got[-1] == "[DONE]", got[-3:]
+            assert json.loads(got[-2])["choices"][0]["finish_reason"] in ("stop", "length"), got[-2]
         err = proc.stderr.read()
         assert "serving 'dsjax-tiny-py' on http://127.0.0.1" in err and "Traceback" not in err  # the default model
+        assert re.search(r"SIGINT: draining [12] requests", err), err
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_draining_and_a_failed_engine_answer_in_api_shape(model, served):
+    """Shutdown: after drain() new requests get 503 in each API's shape and /health says
+    draining. An exception inside a device step fails the request it was running with a
+    5xx in API shape (a stream: an error event), /health turns 503, and nothing hangs."""
+    s = build(model, name=NAME, **SHAPES, warmup=False)  # the served shapes: nothing new to compile
+    srv = BackgroundServer(s.app).start()
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **NO_THINKING}
+    try:
+        assert s.loop.drain(0) == 0
+        for path in ("/v1/chat/completions", "/v1/messages"):
+            r = httpx.post(srv.url + path, json=chat, timeout=TIMEOUT)
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+            assert_api_error_shape(path, r)
+        health = httpx.get(srv.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+    finally:
+        srv.stop()
+        s.close()
+
+    s = build(model, name=NAME, **SHAPES, warmup=False)
+    srv = BackgroundServer(s.app).start()
+
+    def broken_step():
+        raise RuntimeError("device program failed")
+    s.engine.step = broken_step
+    try:
+        with httpx.stream("POST", srv.url + "/v1/messages", json={**chat, "stream": True}, timeout=TIMEOUT) as resp:
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        error = json.loads(events[-1][6:])  # Anthropic's error event ends the stream
+        assert error["type"] == "error" and "device program failed" in error["error"]["message"], events
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=TIMEOUT)  # refused at once now
+        assert r.status_code == 503 and "device program failed" in r.json()["error"]["message"], r.text
+        assert_api_error_shape("/v1/chat/completions", r)
+        health = httpx.get(srv.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "device program failed" in health.json()["error"]
+    finally:
+        srv.stop()
+        s.close()
 
 
 # --------------------------------------------------------------------------- prefix cache

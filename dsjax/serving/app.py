@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from dsjax.serving.loop import EngineFailed, EngineLoop, QueueFull
+from dsjax.serving.loop import Draining, EngineFailed, EngineLoop, QueueFull
 from dsjax.serving.metrics import Metrics
 from dsjax.serving.protocol import (CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, count_tokens,
                                     prepare)
@@ -179,6 +179,8 @@ class Server:
             except QueueFull as e:
                 raise APIError(429, f"the server is at capacity ({e}); retry later", headers={"Retry-After": "1"}
                                ) from None
+            except Draining as e:
+                raise APIError(503, f"{e}; retry on another replica", kind="server_error") from None
             except ValueError as e:  # the engine's own admission checks
                 raise APIError(400, str(e)) from None
             if job.stream:
@@ -278,6 +280,9 @@ class Server:
             return error_response(True, e)
 
     async def health(self, request: Request) -> Response:
+        if self.loop.draining:  # a load balancer sends no more
+            return JSONResponse({"status": "draining", "running": self.loop.running, "waiting": self.loop.waiting},
+                                status_code=503)
         if self.loop.alive:
             return JSONResponse({"status": "ok", "running": self.loop.running, "waiting": self.loop.waiting})
         return JSONResponse({"status": "error", "error": str(self.loop.failure or "engine loop not running")},

@@ -40,12 +40,16 @@ class EngineFailed(Exception):
     """The engine loop stopped on an internal error; the server cannot generate."""
 
 
+class Draining(Exception):
+    """The server is shutting down: requests in flight finish, new ones are refused."""
+
+
 @dataclasses.dataclass
 class Finished:
     """The end of a stream that did not end with a token: a cancel from the server side
     (deadline) or an engine failure."""
 
-    reason: str  # "timeout" | "error"
+    reason: str  # "timeout" | "shutdown" | "error"
     error: BaseException | None = None
 
 
@@ -117,6 +121,7 @@ class EngineLoop:
         self.failure: BaseException | None = None
         self.running = 0  # requests holding a slot (written by the loop thread, read anywhere)
         self.waiting = 0
+        self.draining = False  # set by drain(): submit refuses
 
     # ------------------------------------------------------------------ any thread
     @property
@@ -129,6 +134,8 @@ class EngineLoop:
         problem). Call from the asyncio loop that will consume the stream."""
         if self.failure is not None:
             raise EngineFailed(f"the engine stopped on an internal error: {self.failure}")
+        if self.draining:
+            raise Draining("the server is shutting down")
         self.engine.validate(prompt, params)
         with self._lock:
             if self._in_flight >= self.capacity:
@@ -144,6 +151,26 @@ class EngineLoop:
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def drain(self, timeout: float) -> int:
+        """Graceful shutdown: refuse new requests, let those in flight finish for up to
+        `timeout` seconds, then stop the rest (their streams end with reason "shutdown",
+        which the APIs answer as a length finish). Returns how many were stopped."""
+        self.draining = True
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while self.in_flight and time.monotonic() < deadline and self.alive:
+            time.sleep(0.02)
+        left = self.in_flight
+        if left and self.alive:
+            done = threading.Event()
+            self._commands.put(("end_all", "shutdown", done))
+            done.wait(10)
+        return left
 
     def start(self) -> "EngineLoop":
         self._thread = threading.Thread(target=self._run, name="dsjax-engine-loop", daemon=True)
@@ -210,6 +237,10 @@ class EngineLoop:
                         self.metrics.prompt_tokens.inc(len(prompt))
             elif kind == "cancel":
                 self._end(command[1], None)
+            elif kind == "end_all":
+                for request_id in list(self._entries):
+                    self._end(request_id, command[1])
+                command[2].set()
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -33,8 +33,20 @@ class Served:
     ctx: Context
     metrics: Metrics
 
+    http: uvicorn.Server | None = None  # set by run()
+
     def close(self) -> None:
         self.loop.stop()
+
+    def shutdown(self, drain_timeout: float = 30.0) -> int:
+        """Graceful stop: new requests get 503 (and /health says draining), those in flight
+        finish for up to drain_timeout seconds, the rest are stopped with a terminal event
+        in their API's shape (finish_reason length, then [DONE] / message_stop); then the
+        HTTP server closes. Returns how many requests were stopped. Any thread."""
+        stopped = self.loop.drain(drain_timeout)
+        if self.http is not None:
+            self.http.should_exit = True
+        return stopped
 
 
 def build(model: Model, *, name: str = "dsjax", tokenizer: Tokenizer | None = None, max_slots: int = 8,
@@ -95,8 +107,11 @@ class BackgroundServer:
 
 
 def run(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until interrupted (uvicorn; in the main thread it handles SIGINT / SIGTERM itself)."""
+    """Serve until `served.shutdown()` (`dsjax serve` calls it on SIGINT / SIGTERM; in the
+    main thread uvicorn also handles those signals itself, without the drain)."""
+    served.http = uvicorn.Server(uvicorn.Config(served.app, host=host, port=port, log_level=log_level,
+                                                timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(served.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        served.http.run()
     finally:
         served.close()
