@@ -255,7 +255,7 @@ def _cmd_convert(args, say) -> int:
 
 
 def _cmd_serve(args, say) -> int:
-    from dsjax.engine.prefix_cache import options_from_mib
+    from dsjax.engine.prefix_cache import auto_options, options_from_mib
     from dsjax.serving.protocol import Limits
     from dsjax.serving.server import build, run
 
@@ -270,10 +270,16 @@ def _cmd_serve(args, say) -> int:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_waiting=args.max_queue,
                     request_timeout=args.request_timeout or None)
-    prefix_cache = options_from_mib(args.prefix_cache_mb, args.prefix_host_mb)  # bad flags before the load
+    auto_prefix = args.prefix_cache_mb is None  # the default: sized once the model is loaded
+    prefix_cache = options_from_mib(0 if auto_prefix else args.prefix_cache_mb,  # bad flags before the load
+                                    0 if auto_prefix else args.prefix_host_mb)
     cache = _setup_cache(args)
     model = _load(args, say, mtp=True if args.num_draft_tokens else None)
     name = args.served_model_name or Path(args.model).name
+    if auto_prefix:
+        prefix_cache, line = auto_options(model, max_slots=args.max_slots, capacity=args.capacity,
+                                          prefill_chunk=args.prefill_chunk, host_bytes=int(args.prefix_host_mb * 2**20))
+        say(line)
     _compiling(say, cache)
     t = time.perf_counter()
     with _compile_counter() as counts:
@@ -302,10 +308,12 @@ def _cmd_serve(args, say) -> int:
     return 128 + stopped_by[0] if stopped_by else 0
 
 
-def add_prefix_cache_args(parser) -> None:
-    """--prefix-cache-mb / --prefix-host-mb (dsjax serve, dsjax batch)."""
-    parser.add_argument("--prefix-cache-mb", type=float, default=0, metavar="MIB", help="keep prompts' cache "
-                        "blocks across requests in up to MIB of device memory (0: off). A block is --prefill-chunk "
+def add_prefix_cache_args(parser, auto: bool = False) -> None:
+    """--prefix-cache-mb / --prefix-host-mb (dsjax serve, with an automatic default; dsjax batch)."""
+    parser.add_argument("--prefix-cache-mb", type=float, default=None if auto else 0, metavar="MIB",
+                        help="keep prompts' cache blocks across requests in up to MIB of device memory (0: off"
+                        + ("; default: half the memory left after the weights and slots" if auto else "")
+                        + "). A block is --prefill-chunk "
                         "tokens, which must be a multiple of the largest compression ratio (128 for V4)")
     parser.add_argument("--prefix-host-mb", type=float, default=0, metavar="MIB", help="host-memory tier for the "
                         "blocks the device budget evicts (0: they are dropped)")
@@ -402,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=256)
     s.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (more: higher "
                    "throughput, burstier streams)")
-    add_prefix_cache_args(s)
+    add_prefix_cache_args(s, auto=True)
     s.add_argument("--num-draft-tokens", type=int, default=0, help="speculative decoding with the MTP layer")
     s.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent of "
                    "its batch (README 'Batch invariance'; about 1.2x slower decode on CPU)")

@@ -620,6 +620,11 @@ def test_dsjax_serve_cli_process(tmp_path):
         r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT).chat.completions.create(
             model="dsjax-tiny-py", messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body=NO_THINKING)
         assert r.usage.completion_tokens == 3 or r.choices[0].finish_reason == "stop"
+        long = [{"role": "system", "content": "You write Python. " * 20}, {"role": "user", "content": "hi"}]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        again = [client.chat.completions.create(model="dsjax-tiny-py", messages=long, max_tokens=1,
+                                                extra_body=NO_THINKING) for _ in range(2)][1]
+        assert again.usage.prompt_tokens_details.cached_tokens >= 64  # the prefix cache is on by default
         lines = [[], []]
         first = [threading.Event(), threading.Event()]
 
@@ -645,9 +650,21 @@ def test_dsjax_serve_cli_process(tmp_path):
         err = proc.stderr.read()
         assert "serving 'dsjax-tiny-py' on http://127.0.0.1" in err and "Traceback" not in err  # the default model
         assert re.search(r"SIGINT: draining [12] requests", err), err
+        assert re.search(r"prefix cache \d+ MiB", err), err
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_default_prefix_cache_needs_a_chunk_it_can_cache(model):
+    """dsjax serve sizes a prefix cache by default; where the engine cannot keep blocks it
+    says why and serves without one (the chunk is the block: whole compression groups)."""
+    from dsjax.engine.prefix_cache import auto_options
+    ratio = model.config.max_compress_ratio
+    options, line = auto_options(model, max_slots=2, capacity=256, prefill_chunk=ratio + 1)
+    assert options is None and f"multiple of the largest compression ratio ({ratio})" in line
+    options, line = auto_options(model, max_slots=2, capacity=256, prefill_chunk=ratio, host_bytes=1 << 20)
+    assert options.device_bytes >= 2**20 and options.host_bytes == 1 << 20 and "MiB" in line
 
 
 def test_draining_and_a_failed_engine_answer_in_api_shape(model, served):

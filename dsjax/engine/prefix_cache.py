@@ -76,6 +76,32 @@ def options_from_mib(device_mib: float, host_mib: float = 0) -> PrefixCacheOptio
     return PrefixCacheOptions(device_bytes=int(device_mib * 2**20), host_bytes=int(host_mib * 2**20))
 
 
+AUTO_SHARE = 0.5  # of the memory left after weights and slots: the rest for activations and other processes
+
+
+def auto_options(model, *, max_slots: int, capacity: int, prefill_chunk: int,
+                 host_bytes: int = 0) -> tuple[PrefixCacheOptions | None, str]:
+    """A server's default prefix cache (vLLM and SGLang cache by default): a budget of
+    AUTO_SHARE of the device memory left once the weights (loaded) and the slots' cache (about
+    to be) are allocated; blocks fill it as prompts arrive, LRU beyond. None, with the reason,
+    where the engine cannot cache (a prefill chunk the compression ratios do not divide, a
+    mesh) or nothing is left. Returns (options, a line saying what was chosen)."""
+    from dsjax.engine.limits import check_prefix_cache
+    from dsjax.memory import free_memory
+    from dsjax.model.cache import cache_bytes
+
+    try:
+        check_prefix_cache(model.config, prefill_chunk, model.mesh)
+    except ValueError as e:
+        return None, f"prefix cache off: {e}"
+    slots = max_slots * (cache_bytes(model.config, capacity, model.dtype)["bytes_per_sequence"] + capacity * 4)
+    budget = int(max(free_memory(jax.devices()[0]) - slots, 0) * AUTO_SHARE)
+    if budget < 2**20:
+        return None, "prefix cache off: no device memory left after the weights and slots"
+    return (PrefixCacheOptions(device_bytes=budget, host_bytes=host_bytes),
+            f"prefix cache {budget / 2**20:.0f} MiB ({AUTO_SHARE:.0%} of the memory left; --prefix-cache-mb sets it)")
+
+
 def block_keys(prompt: list[int], block: int, n: int, lookahead: bool, known: list[bytes] = ()) -> list[bytes]:
     """The chain keys of a prompt's first n blocks: key j covers tokens 0 .. (j+1)*block
     (and with `lookahead` the token after them). known: the first keys, already made (the
