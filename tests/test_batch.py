@@ -156,13 +156,16 @@ def test_sigkill_and_resume_equals_uninterrupted(job, tmp_path):
     assert out.read_bytes() == reference.read_bytes()
 
 
-def test_rerun_with_other_settings_is_refused(job, capsys):
+def test_rerun_with_other_settings_is_refused(job, capsys, monkeypatch):
+    """Refused by name, before the model is loaded (the flags' settings need no model)."""
     inp, out = job
     before = out.read_bytes()
+    loads = []
+    monkeypatch.setattr(dsjax, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("model loaded"))
     rc = cli.main(["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32",
                    "--quiet", "--max-slots", "4", "--batch-invariant", "--max-new-tokens", "7", "--seed", "1"])
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == 1 and not loads
     assert "seed: 0 -> 1" in err and "max_new_tokens: 6 -> 7" in err, err
     assert out.read_bytes() == before
 

@@ -96,18 +96,36 @@ def add_parsers(sub, common, *, load, setup_cache, compiling, prefix_cache_args)
     v.set_defaults(func=functools.partial(verify, helpers=helpers))
 
 
-def _settings(args, model, input_sha: str, name: str) -> dict:
-    """Everything a result depends on that this job chooses (compared on resume and verify)."""
-    return {"model": model_name(args.model), "served_model_name": name, "config_hash": config_hash(model),
-            "weights": weights_fingerprint(model, args.model), "dtype": jnp.dtype(model.dtype).name,
-            "mesh": args.mesh or "", "kernels": model.options.kernels,
-            "batch_invariant": bool(args.batch_invariant or model.options.batch_invariant), "seed": args.seed,
-            "max_new_tokens": args.max_new_tokens, "max_slots": args.max_slots,
+def _flag_settings(args, input_sha: str, name: str) -> dict:
+    """The settings the flags and the input decide alone (checked on resume before the
+    model is loaded)."""
+    return {"model": model_name(args.model), "served_model_name": name, "mesh": args.mesh or "", "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens,
             "decode_steps": effective_decode_steps(args.decode_steps, args.num_draft_tokens),
             "prefill_chunk": args.prefill_chunk, "input_sha256": input_sha,
             **({"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens else {}),  # absent: 0
             # the prompt chunks' grid (a hit itself changes no bit): absent when off
             **({"prefix_cache": True} if getattr(args, "prefix_cache_mb", 0) else {})}
+
+
+def _settings(args, model, input_sha: str, name: str) -> dict:
+    """Everything a result depends on that this job chooses (compared on resume and verify)."""
+    return {**_flag_settings(args, input_sha, name), "config_hash": config_hash(model),
+            "weights": weights_fingerprint(model, args.model), "dtype": jnp.dtype(model.dtype).name,
+            "kernels": model.options.kernels,
+            "batch_invariant": bool(args.batch_invariant or model.options.batch_invariant),
+            "max_slots": args.max_slots}
+
+
+def _refuse_other_settings(out: Path, recorded: dict, current: dict, only: set | None = None) -> None:
+    """A resume must run with the settings its output was made with; only: compare these
+    settings (and the environment), the rest are checked once the model is loaded."""
+    if only is not None:
+        recorded = {**recorded, "settings": {k: v for k, v in recorded.get("settings", {}).items() if k in only}}
+    diffs = differences(recorded, current)
+    if diffs:
+        raise JobRefused(f"{out} was made with other settings ({'; '.join(diffs)}); run with the same ones "
+                         f"to resume, or choose another --output")
 
 
 def _prepare(args, say, helpers, data: bytes):
@@ -194,6 +212,10 @@ def _batch(args, say, helpers) -> int:
         if recorded is None and out.exists() and out.stat().st_size:
             raise JobRefused(f"{out} exists and has no manifest ({mpath.name}): it was not written by dsjax batch; "
                              f"move it away or choose another --output")
+        if recorded is not None:  # before minutes of loading and compiling
+            flags = _flag_settings(args, hashlib.sha256(data).hexdigest(), args.served_model_name or
+                                   Path(args.model).name)
+            _refuse_other_settings(out, recorded, {"settings": flags, "environment": environment()}, set(flags))
         return data, recorded
 
     data, recorded = _on_lead(open_job) or (None, None)
@@ -204,10 +226,7 @@ def _batch(args, say, helpers) -> int:
 
     def resume():
         if recorded is not None:
-            diffs = differences(recorded, current)
-            if diffs:
-                raise JobRefused(f"{out} was made with other settings ({'; '.join(diffs)}); run with the same ones "
-                                 f"to resume, or choose another --output")
+            _refuse_other_settings(out, recorded, current)
         for m in messages[:20]:
             say(f"{inp}: {m}")
         if messages and args.on_error == "fail":
