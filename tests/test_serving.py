@@ -482,6 +482,10 @@ def test_api_key(guarded):
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/messages/count_tokens", {"model": "claude-x", "messages": []}, 404, "claude-x"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"100": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"100": 5}}, 400, "logit_bias"),
+    ("/v1/responses", {"model": NAME, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": []}, 404, "claude-x"),
     ("/v1/nowhere", {}, 404, "no route"),
 ])

@@ -357,7 +357,20 @@ def _recipe_body(api: API, body: dict) -> dict:
             body["max_tokens"] = value
     if api is MESSAGES and body.get("max_tokens") is None:
         raise _field_error("max_tokens", "required: the most tokens to generate (an integer >= 1)")
+    check_unsupported(api, body)
     return body
+
+
+# fields a client may send that would change the answer but that this server does not do:
+# refused by name rather than ignored
+UNSUPPORTED = {"logit_bias": "logit_bias is not supported yet",
+               "previous_response_id": "this server stores no responses (send the conversation in `input`)"}
+
+
+def check_unsupported(api: API, body: dict) -> None:
+    for key, why in UNSUPPORTED.items():
+        if body.get(key) not in (None, {}, "") and (key != "previous_response_id" or api is RESPONSES):
+            raise _field_error(key, why)
 
 
 def convert(api: API, body: dict, ctx: Context):
@@ -536,6 +549,7 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
         raise _field_error("echo", "echo is not supported")
     if body.get("suffix"):
         raise _field_error("suffix", "suffix (fill in the middle) is not supported")
+    check_unsupported(COMPLETIONS, body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _field_error("stream", "must be a boolean")
