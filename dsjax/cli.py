@@ -418,8 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "refused)")
     s.add_argument("--thinking-default", choices=["on", "off"], default="on",
                    help="thinking mode of requests that do not say (the recipe's default: on)")
-    s.add_argument("--max-thinking-tokens", type=int, default=None, help="structured output in thinking mode: "
-                   "close the reasoning after N tokens so the constrained answer gets its turn (default: no limit)")
+    s.add_argument("--max-thinking-tokens", type=int, default=None, help="structured output and tools in thinking "
+                   "mode: close the reasoning after N tokens so the constrained answer gets its turn (default: half "
+                   "of a request's max_tokens; a request's thinking.budget_tokens overrides it)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may run (0: no limit)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGINT / SIGTERM: seconds requests in "

@@ -350,6 +350,28 @@ def test_anthropic_tool_choice_any_calls_a_tool(claude):
     jsonschema.validate(uses[0].input, fn["parameters"])
 
 
+def test_reasoning_budget_leaves_the_answer_tokens(guarded):
+    """Thinking on + structured output, no --max-thinking-tokens (the guarded server): the
+    reasoning is closed after half of max_tokens (a random model never closes it), so the
+    answer validates; thinking.budget_tokens sets the budget per request."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=guarded[1].url + "/v1", api_key="sekret", max_retries=0, timeout=TIMEOUT)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    for thinking, most in (({"type": "enabled"}, 120), ({"type": "enabled", "budget_tokens": 3}, 3)):
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "A person as JSON."}],
+                                           max_tokens=240, seed=1, response_format=fmt,
+                                           extra_body={"thinking": thinking})
+        msg = r.choices[0].message.model_dump()
+        jsonschema.validate(json.loads(msg["content"]), SCHEMA)
+        # the engine stops reasoning after `most` tokens (then </think>); the recipe's count of the
+        # reasoning re-reads its text, a few tokens off that on a random model's byte soup
+        assert msg["reasoning_content"] and 0 < r.usage.completion_tokens_details.reasoning_tokens <= most + 5
+    with pytest.raises(openai.BadRequestError, match="budget_tokens"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10,
+                                       response_format=fmt, extra_body={"thinking": {"type": "enabled",
+                                                                                     "budget_tokens": 10}})
+
+
 def test_tool_call_round_trip_with_strict_tools(oai):
     """tool_choice required: the answer is a DSML tool call (recipe parses it) whose
     arguments validate; the call and its result go back as history and get an answer."""

@@ -107,17 +107,16 @@ class Server:
     async def _constraint(self, choice):
         """The request's grammar (recipe's OutputConstraint: json, regex, tool_call,
         tool_call_required), compiled off the event loop; with thinking on it applies to the
-        answer after </think>."""
+        answer after </think>, which is forced once the reasoning budget is spent."""
         if choice.constraint is None:
             return None
-        kind, schema, thinking, parallel = choice.constraint
+        kind, schema, thinking, parallel, budget = choice.constraint
         if self.ctx.compiler is None:
             raise APIError(400, f"structured output ({kind}) is not available on this server "
                                 f"(it is refused with speculative decoding: --num-draft-tokens)")
         try:
             return await asyncio.to_thread(self.ctx.compiler.compile, kind, schema, thinking=thinking,
-                                           max_thinking_tokens=self.ctx.max_thinking_tokens if thinking else None,
-                                           parallel_tool_calls=parallel)
+                                           max_thinking_tokens=budget, parallel_tool_calls=parallel)
         except ValueError as e:
             raise APIError(400, str(e), param="response_format" if kind in ("json", "regex") else "tools") from None
 

@@ -87,8 +87,8 @@ class Choice:
     prompt: list[int]
     params: SamplingParams
     translator: Any
-    constraint: tuple[str, str, bool, bool] | None = None  # recipe's OutputConstraint: (kind, schema, thinking,
-    #                                                        parallel tool calls)
+    constraint: tuple | None = None  # the OutputConstraint: (kind, schema, thinking, parallel tool calls,
+    #                                   reasoning budget in thinking mode)
 
 
 @dataclasses.dataclass
@@ -290,6 +290,19 @@ def _wide_integer(value, path: str = "") -> str | None:
     return None
 
 
+def thinking_budget(body: dict, ctx: Context, max_tokens: int) -> int:
+    """The reasoning tokens a constrained answer (structured output, tools) in thinking mode
+    may spend before `</think>` is forced, so that the answer always gets tokens: the
+    request's `thinking.budget_tokens`, else `--max-thinking-tokens`, else half of max_tokens."""
+    thinking = body.get("thinking")
+    given = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+    if given is None:
+        return ctx.max_thinking_tokens if ctx.max_thinking_tokens is not None else max_tokens // 2
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < max_tokens:
+        raise _field_error("thinking.budget_tokens", f"an integer in [0, max_tokens = {max_tokens}), got {given!r}")
+    return given
+
+
 def _callers_tools(api: API, body: dict) -> dict:
     """Tool name -> parameters schema, as the body wrote them (Chat: tools[].function;
     Responses: flat function tools; Messages: input_schema)."""
@@ -418,8 +431,10 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     params = sampling(ctx, temperature=opts.temperature, top_p=opts.top_p, max_tokens=max_tokens, seed=opts.seed,
                       logprobs=n_logprobs, body=body)
     constraint = opts.output_constraint
+    budget = thinking_budget(body, ctx, max_tokens)
     spec = None if constraint is None else (*callers_constraint(api, body, constraint.kind, constraint.schema),
-                                            conversation.thinking_mode, _parallel_tool_calls(api, body))
+                                            conversation.thinking_mode, _parallel_tool_calls(api, body),
+                                            budget if conversation.thinking_mode else None)
     response_id, created = _new_id(api), int(time.time())
     if api is MESSAGES:
         generator = recipe.MessagesChunkGenerator(response_id, model, conversation.thinking_mode)
