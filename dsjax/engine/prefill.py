@@ -36,11 +36,13 @@ class Prefill:
         return sorted(shapes | {(self.prefill_chunk, b) for b in self._buckets() if b >= lowest})
 
     def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, first_mask, bucket: int,
-                      sampled: bool) -> StepOutput:
+                      sampled: bool, score: bool = False) -> StepOutput:
         """One prompt chunk: rows [n, C] from `slot` on (`_prefill_rows`: 1, a batch-invariant
         tile, or every row on a mesh);
         `admits` (an `Admission`) says which rows start a prompt, `first_mask` (packed
-        [rows, words] uint32) which first tokens a row whose prompt ends here may take."""
+        [rows, words] uint32) which first tokens a row whose prompt ends here may take.
+        score: a row asks for prompt logprobs: the program that also scores each position's
+        next prompt token (`following`), compiled on first use (`warmup(scoring=True)`)."""
         params, slot = self.step_params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
         if self.spec is not None:
             static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled,
@@ -56,10 +58,11 @@ class Prefill:
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
                 params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits, first_mask)),
-                cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
+                self._place(following) if score else None, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         else:
             self.cache, self.slots, out = prefill_step(
-                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, first_mask, cfg=self.cfg,
+                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, first_mask,
+                following if score else None, cfg=self.cfg,
                 opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         return out
 
@@ -113,9 +116,11 @@ class Prefill:
                 is_last[row] = r.prefilled + len(chunk) == len(r.prompt)
                 if r.first_mask is not None:
                     first_mask[row] = r.first_mask
+            scored = {row: (r, r.prefilled, int(n_valid[row])) for row, r in zip(rows, group)
+                      if r.params.prompt_logprobs is not None}
             out = self._prefill_call(group[0].slot // n * n, tokens, following, n_valid, is_last, admits, first_mask,
                                      self._prefill_bucket(max(r.prefilled for r in group), width),
-                                     any(r.params.temperature > 0 for r in group))
+                                     any(r.params.temperature > 0 for r in group), bool(scored))
             owners = {}
             for row, r in zip(rows, group):
                 r.admitted = True
@@ -123,8 +128,8 @@ class Prefill:
                 r.dispatched = r.prefilled
                 if is_last[row]:
                     r.state, owners[row] = "decoding", r
-            if owners:
-                self._pending.append((out, owners))
+            if owners or scored:  # (scores are read back before the first token: the queue keeps order)
+                self._pending.append((out, owners, scored))
             if self.prefix is not None:
                 self.prefix.save(group)
 
