@@ -31,7 +31,7 @@ class Score:
     rolling score but the first, which has no context)."""
 
     logprob: float  # their sum (natural log)
-    is_greedy: bool  # each scored token was the most likely one (the first of equals)
+    is_greedy: bool  # no token was more likely than any scored one (ties count as greedy)
     token_logprobs: list[float]  # one per scored token
     tokens: list[int]  # the scored tokens
     context: list[int]  # the tokens before them
@@ -57,8 +57,9 @@ def score(model, texts_or_ids: Sequence, continuations: Sequence | None = None, 
     continuations None: rolling log-likelihood (perplexity) of each text (encoded as
     [BOS] + its tokens) or id list: every token after the first, given those before it.
     continuations (one per context, strings for string contexts, id lists for id lists):
-    the log-likelihood of the continuation given its context (context and continuation
-    encoded apart and joined, as lm-evaluation-harness does; a text context gets BOS).
+    the log-likelihood of the continuation given its context (text: [BOS] + the whole text
+    encoded, the context's tokens split off, its trailing spaces moved to the continuation,
+    as lm-evaluation-harness does).
     engine: run on this engine (its max_logprobs >= 1; e.g. to choose prefill_chunk, a
     prefix cache, batch_invariant), else one is made for these sequences."""
     items = list(texts_or_ids)
@@ -83,8 +84,13 @@ def score(model, texts_or_ids: Sequence, continuations: Sequence | None = None, 
         for i, (ctx, cont) in enumerate(zip(items, continuations)):
             if isinstance(ctx, str) != isinstance(cont, str):
                 raise ValueError(f"continuations[{i}]: a context and its continuation are both text or both ids")
-            c = _ids(ctx, tokenizer_of, bos, f"texts_or_ids[{i}]")
-            t = tokenizer_of().encode(cont) if isinstance(cont, str) else [int(x) for x in cont]
+            if isinstance(ctx, str):  # lm-evaluation-harness's split: context spaces move to the continuation,
+                cut = len(ctx.rstrip())  # the whole text is encoded and the context's tokens split off
+                ctx, cont = ctx[:cut], ctx[cut:] + cont
+                whole, c = (_ids(x, tokenizer_of, bos, f"texts_or_ids[{i}]") for x in (ctx + cont, ctx))
+                t = whole[len(c):]
+            else:
+                c, t = _ids(ctx, tokenizer_of, bos, f"texts_or_ids[{i}]"), [int(x) for x in cont]
             if not t:
                 raise ValueError(f"continuations[{i}] is empty: nothing to score")
             if not c:
@@ -109,7 +115,7 @@ def score(model, texts_or_ids: Sequence, continuations: Sequence | None = None, 
     out = []
     for s, k, entries in zip(seqs, splits, scores):
         scored = entries[k:]  # entry j scores token j
-        lps = [lp for lp, _ in scored]
-        greedy = all(top[0][0] == t for (_, top), t in zip(scored, s[k:]))
+        lps = [entry[0] for entry in scored]
+        greedy = all(entry[2] == 1 for entry in scored)  # (rank 1: no token more likely)
         out.append(Score(float(sum(lps)), greedy, lps, s[k:], s[:k]))
     return out

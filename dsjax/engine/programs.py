@@ -62,6 +62,7 @@ class StepOutput:
     next_limit: jax.Array | None = None  # [B] drafts each row asks the next step to verify
     draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence)
     prompt_logprob: jax.Array | None = None  # [B, C] prefill with score=True: each position's next prompt token
+    prompt_rank: jax.Array | None = None  # [B, C] int32: 1 + how many tokens are more likely
     prompt_top_values: jax.Array | None = None  # [B, C, n]
     prompt_top_ids: jax.Array | None = None
 
@@ -187,14 +188,16 @@ def start_decoding(slots: Slots, slot, token) -> Slots:
 
 def prompt_scores(logits: jax.Array, following: jax.Array, n: int):
     """Each position's raw-distribution logprob of the token after it (following [B, C]) from
-    the chunk's logits [B, C, V], and the top n: [B, C] and [B, C, n] (n = 0: none)."""
+    the chunk's logits [B, C, V], its rank (1: the most likely; vLLM's prompt_logprobs ranks)
+    and the top n: [B, C], [B, C], [B, C, n] x 2 (n = 0: no top)."""
     b, c, v = logits.shape
-    flat = logits.reshape(b * c, v)
+    logp = jax.nn.log_softmax(logits.reshape(b * c, v).astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, following.reshape(-1, 1), axis=-1)
+    rank = (jnp.sum(logp > chosen, axis=-1, dtype=jnp.int32) + 1).reshape(b, c)
     if not n:
-        chosen = jnp.take_along_axis(jax.nn.log_softmax(flat, axis=-1), following.reshape(-1, 1), axis=-1)
-        return chosen.reshape(b, c), None, None
-    chosen, values, ids = top_logprobs(flat, following.reshape(-1), n)
-    return chosen.reshape(b, c), values.reshape(b, c, n), ids.reshape(b, c, n)
+        return chosen.reshape(b, c), rank, None, None
+    _, values, ids = top_logprobs(logp, following.reshape(-1), n)  # (log_softmax of logp is logp)
+    return chosen.reshape(b, c), rank, values.reshape(b, c, n), ids.reshape(b, c, n)
 
 
 def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, first_mask,
@@ -210,8 +213,8 @@ def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admis
     slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, last,
                                                                                     cache.length, is_last, first_mask)
     if score:
-        chosen, values, ids = prompt_scores(logits, following, n_logprobs)
-        out = out.replace(prompt_logprob=chosen, prompt_top_values=values, prompt_top_ids=ids)
+        chosen, rank, values, ids = prompt_scores(logits, following, n_logprobs)
+        out = out.replace(prompt_logprob=chosen, prompt_rank=rank, prompt_top_values=values, prompt_top_ids=ids)
     return cache, slots, _one_step(out)
 
 

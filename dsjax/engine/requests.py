@@ -38,7 +38,7 @@ class TokenEvent:
     finish_reason: str | None  # None while running; "stop" | "length" when this is the last token
     cached_tokens: int | None = None  # a request's first event: its prompt tokens taken from the prefix cache
     # a request's first event, with SamplingParams.prompt_logprobs: per prompt token, None for the first, else
-    # (logprob, top [(id, logprob)] or None) of the raw distribution the tokens before it give
+    # (logprob, top [(id, logprob)] or None, rank) of the raw distribution the tokens before it give
     prompt_logprobs: list | None = None
 
 
@@ -78,7 +78,7 @@ class Request:
             if top_n:
                 ids, values = host.prompt_top_ids[0, row, i, :top_n], host.prompt_top_values[0, row, i, :top_n]
                 top = [(int(t), float(v)) for t, v in zip(ids, values)]
-            self.prompt_logprobs.append((float(host.prompt_logprob[0, row, i]), top))
+            self.prompt_logprobs.append((float(host.prompt_logprob[0, row, i]), top, int(host.prompt_rank[0, row, i])))
 
     @property
     def done(self) -> bool:

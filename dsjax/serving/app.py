@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from dsjax.serving.loop import EngineFailed, EngineLoop, QueueFull
 from dsjax.serving.metrics import Metrics
-from dsjax.serving.protocol import CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, prepare
+from dsjax.serving.protocol import (CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, detokenize,
+                                    prepare, tokenize, tokenizer_info)
 
 log = logging.getLogger("dsjax.serving")
 
@@ -237,6 +238,19 @@ class Server:
         return Response(body if isinstance(body, str) else json.dumps(body), media_type="application/json")
 
     # ------------------------------------------------------------------ the rest
+    async def tokens(self, request: Request) -> Response:
+        """/tokenize, /detokenize (POST) and /tokenizer_info (GET), as vLLM shapes them."""
+        try:
+            if not self._authorized(request):
+                raise APIError(401, "invalid or missing API key", kind="authentication_error")
+            path = request.url.path
+            if path == "/tokenizer_info":
+                return JSONResponse(tokenizer_info(self.ctx))
+            body = await read_json(request, self.ctx.limits.max_body_bytes)
+            return JSONResponse((tokenize if path == "/tokenize" else detokenize)(body, self.ctx))
+        except APIError as e:
+            return error_response(False, e)
+
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return error_response(False, APIError(401, "invalid or missing API key", kind="authentication_error"))
@@ -272,7 +286,10 @@ def create_app(loop: EngineLoop, ctx: Context, metrics: Metrics, api_key: str | 
 
     routes = [Route(api.path, endpoint(api), methods=["POST"]) for api in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)]
     routes += [Route("/v1/models", server.models, methods=["GET"]), Route("/health", server.health, methods=["GET"]),
-               Route("/metrics", server.metrics_endpoint, methods=["GET"])]
+               Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+               Route("/tokenize", server.tokens, methods=["POST"]),
+               Route("/detokenize", server.tokens, methods=["POST"]),
+               Route("/tokenizer_info", server.tokens, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.server = server
     return app
