@@ -10,6 +10,7 @@ import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.prefix_cache import PrefixCacheOptions
 from dsjax.engine.sampler import SamplingParams
+from dsjax.serving.server import build
 
 CHUNK = 32  # the built-in model's largest compression ratio: a prefix-cache block
 
@@ -97,6 +98,28 @@ def test_scores_are_bitwise_batch_invariant(model, rng):
     together = dsjax.score(model, seqs, engine=engine)
     alone = dsjax.score(model, seqs[:1], engine=engine)
     assert np.array_equal(np.float32(alone[0].token_logprobs), np.float32(together[0].token_logprobs))
+    # a request that does not score its prompt keeps its logits bitwise beside one that does (same tile)
+    plain = SamplingParams(max_tokens=3, logprobs=1, ignore_eos=True)
+    runs = []
+    for neighbour in (False, True):
+        rid = engine.add_request(seqs[1], plain)
+        if neighbour:
+            engine.add_request(seqs[1][::-1], SamplingParams(max_tokens=0, prompt_logprobs=1))  # same chunk width
+        for _ in engine.run():
+            pass
+        runs.append(engine.requests[rid])
+    assert runs[0].tokens == runs[1].tokens
+    assert np.array_equal(np.float32(runs[0].logprobs), np.float32(runs[1].logprobs))
+
+
+def test_the_built_in_model_serves_with_thinking_off(model):
+    """The built-in code model has no chat of its own: requests that do not say get thinking
+    off (a random-weights config keeps the recipe's default, on: tests/test_serving.py)."""
+    s = build(model, name="dsjax-tiny-py", max_slots=1, capacity=256, prefill_chunk=CHUNK, warmup=False)
+    try:
+        assert s.ctx.default_thinking is False
+    finally:
+        s.close()
 
 
 def test_score_refuses_what_it_cannot_score(model):

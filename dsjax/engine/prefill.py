@@ -89,13 +89,17 @@ class Prefill:
     def _prefill_groups(self, reqs) -> list[list[Request]]:
         """The requests each prefill call takes: all (a mesh) or one (one device); in
         batch-invariant mode those of one chunk width (and one tile, on one device), so a
-        chunk always runs at its own width, in a call of one shape."""
+        chunk always runs at its own width, in a call of one shape, and those that score their
+        prompt apart from those that do not (the scoring program reads a row's last logits off
+        the head applied to the whole chunk, which may differ from the usual program's in the
+        last bits: a row's logits must not depend on a neighbour's asking)."""
         if not self.batch_invariant:
             return [list(reqs)] if self.mesh is not None else [[r] for r in reqs]
         groups = {}
         for r in reqs:
             width = chunk_length(len(self._next_chunk(r)), self.prefill_chunk)
-            groups.setdefault((width, 0 if self.mesh is not None else r.slot // INVARIANT_ROWS), []).append(r)
+            tile = 0 if self.mesh is not None else r.slot // INVARIANT_ROWS
+            groups.setdefault((width, tile, r.params.prompt_logprobs is not None), []).append(r)
         return list(groups.values())
 
     def _prefill(self, *reqs: Request) -> None:
