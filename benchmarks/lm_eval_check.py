@@ -159,11 +159,11 @@ def main() -> int:
             time.sleep(1)
         ready_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        # prefix_token_id=0: the rolling windows start from BOS (lm-eval's remote tokenizer
+        # custom_prefix_token_id=0: the rolling windows start from BOS (lm-eval's remote tokenizer
         # takes `bos_token_id or eos_token_id`, and BOS is id 0)
         cmd = [args.lm_eval, "--model", "local-completions", "--model_args",
                f"model=dsjax-tiny-py,base_url={url}/v1/completions,tokenizer_backend=remote,num_concurrent=1,"
-               f"max_retries=1,prefix_token_id=0",
+               f"max_retries=1,custom_prefix_token_id=0",
                "--tasks", "dsjax_mc,dsjax_ppl", "--include_path", str(work), "--batch_size", "1",
                "--log_samples", "--output_path", str(work / "out")]
         run = subprocess.run(cmd, env={**os.environ, "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "unused"},
