@@ -122,10 +122,15 @@ def test_the_built_in_model_serves_with_thinking_off(model):
         s.close()
 
 
-def test_score_refuses_what_it_cannot_score(model):
+def test_score_refuses_what_it_cannot_score(model, engine):
     with pytest.raises(ValueError, match="at least 2"):
         dsjax.score(model, [[5]])
     with pytest.raises(ValueError, match="one each"):
         dsjax.score(model, [[5, 6]], [[1], [2]])
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="exceeds the engine's max_logprobs=3"):
+        engine.validate([5, 6], SamplingParams(max_tokens=0, prompt_logprobs=4))
+    speculative = Engine(model, max_slots=1, capacity=256, prefill_chunk=CHUNK, num_draft_tokens=1, max_logprobs=1)
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        speculative.validate([5, 6], SamplingParams(max_tokens=0, prompt_logprobs=0))

@@ -289,6 +289,8 @@ class Engine(Prefill, ConstrainedDecode):
         if constraint is not None:
             check_constraint(constraint, params, vocab_size=self.cfg.vocab_size,
                              speculative=bool(self.num_draft_tokens))
+        if params.prompt_logprobs is not None and self.mesh is not None:  # its scoring program is untested there
+            raise ValueError("prompt_logprobs is not supported on a mesh yet; score on one device")
         return stops
 
     def forget(self, request_id: str) -> None:
