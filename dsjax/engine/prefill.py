@@ -44,6 +44,8 @@ class Prefill:
         score: a row asks for prompt logprobs: the program that also scores each position's
         next prompt token (`following`), compiled on first use (`warmup(scoring=True)`)."""
         params, slot = self.step_params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
+        if score:  # the head at every position of the chunk: the model's own head (a GEMM), not the few-row
+            params = self.model.params  # decode kernel's packed copy (`step_head_params`)
         if self.spec is not None:
             static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled,
                           n_logprobs=self.max_logprobs)

@@ -189,15 +189,21 @@ def start_decoding(slots: Slots, slot, token) -> Slots:
 def prompt_scores(logits: jax.Array, following: jax.Array, n: int):
     """Each position's raw-distribution logprob of the token after it (following [B, C]) from
     the chunk's logits [B, C, V], its rank (1: the most likely; vLLM's prompt_logprobs ranks)
-    and the top n: [B, C], [B, C], [B, C, n] x 2 (n = 0: no top)."""
+    and the top n: [B, C], [B, C], [B, C, n] x 2 (n = 0: no top). Every logprob is its logit
+    less the row's logsumexp, so the chosen token's equals its top entry's bit for bit when it
+    is the top one (lm-eval's is_greedy compares them); the rank compares logits. A chunk's
+    logits are C rows of the vocabulary: a few passes over them, no log-softmax array, and
+    one top_k (lower ids first among equals) rather than the decode step's n repeated maxima."""
     b, c, v = logits.shape
-    logp = jax.nn.log_softmax(logits.reshape(b * c, v).astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, following.reshape(-1, 1), axis=-1)
-    rank = (jnp.sum(logp > chosen, axis=-1, dtype=jnp.int32) + 1).reshape(b, c)
+    z = logits.reshape(b * c, v).astype(jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    token = jnp.take_along_axis(z, following.reshape(-1, 1), axis=-1)[:, 0]
+    rank = (jnp.sum(z > token[:, None], axis=-1, dtype=jnp.int32) + 1).reshape(b, c)
+    chosen = (token - lse).reshape(b, c)
     if not n:
-        return chosen.reshape(b, c), rank, None, None
-    _, values, ids = top_logprobs(logp, following.reshape(-1), n)  # (log_softmax of logp is logp)
-    return chosen.reshape(b, c), rank, values.reshape(b, c, n), ids.reshape(b, c, n)
+        return chosen, rank, None, None
+    values, ids = jax.lax.top_k(z, n)
+    return chosen, rank, (values - lse[:, None]).reshape(b, c, n), ids.reshape(b, c, n)
 
 
 def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, first_mask,
