@@ -6,6 +6,7 @@
     logits = model.logits([[0, 100, 200]])                  # [B, S, vocab]
     new = dsjax.generate(model, [[0, 100, 200]], max_new_tokens=8)      # ids in, ids out
     text = dsjax.generate(model, ["The capital of France is"], 8)      # text in, text out
+    ll = dsjax.score(model, ["The capital of France is"], [" Paris"])  # log-likelihoods (evaluation)
     tok = dsjax.load_tokenizer()                            # encode / decode, bos_id / eos_id
 """
 
@@ -15,9 +16,10 @@ from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ConfigError, ModelConfig, RuntimeOptions, load_config
 from dsjax.engine import Engine, PrefixCacheOptions, SamplingParams, TokenEvent
 from dsjax.generate import Completion, generate
+from dsjax.scoring import Score, score
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Chat", "Completion", "ConfigError", "Engine", "Model", "ModelConfig", "PrefixCacheOptions",
-           "RuntimeOptions", "SamplingParams", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model",
-           "load_tokenizer", "setup_compile_cache", "store_weights"]
+           "RuntimeOptions", "SamplingParams", "Score", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model",
+           "load_tokenizer", "score", "setup_compile_cache", "store_weights"]
 __version__ = "0.1.0"

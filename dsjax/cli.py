@@ -287,8 +287,9 @@ def _cmd_serve(args, say) -> int:
                        prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
                        num_draft_tokens=args.num_draft_tokens, batch_invariant=args.batch_invariant or None,
                        max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
-                       default_thinking=args.thinking_default == "on", max_thinking_tokens=args.max_thinking_tokens,
-                       warmup=not args.no_warmup,
+                       default_thinking={"on": True, "off": False}.get(args.thinking_default),
+                       max_thinking_tokens=args.max_thinking_tokens, warmup=not args.no_warmup,
+                       scoring=args.max_logprobs > 0,  # a server with logprobs serves evaluations: echo
                        prefix_cache=prefix_cache,
                        on_warmup=lambda i, n, what: say(f"compiling {i}/{n}: {what} ..."))
     say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
@@ -416,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "its batch (README 'Batch invariance'; about 1.2x slower decode on CPU)")
     s.add_argument("--max-logprobs", type=int, default=0, help="top logprobs a request may ask for (0: logprobs "
                    "refused)")
-    s.add_argument("--thinking-default", choices=["on", "off"], default="on",
-                   help="thinking mode of requests that do not say (the recipe's default: on)")
+    s.add_argument("--thinking-default", choices=["on", "off", "auto"], default="auto",
+                   help="thinking mode of requests that do not say (auto: off for the built-in code model, which "
+                   "has no chat of its own; on, the recipe's default, for any other)")
     s.add_argument("--max-thinking-tokens", type=int, default=None, help="structured output and tools in thinking "
                    "mode: close the reasoning after N tokens so the constrained answer gets its turn (default: half "
                    "of a request's max_tokens; a request's thinking.budget_tokens overrides it)")

@@ -221,6 +221,10 @@ class TextRun:
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
     def take(self, event: TokenEvent) -> str:
+        if event.token is None:  # max_tokens 0 (a prompt scored only): the end, with no token
+            self.finish_reason = self.finish_reason or event.finish_reason
+            new, self.emitted = self.text[self.emitted:], len(self.text)
+            return new
         self.ids.append(event.token)
         if self.logprobs is not None:
             entry = {"token": event.token, "logprob": event.logprob,

@@ -292,6 +292,25 @@ def test_openai_lines_equal_generate_on_the_served_prompt(model, tokenizer):
     assert msg["usage"]["prompt_tokens"] == len(served.choices[0].prompt)
 
 
+def test_lines_that_score_their_prompts(model, tokenizer):
+    """A raw record with prompt_logprobs (max_tokens 0: scored only; or beside generation)
+    and an OpenAI completions line with echo + logprobs give dsjax.score's logprobs."""
+    ids = [0] + [100 + 7 * j for j in range(40)]
+    lines = [{"id": "s", "prompt_ids": ids, "prompt_logprobs": 2, "max_tokens": 0},
+             {"id": "t", "prompt": "def f(n):\n    return n", "prompt_logprobs": 0, "max_tokens": 2},
+             {"custom_id": "e", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0}}]
+    s, t, e = dsjax.batch.run(model, lines, max_slots=4, tokenizer=tokenizer)
+    want = dsjax.score(model, [ids])[0].token_logprobs
+    assert s["ids"] == [] and s["finish_reason"] == "length" and s["prompt_logprobs"][0] is None
+    assert [x["logprob"] for x in s["prompt_logprobs"][1:]] == pytest.approx(want, abs=1e-5)
+    assert all(len(x["top_logprobs"]) == 2 and x["rank"] >= 1 for x in s["prompt_logprobs"][1:])
+    assert e["response"]["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+    text_ids = [0] + tokenizer.encode("def f(n):\n    return n")
+    assert len(t["ids"]) == 2 and [x["logprob"] for x in t["prompt_logprobs"][1:]] == pytest.approx(
+        dsjax.score(model, [text_ids])[0].token_logprobs, abs=1e-5)
+
+
 def test_verify_refuses_another_environment(job, tmp_path, capsys):
     _, out = job
     copy = tmp_path / "out.jsonl"

@@ -1,7 +1,7 @@
 """The package's import graph, read with `ast` (nothing is imported): imports run downward
 only, with no circles, so each layer can be read and tested without the ones above it.
 
-    cli / serving / train -> generate -> api -> engine -> checkpoint, model -> layers
+    cli / serving / train -> generate, scoring -> api -> engine -> checkpoint, model -> layers
         -> pallas_kernels, sharding.rules, memory -> params -> config
 """
 
@@ -23,7 +23,7 @@ RANKS = {
     "dsjax.checkpoint": 5, "dsjax.param_count": 5,
     "dsjax.engine": 6,
     "dsjax.api": 7,
-    "dsjax.generate": 8, "dsjax.chat": 8,
+    "dsjax.generate": 8, "dsjax.chat": 8, "dsjax.scoring": 8,
     "dsjax.cli": 9, "dsjax.testing": 9, "dsjax.serving": 9, "dsjax.batch": 9, "dsjax.train": 9, "dsjax": 9,
 }
 # Below the model, a mechanism file sees only these.

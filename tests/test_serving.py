@@ -155,6 +155,89 @@ def test_chat_stream_equals_non_stream_and_seeds_repeat(oai):
     assert other != whole  # the seed is used (10 sampled tokens of a 129k vocabulary)
 
 
+def log_softmax64(model, ids: list[int]) -> np.ndarray:
+    """The oracle of prompt logprobs: float64 log-softmax of the full-sequence logits [S, V]."""
+    z = model.logits([ids])[0].astype(np.float64)
+    z -= z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_completions_echo_returns_the_prompt_logprobs(model, served, oai):
+    """echo + logprobs: the prompt's tokens and logprobs (null first) before the generated
+    ones, equal to the oracle; max_tokens 0 scores the prompt alone (streamed: in the first
+    chunk); lm-eval's request (max_tokens 1, logprobs 1) ends with the generated token, whose
+    logprob is its top one's (greedy). vLLM's prompt_logprobs: the token and the top n with
+    ranks; refused (never ignored) where there is no prompt to score."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(2, 5000, 80).tolist()  # two prefill chunks of 64
+    ref = log_softmax64(model, prompt)
+    want = ref[np.arange(len(prompt) - 1), prompt[1:]]
+    r = oai.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == dsjax.load_tokenizer().decode(prompt) and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=1e-5)
+    assert all(len(top) == 2 and max(top.values()) >= t for top, t in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    np.testing.assert_allclose([max(top.values()) for top in lp.top_logprobs[1:]], ref[:-1].max(-1), atol=1e-5)
+    chunks = list(oai.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=0, stream=True))
+    assert chunks[0].choices[0].text == r.choices[0].text
+    np.testing.assert_allclose(chunks[0].choices[0].logprobs.token_logprobs[1:], want, atol=1e-5)
+    r = oai.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(prompt) + 1 and r.usage.completion_tokens == 1
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    np.testing.assert_allclose(lp.token_logprobs[1:-1], want, atol=1e-5)
+    body = {"model": NAME, "prompt": prompt[:20], "max_tokens": 0, "prompt_logprobs": 1}
+    got = httpx.post(served[1].url + "/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    scores = got["prompt_logprobs"]
+    assert len(scores) == 20 and scores[0] is None and got["text"] == ""
+    for i, (token, entry) in enumerate(zip(prompt[1:20], scores[1:])):
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(want[i], abs=1e-5)
+        above = lambda margin: 1 + int((ref[i] > ref[i, token] + margin).sum())  # noqa: E731  (fp32 near-ties)
+        assert above(1e-5) <= mine["rank"] <= above(-1e-5)
+        best = int(ref[i].argmax())
+        assert entry[str(best)]["rank"] == 1 and len(entry) == 1 + (best != token)
+    bad = httpx.post(served[1].url + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "model": NAME, "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+    for extra, param in (({"max_tokens": 0}, "max_tokens"), ({"echo": True, "logprobs": 5}, "logprobs"),
+                         ({"prompt_logprobs": 3}, "prompt_logprobs"), ({"echo": "yes"}, "echo")):
+        bad = httpx.post(served[1].url + "/v1/completions", json={"model": NAME, "prompt": prompt, **extra},
+                         timeout=TIMEOUT)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
+
+
+def test_tokenizer_endpoints_as_vllm_shapes_them(served):
+    """/tokenize (BOS first unless add_special_tokens is false, as a text prompt gets it),
+    /detokenize, /tokenizer_info (what lm-eval's remote tokenizer reads); bad input is a 400."""
+    url, tok = served[1].url, dsjax.load_tokenizer()
+    r = httpx.post(url + "/tokenize", json={"prompt": "def f(x):", "return_token_strs": True}, timeout=TIMEOUT).json()
+    assert r["tokens"] == [tok.bos_id] + tok.encode("def f(x):") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == SHAPES["capacity"] and "".join(r["token_strs"][1:]) == "def f(x):"
+    bare = httpx.post(url + "/tokenize", json={"prompt": "def", "add_special_tokens": False}, timeout=TIMEOUT).json()
+    assert bare["tokens"] == tok.encode("def") and bare["token_strs"] is None
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **NO_THINKING},
+                      timeout=TIMEOUT).json()
+    assert chat["tokens"] == recipe_ids({"model": NAME, "messages": [{"role": "user", "content": "hi"}], **NO_THINKING})
+    back = httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}, timeout=TIMEOUT).json()
+    assert back["prompt"] == tok.decode(r["tokens"], skip_special_tokens=False)
+    info = httpx.get(url + "/tokenizer_info", timeout=TIMEOUT).json()
+    assert tok.encode(info["eos_token"]) == [tok.eos_id] and tok.encode(info["bos_token"]) == [tok.bos_id]
+    for path, body in (("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [-1]}), ("/detokenize", [1])):
+        bad = httpx.post(url + path, json=body, timeout=TIMEOUT)
+        assert bad.status_code == 400 and "error" in bad.json()
+
+
+def test_chat_at_temperature_0_is_greedy_in_thinking_mode(oai):
+    """Thinking mode samples at the recipe's temperature 1.0, but an asked temperature 0 is
+    greedy: two seeds, the same text (reasoning included)."""
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0)
+    a, b = (oai.chat.completions.create(**kw, seed=seed).choices[0].message for seed in (1, 2))
+    assert (a.content, getattr(a, "reasoning_content", None)) == (b.content, getattr(b, "reasoning_content", None))
+    assert a.model_extra == b.model_extra
+
+
 def test_seeded_sampling_is_independent_of_other_traffic(served, oai):
     """The same seed gives the same sampled tokens alone and beside three other requests."""
     kw = dict(model=NAME, messages=[{"role": "user", "content": "tell"}], max_tokens=12, temperature=1.0, seed=77,

@@ -7,6 +7,7 @@ lines through `dsjax.serving.protocol.prepare` (deepseek-recipe's conversion, as
     {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "def f(n):"}}
     {"id": "c", "prompt": "def f(n):", "max_tokens": 16, "temperature": 0.7, "seed": 3}
     {"id": "d", "prompt_ids": [0, 100, 200], "stop_token_ids": [1]}
+    {"id": "e", "prompt": "def f(n):", "prompt_logprobs": 1, "max_tokens": 0}   # score the prompt
 
 A record without a seed gets one derived from the run's seed and its id (`derived_seed`),
 so its tokens do not depend on the order records run in.
@@ -26,7 +27,7 @@ from dsjax.serving.protocol import CHAT, COMPLETIONS, APIError, Context, prepare
 URLS = {CHAT.path: CHAT, COMPLETIONS.path: COMPLETIONS}
 RAW_FIELDS = {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
               "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-              "ignore_eos", "logprobs", "token_healing"}
+              "ignore_eos", "logprobs", "token_healing", "prompt_logprobs"}
 
 
 class RecordError(ValueError):
@@ -49,9 +50,10 @@ class Record:
     _job: Any = None
     _run: Any = None
     ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None  # raw records with prompt_logprobs: from the first event
 
     def start(self) -> None:
-        self.ids = []
+        self.ids, self.prompt_logprobs = [], None
         if self._plan is not None:
             h = self._plan.healed[0]
             self._run = TextRun(self._plan.tokenizer, self._plan.stop, bool(self.params.logprobs),
@@ -68,7 +70,12 @@ class Record:
         return self._job.choices[0].translator.stopped
 
     def take(self, event: TokenEvent) -> None:
-        self.ids.append(event.token)
+        if event.prompt_logprobs is not None and self._plan is not None:
+            self.prompt_logprobs = [None] + [{"token": t, "logprob": e[0], "rank": e[2],
+                                              "top_logprobs": [{"token": i, "logprob": v} for i, v in e[1] or []]}
+                                             for t, e in zip(self.prompt[1:], event.prompt_logprobs[1:])]
+        if event.token is not None:
+            self.ids.append(event.token)
         if self._plan is not None:
             self._run.take(event)
         elif not self._job.choices[0].translator.stopped:
@@ -78,7 +85,10 @@ class Record:
         """The output line (a dict): id, seed, text, ids, finish_reason, usage (+ logprobs, stop, response)."""
         if self._plan is not None:
             c = self._plan.completion(0, self._run)
-            return {"id": self.id, "seed": self.seed, **c.to_dict()}
+            out = {"id": self.id, "seed": self.seed, **c.to_dict()}
+            if self.params.prompt_logprobs is not None:  # per prompt token: null, then its logprob, rank, top n
+                out["prompt_logprobs"] = self.prompt_logprobs
+            return out
         translator = self._job.choices[0].translator
         translator.finish(finish_reason)
         body = self._job.response()
@@ -131,15 +141,22 @@ def _raw(obj: dict, line: int, rid, model, tokenizer, run_seed: int, max_new_tok
     if "prompt_ids" in obj and not isinstance(prompt, list):
         raise RecordError(f'"prompt_ids" must be a list of token ids, got {type(prompt).__name__}')
     max_tokens = obj.get("max_tokens", max_new_tokens)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise RecordError(f"max_tokens must be an integer >= 1, got {json.dumps(max_tokens)}")
+    scored = obj.get("prompt_logprobs")
+    if scored is not None and (isinstance(scored, bool) or not isinstance(scored, int) or scored < 0):
+        raise RecordError(f"prompt_logprobs must be an integer >= 0 (top logprobs per prompt token), got "
+                          f"{json.dumps(scored)}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < (0 if scored is not None else 1):
+        raise RecordError(f"max_tokens must be an integer >= 1 (0 with prompt_logprobs: score the prompt only), got "
+                          f"{json.dumps(max_tokens)}")
     seed = obj.get("seed")
     seed = derived_seed(run_seed, rid) if seed is None else seed
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "stop", "stop_token_ids", "ignore_eos", "logprobs", "token_healing")
     settings = {k: obj[k] for k in names if obj.get(k) is not None}
     try:
-        p = plan(model, [prompt], max_tokens, seed=seed, tokenizer=tokenizer, **settings)
+        p = plan(model, [prompt], max(max_tokens, 1), seed=seed, tokenizer=tokenizer, **settings)
+        if scored is not None:
+            p.params[0] = dataclasses.replace(p.params[0], prompt_logprobs=scored, max_tokens=max_tokens)
     except (ValueError, TypeError) as e:
         raise RecordError(str(e).removeprefix("SamplingParams: ").replace("prompts[0]", "prompt")) from None
     h = p.healed[0]

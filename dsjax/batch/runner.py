@@ -101,7 +101,8 @@ def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_inv
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     batch_invariant=batch_invariant, num_draft_tokens=num_draft_tokens,
                     decode_steps=effective_decode_steps(decode_steps, num_draft_tokens),
-                    max_logprobs=max(r.params.logprobs for r in checked.records), prefix_cache=prefix_cache)
+                    max_logprobs=max(max(r.params.logprobs, r.params.prompt_logprobs or 0) for r in checked.records),
+                    prefix_cache=prefix_cache)
     kept = []
     for r in checked.records:
         try:
@@ -134,7 +135,7 @@ def execute(engine: Engine, records: list[Record], on_result: Callable[[Record, 
         for event in engine.run():
             r = by_request[event.request_id]
             r.take(event)
-            tokens += 1
+            tokens += event.token is not None  # (a scored-only record ends with no token)
             reason = event.finish_reason
             if reason is None and r.stopped:  # a stop string: the engine need not go on
                 engine.cancel(event.request_id)

@@ -203,7 +203,7 @@ class Engine(Prefill, ConstrainedDecode):
         self.requests: dict[str, Request] = {}  # by id: the latest request of each id
         self.waiting: collections.deque[Request] = collections.deque()
         self.slot_owner: list[Request | None] = [None] * self.rows
-        self._pending: collections.deque[tuple[StepOutput, dict[int, Request]]] = collections.deque()  # on device
+        self._pending: collections.deque[tuple] = collections.deque()  # on device: (StepOutput, owners[, scored])
         self._outbox: collections.deque[tuple[Request, StepOutput, int, int]] = collections.deque()  # read back
         self._ids = itertools.count()
         self.steps = 0
@@ -289,6 +289,8 @@ class Engine(Prefill, ConstrainedDecode):
         if constraint is not None:
             check_constraint(constraint, params, vocab_size=self.cfg.vocab_size,
                              speculative=bool(self.num_draft_tokens))
+        if params.prompt_logprobs is not None and self.mesh is not None:  # its scoring program is untested there
+            raise ValueError("prompt_logprobs is not supported on a mesh yet; score on one device")
         return stops
 
     def forget(self, request_id: str) -> None:
@@ -320,23 +322,29 @@ class Engine(Prefill, ConstrainedDecode):
     def has_work(self) -> bool:
         return bool(self.waiting or self._pending or self._outbox or any(o is not None for o in self.slot_owner))
 
-    def warmup(self, *, constrained: bool = False, progress: Callable[[int, int, str], None] | None = None) -> int:
+    def warmup(self, *, constrained: bool = False, scoring: bool = False,
+               progress: Callable[[int, int, str], None] | None = None) -> int:
         """Compile every prefill and decode program serving may run (`prefill_shapes`, a
         decode step per context bucket) now, on the live cache as no-op steps (n_valid 0, no
         slot active), so serving never stops to compile. constrained: also the programs of
         structured output (the split decode step per bucket, its sampling half, starting a
-        slot). progress(i, total, what): called before each program (1-based i), e.g. to
+        slot). scoring: also the prefill programs that score the prompt (requests with
+        prompt_logprobs; one per prefill shape, else compiled on first use). progress(i, total, what): called before each program (1-based i), e.g. to
         print a line per program. Returns the number of programs compiled: 7 for the
         README's engine (capacity 4096, prefill_chunk 256), 12 with constrained=True."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
         if constrained and self.num_draft_tokens:
             raise ValueError("constrained=True: structured output is not supported with speculative decoding")
+        scoring = scoring and not self.num_draft_tokens  # (prompt_logprobs is refused with speculation)
         shapes, ks, variants = self.prefill_shapes(), self.policy.verify_lengths(), self.policy.variants()
         steps = []  # (what, thunk): one compiled program each
         for (width, bucket), sampled in itertools.product(shapes, variants):
             steps.append((f"prefill {width} tokens, context {bucket}",
                           functools.partial(self._prefill_call, 0, *self._chunk_arrays(width), bucket, sampled)))
+            if scoring:
+                steps.append((f"prefill {width} tokens, context {bucket}, scored", functools.partial(
+                    self._prefill_call, 0, *self._chunk_arrays(width), bucket, sampled, True)))
         for bucket, k, sampled in itertools.product(self._buckets(), ks, variants):
             what = f"decode, context {bucket}" + (f", {k} drafts" if self.num_draft_tokens else "")
             steps.append((what, functools.partial(self._decode_call, bucket, k, sampled)))
@@ -358,7 +366,8 @@ class Engine(Prefill, ConstrainedDecode):
                     progress(i, len(steps), what)
                 run()
             jax.block_until_ready(self.cache)
-        return ((len(shapes) + len(self._buckets()) * len(ks)) * len(variants) + (len(self._buckets()) + 2) * constrained
+        return ((len(shapes) * (1 + scoring) + len(self._buckets()) * len(ks)) * len(variants)
+                + (len(self._buckets()) + 2) * constrained
                 + 2 * (self.prefix is not None))  # the prefix cache's save and restore
 
     # ------------------------------------------------------------------ device calls
@@ -449,9 +458,13 @@ class Engine(Prefill, ConstrainedDecode):
             while len(self._pending) > keep:
                 self._read_back(*self._pending.popleft())
 
-    def _read_back(self, out: StepOutput, owners: dict[int, Request]) -> None:
-        """One dispatch's outputs ([steps, rows]) to the host, queued as events to make."""
+    def _read_back(self, out: StepOutput, owners: dict[int, Request], scored: dict | None = None) -> None:
+        """One dispatch's outputs ([steps, rows]) to the host, queued as events to make; a
+        prefill chunk's prompt logprobs (`scored`: row -> (request, first position, tokens))
+        go to their requests at once, before any token of theirs is booked."""
         host = to_host(out)
+        for row, (req, start, n) in (scored or {}).items():
+            req.take_scores(host, row, start, n)
         if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
             self.policy.count(host, {row: r for row, r in owners.items() if host.emitted[:, row].any()})
         for step in range(host.tokens.shape[0]):

@@ -36,12 +36,16 @@ class Prefill:
         return sorted(shapes | {(self.prefill_chunk, b) for b in self._buckets() if b >= lowest})
 
     def _prefill_call(self, slot: int, tokens, following, n_valid, is_last, admits, first_mask, bucket: int,
-                      sampled: bool) -> StepOutput:
+                      sampled: bool, score: bool = False) -> StepOutput:
         """One prompt chunk: rows [n, C] from `slot` on (`_prefill_rows`: 1, a batch-invariant
         tile, or every row on a mesh);
         `admits` (an `Admission`) says which rows start a prompt, `first_mask` (packed
-        [rows, words] uint32) which first tokens a row whose prompt ends here may take."""
+        [rows, words] uint32) which first tokens a row whose prompt ends here may take.
+        score: a row asks for prompt logprobs: the program that also scores each position's
+        next prompt token (`following`), compiled on first use (`warmup(scoring=True)`)."""
         params, slot = self.step_params, np.int32(slot)  # numpy, not jnp: jnp.int32(x) compiles a conversion
+        if score:  # the head at every position of the chunk: the model's own head (a GEMM), not the few-row
+            params = self.model.params  # decode kernel's packed copy (`step_head_params`)
         if self.spec is not None:
             static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled,
                           n_logprobs=self.max_logprobs)
@@ -56,10 +60,11 @@ class Prefill:
         elif self.mesh is not None:
             self.cache, self.slots, out = prefill_rows(
                 params, self.cache, self.slots, *self._place((tokens, n_valid, is_last, admits, first_mask)),
-                cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
+                self._place(following) if score else None, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         else:
             self.cache, self.slots, out = prefill_step(
-                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, first_mask, cfg=self.cfg,
+                params, self.cache, self.slots, slot, tokens, n_valid, is_last, admits, first_mask,
+                following if score else None, cfg=self.cfg,
                 opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs)
         return out
 
@@ -86,13 +91,17 @@ class Prefill:
     def _prefill_groups(self, reqs) -> list[list[Request]]:
         """The requests each prefill call takes: all (a mesh) or one (one device); in
         batch-invariant mode those of one chunk width (and one tile, on one device), so a
-        chunk always runs at its own width, in a call of one shape."""
+        chunk always runs at its own width, in a call of one shape, and those that score their
+        prompt apart from those that do not (the scoring program reads a row's last logits off
+        the head applied to the whole chunk, which may differ from the usual program's in the
+        last bits: a row's logits must not depend on a neighbour's asking)."""
         if not self.batch_invariant:
             return [list(reqs)] if self.mesh is not None else [[r] for r in reqs]
         groups = {}
         for r in reqs:
             width = chunk_length(len(self._next_chunk(r)), self.prefill_chunk)
-            groups.setdefault((width, 0 if self.mesh is not None else r.slot // INVARIANT_ROWS), []).append(r)
+            tile = 0 if self.mesh is not None else r.slot // INVARIANT_ROWS
+            groups.setdefault((width, tile, r.params.prompt_logprobs is not None), []).append(r)
         return list(groups.values())
 
     def _prefill(self, *reqs: Request) -> None:
@@ -113,9 +122,11 @@ class Prefill:
                 is_last[row] = r.prefilled + len(chunk) == len(r.prompt)
                 if r.first_mask is not None:
                     first_mask[row] = r.first_mask
+            scored = {row: (r, r.prefilled, int(n_valid[row])) for row, r in zip(rows, group)
+                      if r.params.prompt_logprobs is not None}
             out = self._prefill_call(group[0].slot // n * n, tokens, following, n_valid, is_last, admits, first_mask,
                                      self._prefill_bucket(max(r.prefilled for r in group), width),
-                                     any(r.params.temperature > 0 for r in group))
+                                     any(r.params.temperature > 0 for r in group), bool(scored))
             owners = {}
             for row, r in zip(rows, group):
                 r.admitted = True
@@ -123,8 +134,8 @@ class Prefill:
                 r.dispatched = r.prefilled
                 if is_last[row]:
                     r.state, owners[row] = "decoding", r
-            if owners:
-                self._pending.append((out, owners))
+            if owners or scored:  # (scores are read back before the first token: the queue keeps order)
+                self._pending.append((out, owners, scored))
             if self.prefix is not None:
                 self.prefix.save(group)
 

@@ -331,6 +331,8 @@ class PrefixCaching:
         left to prefill (its logits give the first token), all but a constrained request's
         last, which its first decode step takes."""
         e = self.engine
+        if req.params.prompt_logprobs is not None:  # its prompt is scored: every token through the head, so
+            return                                  # recomputed, not restored (its blocks are still stored)
         chain, req.replayed_tokens = self.pool.lookup(req.prompt, self._keys(req), self._usable(req))
         b = self.pool.block
         for j, entry in enumerate(chain):

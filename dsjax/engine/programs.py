@@ -61,6 +61,10 @@ class StepOutput:
     drafts_accepted: jax.Array | None = None  # [B]
     next_limit: jax.Array | None = None  # [B] drafts each row asks the next step to verify
     draft_confidence: jax.Array | None = None  # [B, k] the drafter's confidence in the drafts verified (confidence)
+    prompt_logprob: jax.Array | None = None  # [B, C] prefill with score=True: each position's next prompt token
+    prompt_rank: jax.Array | None = None  # [B, C] int32: 1 + how many tokens are more likely
+    prompt_top_values: jax.Array | None = None  # [B, C, n]
+    prompt_top_ids: jax.Array | None = None
 
 
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
@@ -182,41 +186,72 @@ def start_decoding(slots: Slots, slot, token) -> Slots:
     return slots.replace(active=put(slots.active, True), last_token=put(slots.last_token, token))
 
 
+def prompt_scores(logits: jax.Array, following: jax.Array, n: int):
+    """Each position's raw-distribution logprob of the token after it (following [B, C]) from
+    the chunk's logits [B, C, V], its rank (1: the most likely; vLLM's prompt_logprobs ranks)
+    and the top n: [B, C], [B, C], [B, C, n] x 2 (n = 0: no top). Every logprob is its logit
+    less the row's logsumexp, so the chosen token's equals its top entry's bit for bit when it
+    is the top one (lm-eval's is_greedy compares them); the rank compares logits. A chunk's
+    logits are C rows of the vocabulary: a few passes over them, no log-softmax array, and
+    one top_k (lower ids first among equals) rather than the decode step's n repeated maxima."""
+    b, c, v = logits.shape
+    z = logits.reshape(b * c, v).astype(jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    token = jnp.take_along_axis(z, following.reshape(-1, 1), axis=-1)[:, 0]
+    rank = (jnp.sum(z > token[:, None], axis=-1, dtype=jnp.int32) + 1).reshape(b, c)
+    chosen = (token - lse).reshape(b, c)
+    if not n:
+        return chosen, rank, None, None
+    values, ids = jax.lax.top_k(z, n)
+    return chosen, rank, (values - lse[:, None]).reshape(b, c, n), ids.reshape(b, c, n)
+
+
 def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, first_mask,
-             cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+             cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int, following=None):
     slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
     cache = cache.admit(length, admission.reset)
+    score = following is not None  # the chunk's every position through the head, not its last only
     logits, cache = forward(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
-                            last_only=True)
-    slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, logits[:, 0],
+                            last_only=not score)
+    last = logits[:, 0]
+    if score:  # the logits the first token is sampled from: the chunk's last valid position's
+        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, last,
                                                                                     cache.length, is_last, first_mask)
+    if score:
+        chosen, rank, values, ids = prompt_scores(logits, following, n_logprobs)
+        out = out.replace(prompt_logprob=chosen, prompt_rank=rank, prompt_top_values=values, prompt_top_ids=ids)
     return cache, slots, _one_step(out)
 
 
 @functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
 def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array,
-                 admission: Admission, first_mask: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions,
-                 ctx_bucket: int, n_logprobs: int):
+                 admission: Admission, first_mask: jax.Array, following: jax.Array | None = None, *,
+                 cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     """A prompt chunk for every slot at once (tokens [B, C]; rows with n_valid 0 untouched);
     rows whose prompt starts here (admission.reset [B]) take their request first, rows whose
     prompt ends here (is_last [B]) sample their first token among those first_mask [B,
-    ceil(V/32)] uint32 allows (all ones but for a token-healed request)."""
+    ceil(V/32)] uint32 allows (all ones but for a token-healed request). following [B, C]
+    (the prompt token after each position) asks for prompt logprobs (`prompt_scores`): the
+    head then runs at every position of the chunk, and the output carries them; None (the
+    usual program) reads the head at the last position only."""
     return _prefill(params, cache, slots, tokens, n_valid, is_last, admission, first_mask, cfg, opts, ctx_bucket,
-                    n_logprobs)
+                    n_logprobs, following)
 
 
 @functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
                    donate_argnames=("cache", "slots"))
 def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
-                 is_last: jax.Array, admission: Admission, first_mask: jax.Array, *, cfg: ModelConfig,
-                 opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+                 is_last: jax.Array, admission: Admission, first_mask: jax.Array, following: jax.Array | None = None,
+                 *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
     """prefill_rows for the n rows from `slot` on (tokens [n, C], n_valid [n], is_last [n],
-    admission rows [n], first_mask [n, W]; n = 1, or a batch-invariant tile): the cost of
-    those rows, not of the whole batch."""
+    admission rows [n], first_mask [n, W], following [n, C] or None; n = 1, or a
+    batch-invariant tile): the cost of those rows, not of the whole batch."""
     n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
     row_cache, row_slots, out = _prefill(params, take_rows(cache, slot, n), take_rows(slots, slot, n), tokens,
-                                         n_valid, is_last, admission, first_mask, cfg, opts, ctx_bucket, n_logprobs)
+                                         n_valid, is_last, admission, first_mask, cfg, opts, ctx_bucket, n_logprobs,
+                                         following)
     return put_rows(cache, row_cache, slot), put_rows(slots, row_slots, slot), out
 
 

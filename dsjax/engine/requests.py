@@ -32,11 +32,14 @@ MIN_BUCKET = 256
 @dataclasses.dataclass
 class TokenEvent:
     request_id: str
-    token: int
+    token: int | None  # None: a request with max_tokens 0 (prompt_logprobs only) ends with no token
     logprob: float | None  # raw-distribution logprob (engines with max_logprobs > 0)
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None  # None while running; "stop" | "length" when this is the last token
     cached_tokens: int | None = None  # a request's first event: its prompt tokens taken from the prefix cache
+    # a request's first event, with SamplingParams.prompt_logprobs: per prompt token, None for the first, else
+    # (logprob, top [(id, logprob)] or None, rank) of the raw distribution the tokens before it give
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: two requests may share an id, never an object
@@ -63,6 +66,19 @@ class Request:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
     replayed_tokens: int = 0  # prompt tokens a cached block held but that were prefilled again
     block_keys: list | None = None  # the prefix cache's chain keys of its prompt's blocks
+    prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])  # read back chunk by chunk
+
+    def take_scores(self, host, row: int, start: int, n: int) -> None:
+        """The prompt logprobs of one prefill chunk (host copy of a `StepOutput`, row `row`): its
+        positions start..start+n-1 each score the prompt token after them (the last position of
+        the prompt scores nothing: its logits give the first generated token)."""
+        top_n = self.params.prompt_logprobs
+        for i in range(min(n, len(self.prompt) - 1 - start)):
+            top = None
+            if top_n:
+                ids, values = host.prompt_top_ids[0, row, i, :top_n], host.prompt_top_values[0, row, i, :top_n]
+                top = [(int(t), float(v)) for t, v in zip(ids, values)]
+            self.prompt_logprobs.append((float(host.prompt_logprob[0, row, i]), top, int(host.prompt_rank[0, row, i])))
 
     @property
     def done(self) -> bool:
@@ -92,6 +108,10 @@ class Request:
     def book(self, host, step: int, row: int) -> TokenEvent:
         """Take the token at (step, row) of a host copy of a `StepOutput`; the last one
         (finished on the device) ends the request."""
+        scores = self.prompt_logprobs if self.params.prompt_logprobs is not None and not self.tokens else None
+        if self.params.max_tokens == 0:  # scored only: the token the device had to sample is dropped
+            self.state, self.finish_reason = "finished", "length"
+            return TokenEvent(self.request_id, None, None, None, "length", self.cached_tokens, scores)
         token = int(host.tokens[step, row])
         top = None
         if self.params.logprobs:
@@ -105,7 +125,7 @@ class Request:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         return TokenEvent(self.request_id, token, logprob, top, finish,
-                          self.cached_tokens if len(self.tokens) == 1 else None)
+                          self.cached_tokens if len(self.tokens) == 1 else None, scores)
 
 
 _SETTINGS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
@@ -125,7 +145,7 @@ def admission(rows: list[Request | None]) -> Admission:
         r = rows[i]
         for k in _SETTINGS:
             sampling[k][i] = getattr(r.params, k)
-        sampling["prompt_len"][i], max_tokens[i] = len(r.prompt), r.params.max_tokens
+        sampling["prompt_len"][i], max_tokens[i] = len(r.prompt), max(1, r.params.max_tokens)  # 0: scored only
         stops[i, : len(r.stop_ids)] = r.stop_ids
     return Admission(reset, sampling, max_tokens, stops)
 
@@ -232,6 +252,13 @@ def check_request(prompt, params: SamplingParams, stops: tuple[int, ...], *, voc
                          "would change inside the draft chain); use an engine with num_draft_tokens=0")
     if params.logprobs > max_logprobs:
         raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={max_logprobs}")
+    if params.prompt_logprobs is not None:
+        if params.prompt_logprobs > max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the engine's "
+                             f"max_logprobs={max_logprobs}")
+        if k:
+            raise ValueError("prompt_logprobs is not supported with speculative decoding (its prefill runs the "
+                             "drafter's chunk program); use an engine with num_draft_tokens=0")
     if len(stops) > MAX_STOP_IDS:
         raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stops)}")
 

@@ -34,11 +34,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # on prompt + generated tokens (HF / CTRL form)
     presence_penalty: float = 0.0  # on generated tokens (OpenAI form)
     frequency_penalty: float = 0.0
-    max_tokens: int = 16  # >= 1; prompt + max_tokens within the engine's capacity and the model's positions
+    max_tokens: int = 16  # >= 1 (0 with prompt_logprobs: score the prompt only); within capacity and positions
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids; within the vocabulary
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token
     seed: int = 0
+    prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob (and the top n)
 
     def __post_init__(self):
         """Types and ranges, each checked here, at construction; what depends on the model
@@ -57,7 +58,12 @@ class SamplingParams:
             if not (is_real(value) and ok(value)):
                 _fail(name, expected, value)
         _check_int("top_k", self.top_k, 0, INT32_MAX, " (0: off)")
-        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX, " (a request makes at least one token)")
+        scoring = self.prompt_logprobs is not None
+        if scoring:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, INT32_MAX, " (top logprobs per prompt token)")
+        _check_int("max_tokens", self.max_tokens, 0 if scoring else 1, INT32_MAX,
+                   " (0 only with prompt_logprobs: score the prompt)" if scoring else
+                   " (a request makes at least one token)")
         _check_int("logprobs", self.logprobs, 0, INT32_MAX, " (top logprobs per token)")
         if not (is_int(self.seed) and 0 <= self.seed <= UINT32_MAX):
             _fail("seed", "an int in [0, 2**32 - 1]", self.seed)

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from dsjax.serving.loop import Draining, EngineFailed, EngineLoop, QueueFull
 from dsjax.serving.metrics import Metrics
 from dsjax.serving.protocol import (CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, count_tokens,
-                                    prepare)
+                                    detokenize, prepare, tokenize, tokenizer_info)
 
 log = logging.getLogger("dsjax.serving")
 
@@ -239,6 +239,19 @@ class Server:
         return Response(body if isinstance(body, str) else json.dumps(body), media_type="application/json")
 
     # ------------------------------------------------------------------ the rest
+    async def tokens(self, request: Request) -> Response:
+        """/tokenize, /detokenize (POST) and /tokenizer_info (GET), as vLLM shapes them."""
+        try:
+            if not self._authorized(request):
+                raise APIError(401, "invalid or missing API key", kind="authentication_error")
+            path = request.url.path
+            if path == "/tokenizer_info":
+                return JSONResponse(tokenizer_info(self.ctx))
+            body = await read_json(request, self.ctx.limits.max_body_bytes)
+            return JSONResponse((tokenize if path == "/tokenize" else detokenize)(body, self.ctx))
+        except APIError as e:
+            return error_response(False, e)
+
     def _model_card(self, name: str) -> dict:
         """One served model in both APIs' shapes (OpenAI's object / owned_by, Anthropic's type /
         display_name / created_at)."""
@@ -308,7 +321,10 @@ def create_app(loop: EngineLoop, ctx: Context, metrics: Metrics, api_key: str | 
     routes += [Route("/v1/models", server.models, methods=["GET"]), Route("/health", server.health, methods=["GET"]),
                Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
                Route(MESSAGES.path + "/count_tokens", server.count_tokens, methods=["POST"]),
-               Route("/metrics", server.metrics_endpoint, methods=["GET"])]
+               Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+               Route("/tokenize", server.tokens, methods=["POST"]),
+               Route("/detokenize", server.tokens, methods=["POST"]),
+               Route("/tokenizer_info", server.tokens, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.server = server
     return app

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import deepseek_recipe as recipe
 
 from dsjax.engine import SamplingParams, TokenEvent
+from dsjax.engine.sampler import is_real
 from dsjax.generate import TextRun
 from dsjax.tokenizer import Tokenizer
 
@@ -147,6 +148,13 @@ def _logprobs(n: int, ctx: Context, param: str) -> int:
     return n
 
 
+def _temperature(body: dict, opts):
+    """The recipe's temperature (1.0 in thinking mode, whatever was asked), but temperature 0
+    is greedy in any mode: an evaluation that asks for reproducible answers gets them."""
+    asked = body.get("temperature")
+    return 0.0 if is_real(asked) and asked == 0 else opts.temperature
+
+
 def _penalty(body: dict, key: str) -> float:
     value = body.get(key)
     if value is None:
@@ -156,11 +164,12 @@ def _penalty(body: dict, key: str) -> float:
     return float(value)
 
 
-def sampling(ctx: Context, *, temperature, top_p, max_tokens: int, seed, logprobs: int = 0, body: dict) -> SamplingParams:
+def sampling(ctx: Context, *, temperature, top_p, max_tokens: int, seed, logprobs: int = 0, body: dict,
+             prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(temperature=1.0 if temperature is None else float(temperature),
                               top_p=1.0 if top_p is None else float(top_p), max_tokens=int(max_tokens),
-                              seed=_seed(seed), logprobs=logprobs,
+                              seed=_seed(seed), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               presence_penalty=_penalty(body, "presence_penalty"),
                               frequency_penalty=_penalty(body, "frequency_penalty"))
     except ValueError as e:
@@ -428,8 +437,8 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     if ctx.limits.max_tokens is not None:
         max_tokens = min(max_tokens, ctx.limits.max_tokens)
     n_logprobs = _logprobs(max(opts.top_logprobs or 0, int(opts.logprobs)), ctx, "top_logprobs")
-    params = sampling(ctx, temperature=opts.temperature, top_p=opts.top_p, max_tokens=max_tokens, seed=opts.seed,
-                      logprobs=n_logprobs, body=body)
+    params = sampling(ctx, temperature=_temperature(body, opts), top_p=opts.top_p, max_tokens=max_tokens,
+                      seed=opts.seed, logprobs=n_logprobs, body=body)
     constraint = opts.output_constraint
     budget = thinking_budget(body, ctx, max_tokens)
     spec = None if constraint is None else (*callers_constraint(api, body, constraint.kind, constraint.schema),
@@ -458,14 +467,40 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
 # --------------------------------------------------------------------------- /v1/completions
 class CompletionTranslator:
     """One prompt of a Completions request: text deltas (stop strings cut on the decoded
-    text), OpenAI `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset})."""
+    text), OpenAI `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}).
+    echo (the prompt's text, and with logprobs its tokens' logprobs, before the generated
+    ones: null for the first token, which nothing predicts) and vLLM's `prompt_logprobs`
+    (per prompt token, null then {id: {logprob, rank, decoded_token}}: the token's own and
+    the top n) come with the first event, which carries the prompt's scores."""
 
-    def __init__(self, index: int, ctx: Context, stop: tuple[str, ...], logprobs: int | None, head: dict):
+    def __init__(self, index: int, ctx: Context, stop: tuple[str, ...], logprobs: int | None, head: dict, *,
+                 prompt: list[int] | None = None, echo: str | None = None, prompt_logprobs: int | None = None):
         self.index, self.ctx, self.head = index, ctx, head
         self.run = TextRun(ctx.tokenizer, stop, logprobs is not None)
         self.finish_reason: str | None = None
         self.keep = False
         self.cached_tokens = 0
+        self.prompt, self.echo, self.n_prompt_logprobs = prompt, echo, prompt_logprobs
+        self.top_n = max(logprobs or 0, 1)  # as for generated tokens: logprobs 0 still shows the top one
+        self.echo_entries: list[dict] = []  # the prompt's logprobs entries (echo with logprobs)
+        self.prompt_logprobs: list | None = None  # vLLM's shape
+        self.echoed = False
+
+    def _take_prompt(self, event: TokenEvent) -> None:
+        scores = event.prompt_logprobs or [None] * len(self.prompt)
+        if self.echo is not None and self.run.logprobs is not None:
+            for token, entry in zip(self.prompt, scores):
+                top = None if entry is None else [{"token": t, "logprob": v} for t, v in (entry[1] or [])[: self.top_n]]
+                self.echo_entries.append({"token": token, "logprob": None if entry is None else entry[0],
+                                          "top_logprobs": top})
+        if self.n_prompt_logprobs is not None:
+            decode = lambda t: self.ctx.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+            self.prompt_logprobs = [None]
+            for token, entry in zip(self.prompt[1:], scores[1:]):
+                ranked = {str(token): {"logprob": entry[0], "rank": entry[2], "decoded_token": decode(token)}}
+                for r, (t, v) in enumerate((entry[1] or [])[: self.n_prompt_logprobs], 1):
+                    ranked.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": decode(t)})
+                self.prompt_logprobs.append(ranked)
 
     @property
     def stopped(self) -> bool:
@@ -475,8 +510,10 @@ class CompletionTranslator:
     def tokens(self) -> int:
         return len(self.run.ids)
 
-    def _chunk(self, text: str, logprobs, finish_reason):
+    def _chunk(self, text: str, logprobs, finish_reason, prompt_logprobs=None):
         choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         return [] if self.keep else [(None, json.dumps({**self.head, "choices": [choice]}))]
 
     def _logprobs(self, entries: list[dict], offset: int):
@@ -486,7 +523,8 @@ class CompletionTranslator:
         texts = [tok.decode([e["token"]], skip_special_tokens=False) for e in entries]
         offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
         return {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{tok.decode([t["token"]], skip_special_tokens=False): t["logprob"]
+                "top_logprobs": [None if e["top_logprobs"] is None else
+                                 {tok.decode([t["token"]], skip_special_tokens=False): t["logprob"]
                                   for t in e["top_logprobs"]} for e in entries], "text_offset": offsets}
 
     def start(self, cached_tokens: int = 0):
@@ -496,15 +534,21 @@ class CompletionTranslator:
     def push(self, events: list[TokenEvent]):
         if self.stopped:
             return []
+        head, entries, prompt_logprobs = "", [], None
+        if not self.echoed and events:  # the first event: the prompt's part
+            self.echoed = True
+            self._take_prompt(events[0])
+            head, entries, prompt_logprobs = self.echo or "", self.echo_entries, self.prompt_logprobs
         first, offset, text = len(self.run.ids), self.run.emitted, ""
         for event in events:
             text += self.run.take(event)
             if self.stopped:
                 break
-        if not text and self.run.logprobs is None:
+        if not text and not head and self.run.logprobs is None and prompt_logprobs is None:
             return []
-        return self._chunk(text, self._logprobs(self.run.logprobs[first:], offset)
-                           if self.run.logprobs is not None else None, None)
+        offset += len(self.echo or "") if not head else 0
+        return self._chunk(head + text, self._logprobs(entries + self.run.logprobs[first:], offset)
+                           if self.run.logprobs is not None else None, None, prompt_logprobs)
 
     def finish(self, reason: str | None):
         self.finish_reason = self.run.finish_reason or ("stop" if reason == "stop" else "length")
@@ -515,8 +559,11 @@ class CompletionTranslator:
 
     def choice(self) -> dict:
         lp = self.run.logprobs
-        return {"index": self.index, "text": self.run.text, "finish_reason": self.finish_reason,
-                "logprobs": self._logprobs(lp, 0) if lp is not None else None}
+        out = {"index": self.index, "text": (self.echo or "") + self.run.text, "finish_reason": self.finish_reason,
+               "logprobs": self._logprobs(self.echo_entries + lp, 0) if lp is not None else None}
+        if self.n_prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs
+        return out
 
 
 def _prompts(body: dict, ctx: Context) -> list[list[int]]:
@@ -560,8 +607,14 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
         check_prompt_length(len(p), ctx)
     if _number(body, "n", 1, int) != 1 or _number(body, "best_of", 1, int) != 1:
         raise _field_error("n", "only n = 1 (and best_of = 1) is supported")
-    if body.get("echo"):
-        raise _field_error("echo", "echo is not supported")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool) and echo is not None:
+        raise _field_error("echo", "must be a boolean")
+    prompt_logprobs = body.get("prompt_logprobs")  # vLLM's: each prompt token's logprob and the top n
+    if prompt_logprobs is not None:
+        if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
+            raise _field_error("prompt_logprobs", "an integer >= 0 (top logprobs per prompt token)")
+        _logprobs(prompt_logprobs, ctx, "prompt_logprobs")
     if body.get("suffix"):
         raise _field_error("suffix", "suffix (fill in the middle) is not supported")
     check_unsupported(COMPLETIONS, body)
@@ -578,8 +631,11 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
     if logprobs is not None:
         _logprobs(max(logprobs, 1), ctx, "logprobs")
     max_tokens = _number(body, "max_tokens", 16, int)
-    if max_tokens < 1:
-        raise _field_error("max_tokens", "must be >= 1")
+    if max_tokens < 0 or (max_tokens == 0 and not echo and prompt_logprobs is None):
+        raise _field_error("max_tokens", "must be >= 1 (0 only with echo or prompt_logprobs: the prompt alone)")
+    # the prompt is scored when its logprobs are shown: echo with logprobs, prompt_logprobs, or max_tokens 0
+    scored = [n for n in (logprobs if echo else None, prompt_logprobs) if n is not None]
+    n_scored = max(max(scored), 1) if scored else 0 if max_tokens == 0 else None
     cap = ctx.limits.max_tokens or ctx.capacity
     longest = max(len(p) for p in prompts)
     if max_tokens > cap or longest + max_tokens > ctx.capacity:
@@ -595,8 +651,12 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
     for i, p in enumerate(prompts):
         params = sampling(ctx, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                           max_tokens=max_tokens, seed=None if seed is None else seed + i,
-                          logprobs=0 if logprobs is None else max(logprobs, 1), body=body)
-        translator = CompletionTranslator(i, ctx, stops, logprobs, head)
+                          logprobs=0 if logprobs is None else max(logprobs, 1), body=body,
+                          prompt_logprobs=None if n_scored is None else min(n_scored, ctx.max_logprobs))
+        text = body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][i]
+        shown = (text if isinstance(text, str) else ctx.tokenizer.decode(p)) if echo else None  # echo: the prompt's text
+        translator = CompletionTranslator(i, ctx, stops, logprobs, head, prompt=p, prompt_logprobs=prompt_logprobs,
+                                          echo=shown)
         translator.keep = not stream
         choices.append(Choice(p, params, translator))
     usage = lambda: {"prompt_tokens": sum(len(p) for p in prompts),  # noqa: E731
@@ -615,4 +675,58 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
 def prepare(api: API, body: Any, ctx: Context) -> Job:
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    if api is not COMPLETIONS and body.get("prompt_logprobs") is not None:  # never accepted and ignored
+        raise _field_error("prompt_logprobs", f"prompt_logprobs is served on /v1/completions only, not {api.path}")
     return prepare_completions(body, ctx) if api is COMPLETIONS else prepare_recipe(api, body, ctx)
+
+
+# --------------------------------------------------------------------------- /tokenize, /detokenize, /tokenizer_info
+def _ids_field(value, param: str, ctx: Context) -> list[int]:
+    if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        raise _field_error(param, "a list of token ids")
+    bad = [t for t in value if not 0 <= t < ctx.tokenizer.vocab_size]
+    if bad:
+        raise _field_error(param, f"token id {bad[0]} is outside the vocabulary [0, {ctx.tokenizer.vocab_size})")
+    return value
+
+
+def tokenize(body: Any, ctx: Context) -> dict:
+    """vLLM's /tokenize: {prompt, add_special_tokens (default true: BOS first, as a
+    Completions text prompt gets), return_token_strs} or {messages, ...} (the prompt a Chat
+    Completions request of them would have) -> {count, max_model_len, tokens, token_strs}."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    special, strs = body.get("add_special_tokens", True), body.get("return_token_strs", False)
+    for key, value in (("add_special_tokens", special), ("return_token_strs", strs)):
+        if not isinstance(value, bool):
+            raise _field_error(key, "must be a boolean")
+    if "messages" in body:
+        chat = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs",
+                                                             "add_generation_prompt")}
+        ids = prepare_recipe(CHAT, {"model": ctx.names[0], **chat}, ctx).choices[0].prompt
+    elif isinstance(body.get("prompt"), str):
+        bos = [ctx.tokenizer.bos_id] if special and ctx.tokenizer.bos_id is not None else []
+        ids = bos + ctx.tokenizer.encode(body["prompt"])
+    else:
+        raise _field_error("prompt", "a string (or messages, a chat to encode)")
+    token_strs = [ctx.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if strs else None
+    return {"count": len(ids), "max_model_len": ctx.capacity, "tokens": ids, "token_strs": token_strs}
+
+
+def detokenize(body: Any, ctx: Context) -> dict:
+    """vLLM's /detokenize: {tokens} -> {prompt} (special tokens kept: the text of the ids)."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    ids = _ids_field(body.get("tokens"), "tokens", ctx)
+    return {"prompt": ctx.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def tokenizer_info(ctx: Context) -> dict:
+    """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's
+    remote tokenizer reads bos / eos / pad). No chat_template: the recipe encodes chats, and
+    /tokenize with messages gives their ids."""
+    tok = ctx.tokenizer
+    name = lambda i: None if i is None else tok.decode([i], skip_special_tokens=False)  # noqa: E731
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
+            "pad_token": None, "model_max_length": ctx.capacity, "vocab_size": tok.vocab_size,
+            "add_bos_token": True, "chat_template": None}

@@ -23,6 +23,7 @@ from dsjax.serving.loop import EngineLoop
 from dsjax.serving.metrics import Metrics
 from dsjax.serving.protocol import Context, Limits
 from dsjax.tokenizer import Tokenizer, load_tokenizer
+from dsjax.weights import bundled_models
 
 
 @dataclasses.dataclass
@@ -52,20 +53,26 @@ class Served:
 def build(model: Model, *, name: str = "dsjax", tokenizer: Tokenizer | None = None, max_slots: int = 8,
           capacity: int = 4096, prefill_chunk: int = 256, decode_steps: int = 1, num_draft_tokens: int = 0,
           batch_invariant: bool | None = None, max_logprobs: int = 0, limits: Limits = Limits(),
-          api_key: str | None = None, default_thinking: bool = True, max_thinking_tokens: int | None = None,
-          warmup: bool = True, on_warmup: Callable[[int, int, str], None] | None = None,
+          api_key: str | None = None, default_thinking: bool | None = None, max_thinking_tokens: int | None = None,
+          warmup: bool = True, scoring: bool = False, on_warmup: Callable[[int, int, str], None] | None = None,
           prefix_cache: PrefixCacheOptions | None = None) -> Served:
     """The engine (its cache checked to fit, then allocated), warmed up unless warmup=False
     (then the first requests of each shape compile; on_warmup(i, total, what) hears of each
     program, `Engine.warmup`'s progress), its loop thread started, and the app. prefix_cache:
     the engine keeps prompts' cache blocks across requests (usage then reports the prompt
-    tokens taken from it, as OpenAI's cached_tokens / Anthropic's cache_read_input_tokens)."""
+    tokens taken from it, as OpenAI's cached_tokens / Anthropic's cache_read_input_tokens).
+    default_thinking: the thinking mode of requests that do not say; None: off for a model
+    with no chat of its own (a bundled model: the built-in code model), else on (the
+    recipe's default). scoring: warmup also compiles the prefill programs that score prompts
+    (echo with logprobs, prompt_logprobs; else compiled on their first request)."""
+    if default_thinking is None:
+        default_thinking = model.config.name not in bundled_models()
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     decode_steps=decode_steps, num_draft_tokens=num_draft_tokens, batch_invariant=batch_invariant,
                     max_logprobs=max_logprobs, prefix_cache=prefix_cache)
     structured = num_draft_tokens == 0  # the engine refuses grammar constraints with speculation
     if warmup:
-        engine.warmup(constrained=structured, progress=on_warmup)
+        engine.warmup(constrained=structured, scoring=scoring, progress=on_warmup)
     tokenizer = tokenizer or load_tokenizer(model)
     compiler = ConstraintCompiler.for_model(model, tokenizer) if structured else None
     eos = tuple(model.config.eos_token_ids)
