@@ -42,9 +42,11 @@ import hashlib
 import jax
 import numpy as np
 
+from dsjax.engine.limits import check_prefix_cache
 from dsjax.engine.programs import restore_block, save_block
 from dsjax.engine.requests import admission
-from dsjax.model.cache import block_layout
+from dsjax.memory import free_memory
+from dsjax.model.cache import block_layout, cache_bytes
 from dsjax.model.v41 import decodes_equal_prefill
 
 ROOT = b""
@@ -86,10 +88,6 @@ def auto_options(model, *, max_slots: int, capacity: int, prefill_chunk: int,
     to be) are allocated; blocks fill it as prompts arrive, LRU beyond. None, with the reason,
     where the engine cannot cache (a prefill chunk the compression ratios do not divide, a
     mesh) or nothing is left. Returns (options, a line saying what was chosen)."""
-    from dsjax.engine.limits import check_prefix_cache
-    from dsjax.memory import free_memory
-    from dsjax.model.cache import cache_bytes
-
     try:
         check_prefix_cache(model.config, prefill_chunk, model.mesh)
     except ValueError as e:

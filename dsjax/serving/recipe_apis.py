@@ -1,0 +1,245 @@
+"""Chat Completions, Responses and Anthropic Messages through deepseek-recipe: request ->
+conversation -> prompt ids (its V4 / V4.1 encoding), generated ids -> the API's events
+(reasoning, DSML tool calls, JSON output, stop sequences, finish reasons, usage). What the
+recipe does not read is mapped or refused here (`max_completion_tokens`, the caller's own
+schemas for structured output, the reasoning budget)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import deepseek_recipe as recipe
+
+from dsjax.engine import TokenEvent
+from dsjax.serving.fields import (API, CHAT, MESSAGES, RESPONSES, APIError, check_limits, check_logprobs,
+                                  check_no_images, check_prompt_length, check_unsupported, Choice, Context,
+                                  field_error, Job, new_id, request_temperature, sampling, wide_integer)
+
+
+# --------------------------------------------------------------------------- recipe APIs
+class RecipeTranslator:
+    """Engine TokenEvents -> one API's events, by deepseek-recipe's StreamProcessor. The EOS
+    that ends a turn is not text: it goes in as an empty text chunk counting one token, so
+    usage counts every token the engine generated."""
+
+    def __init__(self, api: "API", generator, conv, ctx: Context, prompt_tokens: int):
+        self.api, self.ctx, self.prompt_tokens = api, ctx, prompt_tokens
+        self.processor = recipe.StreamProcessor(generator, conv.parsing_options, ctx.tokenizer.recipe)
+        self.want_logprobs = bool(conv.inference_options.logprobs)
+        self.events: list = []  # kept for the non-streaming accumulation
+        self.keep = False
+        self.tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        """A stop sequence (or the parser) ended the answer: nothing more is taken."""
+        return self.processor.finished
+
+    def _out(self, events) -> list[tuple[str | None, str]]:
+        if self.keep:
+            self.events.extend(events)
+            return []
+        return [(self.api.response_cls.sse_event_name(e), e.to_json()) for e in events]
+
+    def start(self, cached_tokens: int = 0):
+        """The API's opening events; cached_tokens: prompt tokens the prefix cache held (known
+        once the request was admitted, from its first event)."""
+        usage = recipe.PromptUsage(prompt_tokens=self.prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
+        return self._out(self.processor.push(recipe.InferenceChunk.ready(prompt_usage=usage)))
+
+    def push(self, events: list[TokenEvent]):
+        out = []
+        for event in events:
+            if self.stopped:
+                break
+            self.tokens += 1
+            if event.finish_reason == "stop" and event.token in self.ctx.eos_ids:
+                chunk = recipe.InferenceChunk.text("", 1)
+            elif self.want_logprobs:
+                top = [(t, v) for t, v in (event.top_logprobs or [])]
+                chunk = recipe.InferenceChunk.tokens([event.token], [(event.logprob or 0.0, top)])
+            else:
+                chunk = recipe.InferenceChunk.tokens([event.token])
+            out += self.processor.push(chunk)
+        return self._out(out)
+
+    def finish(self, reason: str | None):
+        out = []
+        if not self.stopped:
+            kind = recipe.InferenceFinishReason.Stop if reason == "stop" else recipe.InferenceFinishReason.Length
+            out += self.processor.push(recipe.InferenceChunk.finish(kind))
+        out += self.processor.finish()
+        return self._out(out)
+
+    def close(self) -> None:
+        if not self.processor.finished:
+            self.processor.close()
+
+
+def _culprit(api: API, body: dict, error: str) -> str:
+    """The recipe's body errors are serde messages without a path ("invalid type: string
+    "hot", expected f32"): name the top-level field whose removal makes the body parse."""
+    for key in body:
+        if key != "model":
+            try:
+                api.request_cls({k: v for k, v in body.items() if k != key})
+            except ValueError as without:  # a required field: removing it is "missing field `key`"
+                if f"missing field `{key}`" not in str(without):
+                    continue
+            return f"{key}: {error.removeprefix('invalid request body: ')}"
+    return error
+
+
+def thinking_budget(body: dict, ctx: Context, max_tokens: int) -> int:
+    """The reasoning tokens a constrained answer (structured output, tools) in thinking mode
+    may spend before `</think>` is forced, so that the answer always gets tokens: the
+    request's `thinking.budget_tokens`, else `--max-thinking-tokens`, else half of max_tokens."""
+    thinking = body.get("thinking")
+    given = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+    if given is None:
+        return ctx.max_thinking_tokens if ctx.max_thinking_tokens is not None else max_tokens // 2
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < max_tokens:
+        raise field_error("thinking.budget_tokens", f"an integer in [0, max_tokens = {max_tokens}), got {given!r}")
+    return given
+
+
+def _callers_tools(api: API, body: dict) -> dict:
+    """Tool name -> parameters schema, as the body wrote them (Chat: tools[].function;
+    Responses: flat function tools; Messages: input_schema)."""
+    out = {}
+    for tool in body.get("tools") or []:
+        fn = tool.get("function", tool) if api is CHAT and isinstance(tool, dict) else tool
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("input_schema" if api is MESSAGES else "parameters")
+            if isinstance(params, dict):
+                out[fn["name"]] = params
+    return out
+
+
+def callers_constraint(api: API, body: dict, kind: str, schema: str) -> tuple[str, str]:
+    """The output constraint as the caller asked for it. The recipe names the kind and the
+    tools, but its strict-mode schemas leave keywords out (maxLength, minLength, ...), it
+    reads `json_object` as any JSON value and Anthropic's tool_choice "any" as "auto". The
+    grammar is compiled from the body's own schemas, so a keyword the grammar library
+    cannot enforce is refused by name (400) rather than dropped."""
+    if kind == "json":
+        fmt = body.get("response_format") if api is CHAT else (body.get("text") or {}).get("format") \
+            if api is RESPONSES and isinstance(body.get("text"), dict) else None
+        if not schema:  # json_object: a JSON object, as OpenAI defines it
+            return kind, json.dumps({"type": "object"})
+        if isinstance(fmt, dict):
+            own = (fmt.get("json_schema") or {}).get("schema") if api is CHAT else fmt.get("schema")
+            if isinstance(own, (dict, bool)):
+                return kind, json.dumps(own)
+        return kind, schema
+    if kind.startswith("tool_call"):
+        own, tools = _callers_tools(api, body), json.loads(schema)
+        for tool in tools:
+            fn = tool.get("function", tool)
+            if fn.get("name") in own:
+                fn["parameters"] = own[fn["name"]]
+        choice = body.get("tool_choice")
+        if api is MESSAGES and kind == "tool_call" and isinstance(choice, dict) and choice.get("type") == "any":
+            kind = "tool_call_any"
+        return kind, json.dumps(tools)
+    return kind, schema
+
+
+def _parallel_tool_calls(api: API, body: dict) -> bool:
+    """Whether one answer may call several tools: OpenAI `parallel_tool_calls` (default
+    true), Anthropic `tool_choice.disable_parallel_tool_use`."""
+    if api.anthropic:
+        choice = body.get("tool_choice")
+        return not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
+    return body.get("parallel_tool_calls") is not False
+
+
+def _recipe_body(api: API, body: dict) -> dict:
+    """Fields the recipe does not read, mapped onto those it does or refused by name:
+    Chat's `max_completion_tokens` (the name OpenAI's clients send) is `max_tokens`;
+    Anthropic's required `max_tokens` is required."""
+    if api is CHAT and "max_completion_tokens" in body:
+        value = body["max_completion_tokens"]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise field_error("max_completion_tokens", f"an integer >= 1, got {value!r}")
+        if body.get("max_tokens") is not None and value is not None and body["max_tokens"] != value:
+            raise field_error("max_completion_tokens", f"{value} differs from max_tokens {body['max_tokens']!r} "
+                                                        f"(send one of them)")
+        body = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+        if value is not None:
+            body["max_tokens"] = value
+    if api is MESSAGES and body.get("max_tokens") is None:
+        raise field_error("max_tokens", "required: the most tokens to generate (an integer >= 1)")
+    check_unsupported(api, body)
+    return body
+
+
+def convert(api: API, body: dict, ctx: Context):
+    """A body's model name, Responses extras (echo, tool namespaces), the recipe's conversion
+    and the prompt ids (APIError on bad input)."""
+    check_limits(body, api, ctx)
+    check_no_images(body)
+    try:
+        req = api.request_cls(body)
+    except ValueError as e:
+        raise APIError(400, _culprit(api, body, str(e))) from None
+    except OverflowError:  # the recipe reads JSON integers as 64-bit
+        where = wide_integer(body)
+        raise APIError(400, f"{where or 'a number'}: an integer out of the 64-bit range", param=where) from None
+    try:
+        model = req.model
+        extra = (req.echo(), req.namespace_tool_map(ctx.conversion)) if api is RESPONSES else None
+        conv = req.convert(ctx.conversion)  # consumes req
+    except (ValueError, recipe.ConversionError) as e:  # the recipe's messages name the field
+        raise APIError(400, str(e)) from None
+    prompt = ctx.encoding.encode(conv.conversation)
+    check_prompt_length(len(prompt), ctx)
+    return model, extra, conv, prompt
+
+
+def count_tokens(body: Any, ctx: Context) -> int:
+    """Anthropic's /v1/messages/count_tokens: the prompt ids a Messages body would send."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return len(convert(MESSAGES, {**body, "max_tokens": 1}, ctx)[3])
+
+
+def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
+    body = _recipe_body(api, body)
+    model, extra, conv, prompt = convert(api, body, ctx)
+    conversation = conv.conversation
+    opts = conv.inference_options
+    try:
+        max_tokens = conv.resolve_max_tokens(len(prompt), ctx.capacity)
+    except recipe.ConversionError as e:
+        raise APIError(400, str(e), code="context_length_exceeded") from None
+    if ctx.limits.max_tokens is not None:
+        max_tokens = min(max_tokens, ctx.limits.max_tokens)
+    n_logprobs = check_logprobs(max(opts.top_logprobs or 0, int(opts.logprobs)), ctx, "top_logprobs")
+    params = sampling(ctx, temperature=request_temperature(body, opts), top_p=opts.top_p, max_tokens=max_tokens,
+                      seed=opts.seed, logprobs=n_logprobs, body=body)
+    constraint = opts.output_constraint
+    budget = thinking_budget(body, ctx, max_tokens)
+    spec = None if constraint is None else (*callers_constraint(api, body, constraint.kind, constraint.schema),
+                                            conversation.thinking_mode, _parallel_tool_calls(api, body),
+                                            budget if conversation.thinking_mode else None)
+    response_id, created = new_id(api), int(time.time())
+    if api is MESSAGES:
+        generator = recipe.MessagesChunkGenerator(response_id, model, conversation.thinking_mode)
+    else:
+        generator = api.request_cls.chunk_generator(conv, response_id, model)
+    if extra is not None:
+        generator = generator.with_echo(extra[0]).with_namespace_tool_map(extra[1])
+    translator = RecipeTranslator(api, generator, conv, ctx, len(prompt))
+    translator.keep = not conv.stream
+
+    def response():
+        acc = api.response_cls(response_id, model, created, len(prompt), 0)
+        for event in translator.events:
+            acc.accumulate(event)
+        return acc.to_json()
+
+    return Job(api, conv.stream, [Choice(prompt, params, translator, spec)], response,
+               api.response_cls.sse_done_data())
