@@ -66,7 +66,7 @@ class CompletionTranslator:
             choice["prompt_logprobs"] = prompt_logprobs
         return [] if self.keep else [(None, json.dumps({**self.head, "choices": [choice]}))]
 
-    def check_logprobs(self, entries: list[dict], offset: int):
+    def _logprobs(self, entries: list[dict], offset: int):
         if self.run.logprobs is None:
             return None
         tok = self.ctx.tokenizer
