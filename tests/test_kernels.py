@@ -63,6 +63,21 @@ def test_sink_attention_kernel_bf16(case):
     assert np.abs(got - want).max() <= 4 * 2.0 ** -8 * np.abs(want).max()
 
 
+
+@pytest.mark.parametrize("case", [0, 3])
+def test_sink_attention_kernel_rounds_p_like_the_reference(case):
+    """V4.1's round_p in an fp32 run: p to bf16 before PV, the fp32 sum in the denominator. With
+    all shared keys in one kernel block the kernel's running max is the reference's max until
+    the per-query keys (case 3) raise it; then one p rounding may differ (2^-9 relative)."""
+    args = _attention_case(np.random.default_rng(case), *CASES[case], jnp.float32)
+    want = np.asarray(sink_attention.reference(*args, round_p=True))
+    got = np.asarray(sink_attention.pallas_sink_attention(*args, block_q=4, block_k=64, interpret=True, round_p=True))
+    scale = np.abs(want).max()
+    bound = 1e-6 if CASES[case][-1] == 0 else 2.0 ** -8
+    assert np.abs(got - want).max() <= bound * scale
+    plain = np.asarray(sink_attention.reference(*args))  # V4's form: differs by the rounding of p
+    assert np.abs(plain - want).max() > 1e-4 * scale
+
 GROUPS = {
     "ragged": [3, 0, 7, 1, 0, 12, 2, 5],
     "empty_experts": [0, 0, 9, 0, 0, 0, 0, 4],

@@ -15,6 +15,21 @@ the query's own top-k keys, and adds exp(sink - m) to the denominator at the end
 `reference` is the same math in plain jnp on the equivalent dense mask [B, S, T]; the
 model calls only the dispatch `sink_attention(..., impl=...)`.
 
+Where p is rounded (`round_p`). V4 (HF's oracle): p is normalised, sink included, and cast
+to the keys' dtype before PV (a no-op in fp32). DeepSeek-V4.1 (deepseek-v41.md §2.9, the
+vendor kernel): p = e^{l - m} is rounded to bf16 against the max m of the logits (sink
+excluded; a running max in the kernels) before PV, and the fp32 sum of the unrounded p plus
+e^{sink - m} divides at the end:
+
+    o_h = sum_i bf16(e^{l_i - m}) kv_i / (sum_i e^{l_i - m} + e^{sink_h - m})
+
+`reference` takes m over all of a query's visible keys: the vendor kernel's value whenever its
+running max does not rise after the first block of 64 indices (a query with <= 64 keys
+always). The Pallas kernel rounds against its own running max (blocks of `block_k` shared keys,
+then the query's top-k), the Mosaic GPU kernel against its running max over 64-key tiles
+(it stages P in bf16 for wgmma whatever `round_p` says); where the max rises across blocks
+they differ from the reference by the rounding of p (2^-9 relative per weight).
+
 `mgpu_sink_attention` is the Hopper (sm90) kernel for Mosaic GPU. All query heads share
 the one KV head, so a program takes 64 heads of ONE query as the 64 rows of a wgmma tile
 (MQA-style, as DeepSeek's FlashMLA decode does): its visibility rule is then one mask per
@@ -44,13 +59,14 @@ from dsjax.pallas_kernels.mgpu import (accumulate, interpret_params, layout, mat
 NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free for fully masked rows
 
 
-def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None):
+def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, round_p: bool = False):
     """The reference math, on the dense mask the intervals stand for.
 
     q [B, S, H, D]; kv [B, T, D] keys shared by all queries, key t visible to query s iff
     k_lo[b, t] <= q_pos[b, s] <= k_hi[b, t]; optionally kv_pq [B, S, k, D] (CSA: each
     query's top-k compressed entries, gathered) with mask_pq [B, S, k]. sinks [H] fp32
-    adds exp(sink_h) to the denominator only. -> o [B, S, H, D] in q's dtype."""
+    adds exp(sink_h) to the denominator only. round_p: V4.1's rounding of p (module
+    docstring); a query with no visible key gives 0. -> o [B, S, H, D] in q's dtype."""
     mask = (q_pos[:, :, None] >= k_lo[:, None, :]) & (q_pos[:, :, None] <= k_hi[:, None, :])  # [B, S, T]
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bshd,btd->bsht", q, kv, preferred_element_type=jnp.float32) * scale
@@ -59,18 +75,26 @@ def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None):
         extra = jnp.einsum("bshd,bskd->bshk", q, kv_pq, preferred_element_type=jnp.float32) * scale
         logits = jnp.concatenate([logits, jnp.where(mask_pq[:, :, None, :], extra, -jnp.inf)], axis=-1)
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
-    p = jnp.exp(logits - m)
-    p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(kv.dtype)
+    if round_p:  # V4.1: m over the keys only (from the kernels' finite start), p to bf16 unnormalised
+        m = jnp.max(logits, axis=-1, keepdims=True, initial=NEG)
+        p = jnp.exp(logits - m)
+        denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)  # inf for a query with no key: o = 0
+        p = p.astype(jnp.bfloat16).astype(kv.dtype)
+    else:
+        m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+        p = jnp.exp(logits - m)
+        p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(kv.dtype)
     t = kv.shape[1]
     o = jnp.einsum("bsht,btd->bshd", p[..., :t], kv, preferred_element_type=jnp.float32)
     if kv_pq is not None:
         o = o + jnp.einsum("bshk,bskd->bshd", p[..., t:], kv_pq, preferred_element_type=jnp.float32)
+    if round_p:
+        o = o / denom
     return o.astype(q.dtype)
 
 
 def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: int, n_kblocks: int, scale: float,
-            per_query: bool):
+            per_query: bool, round_p: bool = False):
     if per_query:
         kvq_ref, mq_ref, o_ref = rest
     else:
@@ -87,7 +111,8 @@ def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: in
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[..., None])
-        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + values(p)
+        pv = p.astype(jnp.bfloat16).astype(jnp.float32) if round_p else p  # V4.1: against the running max
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + values(pv)
 
     def key_block(j, carry):
         start = j * block_k
@@ -112,10 +137,11 @@ def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: in
     o_ref[0] = (acc * jnp.exp(m - m_all)[..., None] / denom[..., None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret", "round_p"))
 def pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, block_q: int = 16,
-                          block_k: int = 128, interpret: bool = False):
-    """Same contract as `reference`; S and T are padded to the block sizes here."""
+                          block_k: int = 128, interpret: bool = False, round_p: bool = False):
+    """Same contract as `reference` (round_p: against the running max); S and T are padded to
+    the block sizes here."""
     b, s, h, d = q.shape
     t = kv.shape[1]
     bq = min(block_q, s)
@@ -143,7 +169,8 @@ def pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=N
         in_specs += [pl.BlockSpec((1, bq, kq, d), lambda i, j: (i, j, 0, 0)),
                      pl.BlockSpec((1, bq, kq), lambda i, j: (i, j, 0))]
         args += [pad_s(kv_pq), pad_s(mask_pq.astype(jnp.int32), 0)]
-    kernel = functools.partial(_kernel, block_k=bk, n_kblocks=tp // bk, scale=d ** -0.5, per_query=per_query)
+    kernel = functools.partial(_kernel, block_k=bk, n_kblocks=tp // bk, scale=d ** -0.5, per_query=per_query,
+                               round_p=round_p)
     out = pl.pallas_call(
         kernel, grid=(b, sp // bq), in_specs=in_specs,
         out_specs=pl.BlockSpec((1, bq, h, d), lambda i, j: (i, j, 0, 0)),
@@ -251,10 +278,11 @@ def num_splits(programs: int, key_blocks: int, sms: int | None = None) -> int:
     return max(1, min(sms // max(programs, 1), key_blocks // 2))
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "steps", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "steps", "splits", "interpret", "round_p"))
 def mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, block_k: int | None = None,
-                        steps: int = 2, splits: int | None = None, interpret: bool = False):
-    """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation). Heads
+                        steps: int = 2, splits: int | None = None, interpret: bool = False, round_p: bool = False):
+    """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation; P is
+    always bf16 against the running max, so `round_p` changes nothing here). Heads
     are padded to a multiple of 64, D to a multiple of 64 (of 256 above 256), keys to
     block_k; padding keys are invisible and padded heads are dropped.
 
@@ -321,12 +349,13 @@ def merge_splits(outs: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array
     return jnp.einsum("nr,nrd->rd", weights / denom, outs.astype(jnp.float32))
 
 
-def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference"):
+def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference",
+                   round_p: bool = False):
     """THE dispatch (dispatch.py's rule): "reference" (jnp); "pallas": the Mosaic GPU kernel
     on Hopper+, else the generic Pallas kernel (interpreted on CPU); "mosaic_gpu": the
-    Mosaic GPU kernel (GPU interpret mode off the GPU)."""
+    Mosaic GPU kernel (GPU interpret mode off the GPU). round_p: V4.1's rounding of p."""
     kind, interpret = kernel_choice(impl)
     if kind == "reference":
-        return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq)
+        return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, round_p)
     fn = mgpu_sink_attention if kind == "mosaic_gpu" else pallas_sink_attention
-    return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret)
+    return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret, round_p=round_p)
