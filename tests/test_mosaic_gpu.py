@@ -89,6 +89,26 @@ def test_grouped_ffn_kernel_interpreted(groups):
     assert not got[-3:].any()  # rows past the groups are not computed
 
 
+def test_grouped_ffn_kernel_interpreted_v41_lin4():
+    """DeepSeek-V4.1's Lin4 (`down`: the routing weight, then W2's FP8 round trip) rounds where
+    `hidden` does: gate and up to bf16, h kept fp32 until `down`. Rows whose FP8 codes all
+    agree with the reference differ by the products' summation order only; a bf16 h rounded
+    before `down` would move ~1 in 30 codes, i.e. nearly every row."""
+    from dsjax.layers.moe import lin4_down_input
+
+    rng = np.random.default_rng(3)
+    sizes = jnp.asarray(GROUPS["ragged"], jnp.int32)
+    m, e, i, d = int(sizes.sum()), 8, 128, 64
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
+    w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)) * 0.3, jnp.bfloat16) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(e, d, i)) * 0.3, jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.1, 1.5, size=m), jnp.float32)
+    lin4 = dict(limit=3.0, scale=scale, down=lin4_down_input)
+    got = np.asarray(grouped_matmul.mgpu_grouped_ffn(x, sizes, w1, w3, w2, block_n=64, interpret=True, **lin4))
+    want = np.asarray(grouped_matmul.reference(x, sizes, w1, w3, w2, **lin4))
+    row_err = np.abs(got - want).max(axis=1) / np.abs(want).max()
+    assert np.mean(row_err <= 1e-5) >= 0.9, np.sort(row_err)[::-1][:8]
+
 @pytest.mark.parametrize("case", INDEX_CASES)
 def test_index_scores_kernel_interpreted(case):
     """bf16 operands that are exact in bf16: products are exact in fp32, only the summation
