@@ -46,11 +46,11 @@ FP32 = RuntimeOptions(round_trips=False)  # the oracle has no quantisation round
 
 HP = json.loads((Path(__file__).parents[1] / "configs" / "tiny-v41.json").read_text())["text_config"]
 CANDIDATE_BLOCKS = 3  # x candidate_block_size 2 = 6 > index_topk 4
-HP["candidate_topk_blocks"] = CANDIDATE_BLOCKS
+HP_HERE = dict(HP, candidate_topk_blocks=CANDIDATE_BLOCKS)  # what the oracle reads here (HP: tiny-v41 itself)
 
 
 def _config():
-    """tiny-v41 with CANDIDATE_BLOCKS kept candidate blocks (the oracle reads HP)."""
+    """tiny-v41 with CANDIDATE_BLOCKS kept candidate blocks (the oracle reads HP_HERE)."""
     cfg = load_config("tiny-v41")
     assert CANDIDATE_BLOCKS * cfg.v41.candidate_block_size > cfg.index_topk
     return dataclasses.replace(cfg, v41=dataclasses.replace(cfg.v41, candidate_topk_blocks=CANDIDATE_BLOCKS))
@@ -155,9 +155,9 @@ def case():
     out = {"plain": forward(params, tokens, eweights_off, erows), "engram": forward(params, tokens, eweights, erows)}
     out = {k: tuple(np.asarray(a) for a in v) for k, v in out.items()}
     trace = {}
-    ref = {"plain": v41_oracle.forward(weights, np.asarray(tokens), HP, trace=trace)}
+    ref = {"plain": v41_oracle.forward(weights, np.asarray(tokens), HP_HERE, trace=trace)}
     weights["engram"] = _oracle_engram(eweights, erows)
-    ref["engram"] = v41_oracle.forward(weights, np.asarray(tokens), HP)
+    ref["engram"] = v41_oracle.forward(weights, np.asarray(tokens), HP_HERE)
     return out, ref, trace
 
 
@@ -177,7 +177,7 @@ def test_forward_matches_oracle(case):
 
 def test_data_exercises_the_rules(case):
     """The case reaches the rules it is meant to check (else a match would prove little)."""
-    trace, sched = case[2], v41_oracle.Schedule(HP)
+    trace, sched = case[2], v41_oracle.Schedule(HP_HERE)
     assert S > HP["sliding_window"] and S // 2 > HP["index_topk"]  # the window slides; top-k < visible (r = 1, 2)
     restricted = [layer for layer in sched.index_sources if sched.restricted(layer)]
     assert restricted
@@ -225,7 +225,7 @@ def round_trip_case(case):
 
     logits = np.asarray(forward(params, jnp.asarray(tokens, jnp.int32)))
     weights = _oracle_weights(params, cfg)
-    refs = {j: v41_oracle.forward(weights, tokens, HP, round_trips=v41_rounding.Rounding(True, jitter=j))[0]
+    refs = {j: v41_oracle.forward(weights, tokens, HP_HERE, round_trips=v41_rounding.Rounding(True, jitter=j))[0]
             for j in (0.0, JITTER, -JITTER)}
     return logits, refs, case[1]["plain"][0][:1, :RT_S]  # causal: the first RT_S positions of the fp32 oracle
 

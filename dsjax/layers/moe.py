@@ -265,6 +265,8 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
     per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
     contrib = per_assignment.astype(jnp.float32) * after.reshape(-1)[order][:, None]
+    if fp8_acts:  # the single-device paths' summation order (`sum_by_expert`)
+        return sum_by_expert(jnp.zeros_like(contrib).at[order].set(contrib).reshape(t, k, d), idx)
     return jnp.zeros((t, d), jnp.float32).at[order // k].add(contrib)
 
 
