@@ -340,27 +340,35 @@ def _as_dispatch_args(q, kv, idx, sink):
             jnp.asarray(sink), jnp.asarray(rows), jnp.asarray(idx >= 0))
 
 
-@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-def test_sink_attention_rounds_p_as_the_vendor_kernel(decode):
+@pytest.mark.parametrize("case", ["prefill", "decode", "long"])
+def test_sink_attention_rounds_p_as_the_vendor_kernel(case):
     """§2.9 through the attention the model calls (pallas_kernels/sink_attention.py, round_p as
-    V4.1's round trips set it), on lists of <= 64 indices, i.e. one block of the vendor kernel,
-    where its running max is the row's max: against the kernel's port (bf16 p, fp32 sum) and
-    the float64 softmax. The generic Pallas kernel (interpreted) with all keys in one block."""
+    V4.1's round trips set it), against the kernel's port (blocks of 64 indices, bf16 p against
+    the running max, fp32 sum) and the float64 softmax. prefill / decode: lists of <= 64
+    indices (one block: the running max is the row's max), with the generic Pallas kernel
+    (interpreted; all keys in one block). long: 110 indices, where the max rises in the second
+    block for some rows, with the Mosaic GPU kernel (interpreted; its 64-key tiles are the
+    vendor's blocks; the Pallas kernel takes a query's own keys as one block)."""
     rng = np.random.default_rng(7)
-    if decode:
+    if case == "decode":
         b, s, h, d, n_window, n_comp, k = 4, 1, 4, 32, 16, 90, 48  # sequences 2, 3 are ordinary
-    else:
+    elif case == "prefill":
         b, s, h, d, n_window, n_comp, k = 2, 6, 4, 32, 6, 150, 58
-    q, kv, idx, sink = _attention_case(rng, b, s, h, d, n_window, n_comp, k, decode)
+    else:
+        b, s, h, d, n_window, n_comp, k = 2, 3, 4, 32, 40, 150, 70
+    q, kv, idx, sink = _attention_case(rng, b, s, h, d, n_window, n_comp, k, case == "decode")
     idx[1, 0] = -1  # a row with no valid index
     idx[0, 0, :] = -1
     idx[0, 0, [3, 40]] = [2, n_window + 7]  # two valid rows, -1 around them: the sink weighs heavily here
-    assert idx.shape[-1] <= 64
+    assert (idx.shape[-1] <= 64) == (case != "long")
     args = _as_dispatch_args(q, kv, idx, sink)
     run = jax.jit(sink_attention.sink_attention, static_argnames=("impl", "round_p"))
     rounded = np.asarray(run(*args, round_p=True)).astype(np.float32)
     plain = np.asarray(run(*args, round_p=False)).astype(np.float32)  # V4: normalised p, kept fp32 (bf16 here)
-    kernel = np.asarray(sink_attention.pallas_sink_attention(*args, block_k=64, interpret=True, round_p=True))
+    if case == "long":
+        kernel = np.asarray(sink_attention.mgpu_sink_attention(*args, interpret=True, round_p=True))
+    else:
+        kernel = np.asarray(sink_attention.pallas_sink_attention(*args, block_k=64, interpret=True, round_p=True))
 
     exact = oracle_attention_f64(q, kv, idx, sink, d ** -0.5)
     port = oracle_attention_blocked(q, kv, idx, sink, d ** -0.5).astype(np.float32)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels import CASES, GROUPS, INDEX_CASES, _attention_case, index_case
+from test_kernels import CASES, GROUPS, INDEX_CASES, _attention_case, index_case, rising_max_case
 
 from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
 from dsjax.pallas_kernels.mgpu import lower_for_cuda
@@ -64,6 +64,18 @@ def test_attention_kernel_interpreted_decode_splits(splits):
     got = np.asarray(sink_attention.mgpu_sink_attention(*args, splits=splits, interpret=True))
     want = np.asarray(sink_attention.reference(*_rounded(args)))
     assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
+
+
+def test_attention_kernel_interpreted_rounds_p_against_the_running_max():
+    """V4.1 (§2.9): the kernel's 64-key tiles are the vendor's blocks and it stages P in bf16
+    against its running max, so over > 64 keys whose max rises in a later tile its bf16 output
+    is the reference's (round_p: the same running-max form) rounded to bf16, bit for bit (the
+    overall-max form: ~10% of outputs one ulp off)."""
+    args = rising_max_case()
+    got = np.asarray(sink_attention.mgpu_sink_attention(*args, interpret=True, round_p=True)).astype(np.float32)
+    want = np.asarray(sink_attention.reference(*args, round_p=True))
+    assert np.abs(got - want).max() <= BF16_ULP * np.abs(want).max()
+    assert (got == want.astype(jnp.bfloat16).astype(np.float32)).mean() >= 0.99
 
 
 def test_decode_splits_fill_the_gpu():

@@ -18,17 +18,21 @@ model calls only the dispatch `sink_attention(..., impl=...)`.
 Where p is rounded (`round_p`). V4 (HF's oracle): p is normalised, sink included, and cast
 to the keys' dtype before PV (a no-op in fp32). DeepSeek-V4.1 (deepseek-v41.md §2.9, the
 vendor kernel): p = e^{l - m} is rounded to bf16 against the max m of the logits (sink
-excluded; a running max in the kernels) before PV, and the fp32 sum of the unrounded p plus
-e^{sink - m} divides at the end:
+excluded) before PV, and the fp32 sum of the unrounded p plus e^{sink - m} divides at the end:
 
     o_h = sum_i bf16(e^{l_i - m}) kv_i / (sum_i e^{l_i - m} + e^{sink_h - m})
 
-`reference` takes m over all of a query's visible keys: the vendor kernel's value whenever its
-running max does not rise after the first block of 64 indices (a query with <= 64 keys
-always). The Pallas kernel rounds against its own running max (blocks of `block_k` shared keys,
-then the query's top-k), the Mosaic GPU kernel against its running max over 64-key tiles
-(it stages P in bf16 for wgmma whatever `round_p` says); where the max rises across blocks
-they differ from the reference by the rounding of p (2^-9 relative per weight).
+where m is the vendor's online-softmax RUNNING max over consecutive blocks of 64 indices (from
+-1e30): block b's p rounds against M_b = max(M_{b-1}, max of block b), acc and sum rescale by
+e^{M_{b-1} - M_b}, the sink joins against the final max. `reference` computes this vectorised
+(`_running_max_p`) over its key axis in order (the shared keys, then the query's own; a
+masked key is a position in the blocking): the same up to fp32 rounding of the rescale
+factors. The Mosaic GPU kernel's 64-key tiles are these blocks (it stages P in bf16 against
+its running max whatever `round_p` says) when T is a multiple of 64 and the keys are not
+split (decode `splits` > 1 rounds against each split's own max); the Pallas kernel's are
+`block_k` shared keys (T padded to it) then all of a query's own keys as one block, so it is
+the same with block_k=64, T a multiple of 64 and k <= 64. Elsewhere they differ from the
+reference by the rounding of p (2^-9 relative per weight).
 
 `mgpu_sink_attention` is the Hopper (sm90) kernel for Mosaic GPU. All query heads share
 the one KV head, so a program takes 64 heads of ONE query as the 64 rows of a wgmma tile
@@ -57,6 +61,7 @@ from dsjax.pallas_kernels.mgpu import (accumulate, interpret_params, layout, mat
                                        round_up, store_tile)
 
 NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free for fully masked rows
+BLOCK_P = 64  # V4.1's vendor kernel: its online softmax's block of indices (deepseek-v41.md §2.9)
 
 
 def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, round_p: bool = False):
@@ -75,11 +80,8 @@ def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, round_p
         extra = jnp.einsum("bshd,bskd->bshk", q, kv_pq, preferred_element_type=jnp.float32) * scale
         logits = jnp.concatenate([logits, jnp.where(mask_pq[:, :, None, :], extra, -jnp.inf)], axis=-1)
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
-    if round_p:  # V4.1: m over the keys only (from the kernels' finite start), p to bf16 unnormalised
-        m = jnp.max(logits, axis=-1, keepdims=True, initial=NEG)
-        p = jnp.exp(logits - m)
-        denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)  # inf for a query with no key: o = 0
-        p = p.astype(jnp.bfloat16).astype(kv.dtype)
+    if round_p:  # V4.1: the vendor's online softmax over blocks of 64 keys, p to bf16 unnormalised
+        p, denom = _running_max_p(logits, sink)  # fp32: bf16(e) times e^{M_b - M_last}, not re-rounded
     else:
         m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
         p = jnp.exp(logits - m)
@@ -91,6 +93,26 @@ def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, round_p
     if round_p:
         o = o / denom
     return o.astype(q.dtype)
+
+
+def _running_max_p(logits, sink, block: int = BLOCK_P):
+    """V4.1's p and denominator (§2.9), vectorised: the key axis (shared keys, then the
+    per-query ones) in consecutive blocks of `block`, a masked (-inf) key a position that adds
+    nothing. Block b's running max M_b = max(M_{b-1}, max of block b), M_0 = NEG; its keys'
+    p = bf16(e^{l - M_b}); the online softmax's rescales by e^{M_{b-1} - M_b} multiply out to
+    w_b = e^{M_b - M_last} (equal up to fp32 rounding of the factors), so
+    o = sum_i w_b(i) bf16(p_i) kv_i / (sum_i w_b(i) p_i + e^{sink - M_last}).
+    -> (weights [..., N] fp32, denominator [..., 1]); no visible key: denominator inf, o = 0."""
+    n = logits.shape[-1]
+    nb = max(1, -(-n // block))  # one all-masked block when there is no key
+    blocks = jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, nb * block - n)], constant_values=-jnp.inf)
+    blocks = blocks.reshape(*logits.shape[:-1], nb, block)
+    running = jax.lax.cummax(jnp.max(blocks, axis=-1, initial=NEG), axis=blocks.ndim - 2)  # M_b [..., nb]
+    e = jnp.exp(blocks - running[..., None])  # against the running max
+    w = jnp.exp(running - running[..., -1:])[..., None]  # e^{M_b - M_last}
+    denom = jnp.sum(e * w, axis=(-2, -1))[..., None] + jnp.exp(sink - running[..., -1:])
+    p = e.astype(jnp.bfloat16).astype(jnp.float32) * w
+    return p.reshape(*logits.shape[:-1], nb * block)[..., :n], denom
 
 
 def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: int, n_kblocks: int, scale: float,
