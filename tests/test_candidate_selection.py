@@ -429,3 +429,25 @@ def test_batch_sharded_mesh():
     np.testing.assert_array_equal(idx, want_idx)
     port = oracle_attention_blocked(q, kv, want_idx, sink, d ** -0.5).astype(np.float32)
     assert (np.abs(out.astype(np.float32) - port) <= np.abs(port) * 2.0 ** -7).all()
+
+
+def test_v41_oracle_attend_rounds_p_against_the_running_max():
+    """tests/v41_oracle.py's `attend` (float64, from §2.9) over 150 rows whose max sits in the
+    second block of 64, with round trips: the reference's running-max form to fp32 rounding
+    (~7e-7), where the one-max form is ~7e-4 away."""
+    import v41_oracle
+    import v41_rounding
+
+    rng = np.random.default_rng(3)
+    h, d, n = 4, 32, 150
+    q = _bf16(rng.normal(size=(h, d)) * 2.5).astype(np.float64)
+    kv = _bf16(rng.normal(size=(n, d))).astype(np.float64)
+    kv[100] = _bf16(q.sum(0) / np.linalg.norm(q.sum(0)) * 4)  # every head's max: block 1
+    sink = rng.normal(size=h)
+    got = v41_oracle.attend(q, list(kv), sink, v41_rounding.Rounding(True))
+    no_keys = jnp.zeros((1, 0), jnp.int32)
+    want = np.asarray(sink_attention.reference(
+        jnp.asarray(q[None, None], jnp.float32), jnp.zeros((1, 0, d)), no_keys, no_keys, jnp.zeros((1, 1), jnp.int32),
+        jnp.asarray(sink, jnp.float32), jnp.asarray(kv[None, None], jnp.float32), jnp.ones((1, 1, n), bool),
+        round_p=True))[0, 0]
+    assert np.abs(got - want).max() <= 4e-6 * np.abs(want).max()

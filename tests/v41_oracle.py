@@ -195,17 +195,27 @@ def index_score(q_t, omega_t, key, rt=EXACT):
     return float(rt.decided(total))
 
 
-def attend(q_t, rows, sink, rt=EXACT):
-    """§2.9 for one query q_t [H, hd] over K = V = rows [n, hd], with the per-head sink -> [H, hd]:
-    Σ_i p_i KV_i / (Σ_i e_i + e^{σ - m}), e_i = e^{ℓ_i - m}, m = max ℓ (one block: n <= 64 here),
-    p = e, or bf16(e) with round trips."""
+def attend(q_t, rows, sink, rt=EXACT, block=64):
+    """§2.9 for one query q_t [H, hd] over K = V = rows [n, hd] (index-list order: window, then
+    compressed ascending), with the per-head sink -> [H, hd], as the vendor's online softmax:
+    blocks of 64 rows, running max M from -1e30, M_b = max(M_{b-1}, max ℓ of block b), block b's
+    e_i = e^{ℓ_i - M_b} and p_i = e_i (bf16(e_i) with round trips) into acc = Σ p_i KV_i and
+    l = Σ e_i, both rescaled by e^{M_{b-1} - M_b}; o = acc / (l + e^{σ - M}). Exactly the one-max
+    form Σ_i p_i KV_i / (Σ_i e_i + e^{σ - m}) when the max does not rise after the first block
+    (always when n <= 64). The spec does not say where an index list's -1 entries sit; the rows
+    here are the valid ones, consecutive (tiny-v41: window 16 + top-k 16, one block either way)."""
     kv = np.stack(rows)
     out = np.zeros(q_t.shape)
     for h in range(len(q_t)):
         logits = kv @ q_t[h] * q_t.shape[-1] ** -0.5
-        m = logits.max()
-        e = np.exp(logits - m)
-        out[h] = (rt.bf16(e) @ kv) / (e.sum() + np.exp(sink[h] - m))
+        m, l, acc = -1e30, 0.0, np.zeros(kv.shape[-1])
+        for start in range(0, len(kv), block):
+            m_new = max(m, logits[start:start + block].max())
+            e = np.exp(logits[start:start + block] - m_new)
+            l = l * np.exp(m - m_new) + e.sum()
+            acc = acc * np.exp(m - m_new) + rt.bf16(e) @ kv[start:start + block]
+            m = m_new
+        out[h] = acc / (l + np.exp(sink[h] - m))
     return out
 
 
