@@ -63,6 +63,62 @@ def test_sink_attention_kernel_bf16(case):
     assert np.abs(got - want).max() <= 4 * 2.0 ** -8 * np.abs(want).max()
 
 
+
+@pytest.mark.parametrize("case", [0, 3])
+def test_sink_attention_kernel_rounds_p_like_the_reference(case):
+    """V4.1's round_p in an fp32 run: p to bf16 before PV, the fp32 sum in the denominator. With
+    all shared keys in one kernel block the kernel's running max is the reference's max until
+    the per-query keys (case 3) raise it; then one p rounding may differ (2^-9 relative)."""
+    args = _attention_case(np.random.default_rng(case), *CASES[case], jnp.float32)
+    want = np.asarray(sink_attention.reference(*args, round_p=True))
+    got = np.asarray(sink_attention.pallas_sink_attention(*args, block_q=4, block_k=64, interpret=True, round_p=True))
+    scale = np.abs(want).max()
+    bound = 1e-6 if CASES[case][-1] == 0 else 2.0 ** -8
+    assert np.abs(got - want).max() <= bound * scale
+    plain = np.asarray(sink_attention.reference(*args))  # V4's form: differs by the rounding of p
+    assert np.abs(plain - want).max() > 1e-4 * scale
+
+def rising_max_case():
+    """V4.1 attention over > 64 keys (shared 128 = two blocks of 64, a few masked, then <= 40
+    per-query keys), bf16-exact fp32 inputs with spread logits: the running max of the vendor's
+    64-blocking rises after the first block in many (query, head) rows."""
+    rng = np.random.default_rng(0)
+    b, s, h, d, t, k = 1, 3, 4, 32, 128, 40
+    bf = lambda x: jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    q, kv, kv_pq = bf(rng.normal(size=(b, s, h, d)) * 2.5), bf(rng.normal(size=(b, t, d))), bf(rng.normal(size=(b, s, k, d)))
+    lo = jnp.zeros((b, t), jnp.int32).at[:, 5:9].set(1)  # masked for query 0: positions in the blocking all the same
+    hi = jnp.full((b, t), 1 << 30, jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=h), jnp.float32)
+    mask_pq = jnp.asarray(rng.random((b, s, k)) < 0.8)
+    return q, kv, lo, hi, jnp.arange(s, dtype=jnp.int32)[None], sinks, kv_pq, mask_pq
+
+
+def block_maxes(args, block=64):
+    """[B, S, H, n_blocks] max logit of each block of `block` keys (shared, then per-query)."""
+    q, kv, lo, hi, pos, _, kv_pq, mask_pq = (np.asarray(a, np.float64) for a in args)
+    seen = (pos[:, :, None] >= lo[:, None]) & (pos[:, :, None] <= hi[:, None])
+    scale = q.shape[-1] ** -0.5
+    logits = np.concatenate([np.where(seen[:, :, None], np.einsum("bshd,btd->bsht", q, kv) * scale, -np.inf),
+                             np.where(mask_pq[:, :, None] != 0, np.einsum("bshd,bskd->bshk", q, kv_pq) * scale,
+                                      -np.inf)], -1)
+    n = -(-logits.shape[-1] // block) * block
+    logits = np.pad(logits, [(0, 0)] * 3 + [(0, n - logits.shape[-1])], constant_values=-np.inf)
+    return logits.reshape(*logits.shape[:3], -1, block).max(-1)
+
+
+def test_sink_attention_round_p_running_max_over_64_blocks():
+    """V4.1 (§2.9): p rounds to bf16 against the vendor's running max over blocks of 64 keys.
+    With block_k=64 the Pallas kernel's online softmax is that blocking (shared keys: 128 = two
+    blocks; the per-query keys: a third), so it matches the reference to fp32 rounding even where
+    the max rises in a later block; the overall-max form is ~1e-3 away (2^-9 per weight)."""
+    args = rising_max_case()
+    bm = block_maxes(args)
+    assert (bm[..., 1:] > np.maximum.accumulate(bm, -1)[..., :-1]).sum() >= 5  # the max rises late
+    want = np.asarray(sink_attention.reference(*args, round_p=True))
+    got = np.asarray(sink_attention.pallas_sink_attention(*args, block_q=4, block_k=64, interpret=True, round_p=True))
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+
+
 GROUPS = {
     "ragged": [3, 0, 7, 1, 0, 12, 2, 5],
     "empty_experts": [0, 0, 9, 0, 0, 0, 0, 4],

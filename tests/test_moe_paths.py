@@ -162,3 +162,45 @@ def test_a_rows_experts_do_not_depend_on_its_neighbours(tiny):
             run = jax.jit(lambda p, x, w, i: routed_experts(p, x, w, i, cfg, path="gather"))
             rows.append(np.asarray(run(p, jnp.asarray(x), jnp.asarray(weights), jnp.asarray(idx)))[0])
     assert all(np.array_equal(rows[0], r) for r in rows[1:])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_v41_row_bits_do_not_depend_on_the_path(tiny, dtype):
+    """DeepSeek-V4.1's FP8 activations (fp8_acts): row 0's routed output has the same bits on every
+    path at every token count: the path `routed_experts` picks for 1, 3 and 40 tokens (fp32: the
+    matrix-vector form up to 16 assignments; the gathered weights; the grouped matmul's tile
+    loop at the tile height the count gives) and each path forced at each count (gather, gathered
+    copies, tile loop, Pallas kernel interpreted). So a row's logits do not depend on its batch:
+    a product summed in another order rounds a bf16 gate / up or an FP8 code the other way now
+    and then (an 8e-3 step in one output). FP4 experts in fp32, bf16 ones in bf16. K = 4, so the
+    sum over a token's experts has an order to keep. (grouped_matmul.reference's ragged_dot, the
+    accelerators' path, sums in XLA's order: not part of this.)"""
+    cfg, p = tiny
+    k, e, d, inter = 4, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    rng = np.random.default_rng(5)
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        p = p.replace(w1=_fp4_experts(rng, e, inter, d), w3=_fp4_experts(rng, e, inter, d),
+                      w2=_fp4_experts(rng, e, d, inter))
+    else:
+        p = p.replace(w1=p.w1.astype(dtype), w3=p.w3.astype(dtype), w2=p.w2.astype(dtype))
+    first = rng.normal(size=d) * 3
+    runs = {(path, kernels): jax.jit(functools.partial(routed_experts, cfg=cfg, path=path, kernels=kernels,
+                                                       fp8_acts=True))
+            for path, kernels in ((None, "reference"), ("gather", "reference"), ("grouped", "reference"),
+                                  ("grouped", "pallas"))}
+    rows = []
+    for tokens in (1, 3, 40):
+        x = rng.normal(size=(tokens, d)) * 3
+        x[0] = first
+        idx = np.stack([rng.permutation(e)[:k] for _ in range(tokens)]).astype(np.int32)
+        idx[0] = [6, 1, 4, 3]  # not in ascending order: the sum must not follow the list
+        weights = rng.uniform(0.1, 1.5, size=(tokens, k)).astype(np.float32)
+        weights[0] = [0.9, 0.3, 0.6, 1.2]
+        args = (jnp.asarray(x, dtype), jnp.asarray(weights), jnp.asarray(idx))
+        rows += [np.asarray(run(p, *args))[0] for run in runs.values()]
+        rows.append(np.asarray(jax.jit(lambda p, x, w, i: _gemm_only(
+            routed_experts, p, x, w, i, cfg, path="gather", fp8_acts=True))(p, *args))[0])
+    assert np.abs(rows[0]).max() > 0
+    for i, row in enumerate(rows[1:], 1):
+        np.testing.assert_array_equal(row, rows[0], err_msg=f"run {i}")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels import CASES, GROUPS, INDEX_CASES, _attention_case, index_case
+from test_kernels import CASES, GROUPS, INDEX_CASES, _attention_case, index_case, rising_max_case
 
 from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
 from dsjax.pallas_kernels.mgpu import lower_for_cuda
@@ -66,6 +66,18 @@ def test_attention_kernel_interpreted_decode_splits(splits):
     assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
 
 
+def test_attention_kernel_interpreted_rounds_p_against_the_running_max():
+    """V4.1 (§2.9): the kernel's 64-key tiles are the vendor's blocks and it stages P in bf16
+    against its running max, so over > 64 keys whose max rises in a later tile its bf16 output
+    is the reference's (round_p: the same running-max form) rounded to bf16, bit for bit (the
+    overall-max form: ~10% of outputs one ulp off)."""
+    args = rising_max_case()
+    got = np.asarray(sink_attention.mgpu_sink_attention(*args, interpret=True, round_p=True)).astype(np.float32)
+    want = np.asarray(sink_attention.reference(*args, round_p=True))
+    assert np.abs(got - want).max() <= BF16_ULP * np.abs(want).max()
+    assert (got == want.astype(jnp.bfloat16).astype(np.float32)).mean() >= 0.99
+
+
 def test_decode_splits_fill_the_gpu():
     assert sink_attention.num_splits(programs=2, key_blocks=1026, sms=132) == 66  # batch 1, V4 D=512
     assert sink_attention.num_splits(programs=64, key_blocks=66, sms=132) == 2
@@ -88,6 +100,26 @@ def test_grouped_ffn_kernel_interpreted(groups):
     assert np.abs(got - want).max() <= 2 * BF16_ULP * np.abs(want).max()
     assert not got[-3:].any()  # rows past the groups are not computed
 
+
+def test_grouped_ffn_kernel_interpreted_v41_lin4():
+    """DeepSeek-V4.1's Lin4 (`down`: the routing weight, then W2's FP8 round trip) rounds where
+    `hidden` does: gate and up to bf16, h kept fp32 until `down`. Rows whose FP8 codes all
+    agree with the reference differ by the products' summation order only; a bf16 h rounded
+    before `down` would move ~1 in 30 codes, i.e. nearly every row."""
+    from dsjax.layers.moe import lin4_down_input
+
+    rng = np.random.default_rng(3)
+    sizes = jnp.asarray(GROUPS["ragged"], jnp.int32)
+    m, e, i, d = int(sizes.sum()), 8, 128, 64
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
+    w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)) * 0.3, jnp.bfloat16) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(e, d, i)) * 0.3, jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.1, 1.5, size=m), jnp.float32)
+    lin4 = dict(limit=3.0, scale=scale, down=lin4_down_input)
+    got = np.asarray(grouped_matmul.mgpu_grouped_ffn(x, sizes, w1, w3, w2, block_n=64, interpret=True, **lin4))
+    want = np.asarray(grouped_matmul.reference(x, sizes, w1, w3, w2, **lin4))
+    row_err = np.abs(got - want).max(axis=1) / np.abs(want).max()
+    assert np.mean(row_err <= 1e-5) >= 0.9, np.sort(row_err)[::-1][:8]
 
 @pytest.mark.parametrize("case", INDEX_CASES)
 def test_index_scores_kernel_interpreted(case):

@@ -30,8 +30,12 @@ qdq_fp4_e8m0 = jax.jit(qdq.qdq_fp4_e8m0, static_argnames="group")
 qdq_fp4_e4m3 = jax.jit(qdq.qdq_fp4_e4m3, static_argnames="group")
 e4m3_round = jax.jit(qdq.e4m3_round)
 e2m1_round = jax.jit(qdq.e2m1_round)
-pow2_scale = jax.jit(qdq.pow2_scale, static_argnums=1)
 pow2_exponent = jax.jit(qdq.pow2_exponent, static_argnums=1)
+
+
+def pow2_scale(a, m):
+    """P(a, m) from the exponent the QDQs use."""
+    return 2.0 ** np.asarray(pow2_exponent(a, m), np.float64)
 lin8 = jax.jit(qdq.lin8)
 lin4 = jax.jit(qdq.lin4)
 

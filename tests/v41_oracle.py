@@ -1,4 +1,4 @@
-"""An independent float64 numpy oracle of DeepSeek-V4.1's forward (no quantisation round trips),
+"""An independent float64 numpy oracle of DeepSeek-V4.1's forward (optionally with the spec's round trips),
 written from the spec text (/work/shared/spec/deepseek-v41.md), not from dsjax's implementation:
 §1.3 steps 2-4, §2.1-2.10 for a prefill from position 0 (`forward`) and for the reference's
 one-token decode after it (`decode_step`: the ring, the ratio-2 compressor's open group, the
@@ -22,6 +22,11 @@ Inputs use the reference's names, not dsjax's, so a test maps one onto the other
                                  "rows": [B, S, n_hash, hd_e]}}}
 
 Linear weights are [out, in] (y = W x). MoE w1/w3 [E, I, D], w2 [E, D, I].
+
+`forward(..., round_trips=True)` adds the spec's FP8 / FP4 round trips (tests/v41_rounding.py: every
+Lin8 / Lin4 activation, window rows, stored latents, index keys and queries) and the roundings it
+names: the bf16 index scores (§2.6), the bf16 pooled sum (§2.4), p in bf16 before PV (§2.9); not
+the bf16 storage of other activations (a float32 run with round trips keeps those in fp32).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from v41_rounding import Rounding
 
 F = np.float64
 
@@ -56,6 +63,9 @@ def top_indices(scores, k):
     """The k largest entries, ties broken by the lower index (order: score desc, index asc)."""
     order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
     return order[:k]
+
+
+EXACT = Rounding(False)
 
 
 # ----------------------------------------------------------------------------- schedule (§1.2)
@@ -142,7 +152,7 @@ def expand(y, X, post, C):
 
 
 # ----------------------------------------------------------------------------- attention (§2)
-def compress(cp, x, r, eps):
+def compress(cp, x, r, eps, rt=EXACT):
     """§2.4: x [S, D] -> pre-RoPE latents C [⌊S/r⌋, hd]."""
     a = x @ np.asarray(cp["wkv"], F).T
     if r == 1:
@@ -153,7 +163,7 @@ def compress(cp, x, r, eps):
         grp = slice(j * r, (j + 1) * r)
         w = np.exp(z[grp] - z[grp].max(axis=0))
         w = w / w.sum(axis=0)  # softmax over the group's tokens, per channel
-        out.append(rms_norm((w * a[grp]).sum(axis=0), cp["norm"], eps))
+        out.append(rms_norm(rt.bf16((w * a[grp]).sum(axis=0)), cp["norm"], eps))
     return np.stack(out) if out else np.zeros((0, a.shape[1]))
 
 
@@ -173,32 +183,51 @@ def candidate_mask(scores_t, vis, bs, k_blocks):
     return mask[:e]
 
 
-def index_score(q_t, omega_t, key):
-    """§2.6: s = Σ_h ω_h · ReLU(q_h · k) for one query q_t [H_I, d_I] and one key [d_I]."""
-    return sum(omega_t[h] * max(q_t[h] @ key, 0.0) for h in range(len(omega_t)))
+def index_score(q_t, omega_t, key, rt=EXACT):
+    """§2.6: s = Σ_h ω_h · ReLU(q_h · k) for one query q_t [H_I, d_I] and one key [d_I]; with
+    round trips bf16(Σ_h bf16(ReLU(bf16(q_h · k)) ω_h)), the head sum in fp32 from h = 0."""
+    if not rt.on:
+        return sum(omega_t[h] * max(q_t[h] @ key, 0.0) for h in range(len(omega_t)))
+    total = np.float32(0.0)
+    for h in range(len(omega_t)):  # FP4 operands: the dots are exact, every rounding below is decided
+        term = rt.decided(max(rt.decided(q_t[h] @ key), 0.0) * omega_t[h])
+        total = np.float32(total + np.float32(term))
+    return float(rt.decided(total))
 
 
-def attend(q_t, rows, sink):
-    """§2.9 for one query q_t [H, hd] over K = V = rows [n, hd], with the per-head sink -> [H, hd]."""
+def attend(q_t, rows, sink, rt=EXACT, block=64):
+    """§2.9 for one query q_t [H, hd] over K = V = rows [n, hd] (index-list order: window, then
+    compressed ascending), with the per-head sink -> [H, hd], as the vendor's online softmax:
+    blocks of 64 rows, running max M from -1e30, M_b = max(M_{b-1}, max ℓ of block b), block b's
+    e_i = e^{ℓ_i - M_b} and p_i = e_i (bf16(e_i) with round trips) into acc = Σ p_i KV_i and
+    l = Σ e_i, both rescaled by e^{M_{b-1} - M_b}; o = acc / (l + e^{σ - M}). Exactly the one-max
+    form Σ_i p_i KV_i / (Σ_i e_i + e^{σ - m}) when the max does not rise after the first block
+    (always when n <= 64). The spec does not say where an index list's -1 entries sit; the rows
+    here are the valid ones, consecutive (tiny-v41: window 16 + top-k 16, one block either way)."""
     kv = np.stack(rows)
     out = np.zeros(q_t.shape)
     for h in range(len(q_t)):
         logits = kv @ q_t[h] * q_t.shape[-1] ** -0.5
-        m = logits.max()
-        e = np.exp(logits - m)
-        out[h] = (e @ kv) / (e.sum() + np.exp(sink[h] - m))
+        m, l, acc = -1e30, 0.0, np.zeros(kv.shape[-1])
+        for start in range(0, len(kv), block):
+            m_new = max(m, logits[start:start + block].max())
+            e = np.exp(logits[start:start + block] - m_new)
+            l = l * np.exp(m - m_new) + e.sum()
+            acc = acc * np.exp(m - m_new) + rt.bf16(e) @ kv[start:start + block]
+            m = m_new
+        out[h] = acc / (l + np.exp(sink[h] - m))
     return out
 
 
-def out_proj(p, o_t, hp):
+def out_proj(p, o_t, hp, rt=EXACT):
     """§2.10 after the inverse RoPE: grouped wo_a, then wo_b. o_t [H, hd] -> [D]."""
     H, G, r_o = hp["num_attention_heads"], hp["o_groups"], hp["o_lora_rank"]
     wo_a, wo_b = np.asarray(p["wo_a"], F), np.asarray(p["wo_b"], F)
     z = [wo_a[g * r_o:(g + 1) * r_o] @ o_t[g * H // G:(g + 1) * H // G].reshape(-1) for g in range(G)]
-    return wo_b @ np.concatenate(z)
+    return wo_b @ rt.fp8(np.concatenate(z))
 
 
-def attention(l, p, x, hp, sched, pub):
+def attention(l, p, x, hp, sched, pub, rt=EXACT):
     """One layer's attention over a sequence x [S, D] (already attn-normed), from position 0.
     `pub` holds what earlier layers published: latents / index keys per KV source, top-k lists
     per index source, candidate masks of the candidate source. It also receives the decode
@@ -211,18 +240,19 @@ def attention(l, p, x, hp, sched, pub):
     freqs = rope_freqs(hp, compressed=r > 0)
     W = hp["sliding_window"]
 
-    cq = rms_norm(x @ np.asarray(p["wq_a"], F).T, p["q_norm"], eps)  # [S, r_q]
-    q = (cq @ np.asarray(p["wq_b"], F).T).reshape(S, H, hd)
+    x8 = rt.fp8(x)  # every Lin8 input makes the FP8 round trip
+    cq = rms_norm(x8 @ np.asarray(p["wq_a"], F).T, p["q_norm"], eps)  # [S, r_q]
+    q = (rt.fp8(cq) @ np.asarray(p["wq_b"], F).T).reshape(S, H, hd)
     q = np.stack([rope(q[t], t, freqs) for t in range(S)])
-    k = rms_norm(x @ np.asarray(p["wkv"], F).T, p["kv_norm"], eps)  # [S, hd], K = V
-    k = np.stack([rope(k[t], t, freqs) for t in range(S)])
+    k = rms_norm(x8 @ np.asarray(p["wkv"], F).T, p["kv_norm"], eps)  # [S, hd], K = V
+    k = rt.fp8(np.stack([rope(k[t], t, freqs) for t in range(S)]))  # §2.3: all hd channels
     pub["ring", l] = {t % W: (t, k[t]) for t in range(max(0, S - W), S)}  # §2.3: the last min(S, W) rows
 
     selected = [[] for _ in range(S)]  # per query: compressed rows it attends
     if r > 0:
         E = S // r
         if l in sched.kv_sources:  # own compressor; the indexer uses the pre-RoPE latents
-            C = compress(p["compressor"], x, r, eps)
+            C = compress(p["compressor"], x, r, eps, rt)
             if r > 1:  # §2.4: the open group's tokens stay in their slots (t mod r) as fp32 (a, z)
                 cp = p["compressor"]
                 pub["tail", l] = {t % r: (np.asarray(cp["wkv"], F) @ x[t], np.asarray(cp["wgate"], F) @ x[t])
@@ -230,24 +260,24 @@ def attention(l, p, x, hp, sched, pub):
             if l in sched.index_sources:
                 ix = p["indexer"]
                 kI = rms_norm(C @ np.asarray(ix["wk"], F).T, ix["k_norm"], eps)
-                pub["index_keys", l] = [rope(kI[j], j * r, freqs) for j in range(E)]
+                pub["index_keys", l] = [rt.fp4_e8m0(rope(kI[j], j * r, freqs)) for j in range(E)]
                 if E:
                     pub["published"] = l  # §2.7: an owner that produced entries publishes its keys
-            pub["latents", l] = [rope(C[j], j * r, freqs) for j in range(E)]
+            pub["latents", l] = [rt.fp4_e4m3(rope(C[j], j * r, freqs)) for j in range(E)]
         if l in sched.index_sources and E > 0:
             ix = p["indexer"]
             HI, dI = hp["index_n_heads"], hp["index_head_dim"]
             keys = pub["index_keys", l if l in sched.kv_sources else sched.kv_from(l)]
-            qI = (cq @ np.asarray(ix["wq_b"], F).T).reshape(S, HI, dI)
-            omega = (x @ np.asarray(ix["weights_proj"], F).T) * (dI ** -0.5 * HI ** -0.5)  # [S, H_I]
+            qI = (rt.fp8(cq) @ np.asarray(ix["wq_b"], F).T).reshape(S, HI, dI)
+            omega = rt.bf16(rt.bf16(x @ np.asarray(ix["weights_proj"], F).T) * (dI ** -0.5 * HI ** -0.5))
             kk = min(hp["index_topk"], E)
             lists = []
             for t in range(S):
                 vis = (t + 1) // r
-                qt = rope(qI[t], t, freqs)
+                qt = rt.fp4_e8m0(rope(qI[t], t, freqs))
                 s = np.full(E, -np.inf)
                 for j in range(vis):
-                    s[j] = index_score(qt, omega[t], keys[j])
+                    s[j] = index_score(qt, omega[t], keys[j], rt)
                 if l == sched.candidate_source:
                     pub["candidates", t] = candidate_mask(s, vis, hp["candidate_block_size"],
                                                           hp["candidate_topk_blocks"])
@@ -264,8 +294,8 @@ def attention(l, p, x, hp, sched, pub):
     sink = np.asarray(p["attn_sink"], F)
     y = np.zeros((S, hp["hidden_size"]))
     for t in range(S):
-        o = attend(q[t], [k[i] for i in range(max(0, t - W + 1), t + 1)] + selected[t], sink)
-        y[t] = out_proj(p, rope(o, t, freqs, inverse=True), hp)
+        o = attend(q[t], [k[i] for i in range(max(0, t - W + 1), t + 1)] + selected[t], sink, rt)
+        y[t] = out_proj(p, rope(o, t, freqs, inverse=True), hp, rt)
     return y
 
 
@@ -344,8 +374,9 @@ def attention_decode(l, p, x, t, hp, sched, st, call, from_owner=False):
 
 
 # ----------------------------------------------------------------------------- MoE (§4)
-def moe(p, u, hp, routes=None):
-    """u [D] -> y [D] for one token. `routes` (a list) collects (chosen, chosen without the bias)."""
+def moe(p, u, hp, routes=None, rt=EXACT):
+    """u [D] -> y [D] for one token. `routes` (a list) collects (chosen, chosen without the bias).
+    Round trips: FP8 inputs of W1 / W3 and of W2, the routing weight applied before W2's (§4)."""
     L, k = hp["swiglu_limit"], hp["num_experts_per_tok"]
     s = np.sqrt(softplus(np.asarray(p["gate"], F) @ u))
     idx = top_indices(list(s + np.asarray(p["bias"], F)), k)  # the bias only selects
@@ -356,10 +387,12 @@ def moe(p, u, hp, routes=None):
         w = w / (w.sum() + 1e-20)
     w = w * hp["routed_scaling_factor"]
 
+    u8 = rt.fp8(u)
+
     def ffn(w1, w3, w2, weight):
-        gamma = np.minimum(np.asarray(w1, F) @ u, L)
-        upsilon = np.clip(np.asarray(w3, F) @ u, -L, L)
-        return np.asarray(w2, F) @ (silu(gamma) * upsilon * weight)
+        gamma = np.minimum(np.asarray(w1, F) @ u8, L)
+        upsilon = np.clip(np.asarray(w3, F) @ u8, -L, L)
+        return np.asarray(w2, F) @ rt.fp8(silu(gamma) * upsilon * weight)
 
     y = sum(ffn(p["w1"][e], p["w3"][e], p["w2"][e], we) for e, we in zip(idx, w))
     return y + ffn(p["shared_w1"], p["shared_w3"], p["shared_w2"], 1.0)
@@ -386,7 +419,7 @@ def engram(e, X, rows, hp, kv_round=None):
 
 
 # ----------------------------------------------------------------------------- model (§1.3, §3.2)
-def block(lw, X, pi, hp, attn, routes=None):
+def block(lw, X, pi, hp, attn, routes=None, rt=EXACT):
     """Block ℓ with the mHC lag (§3.2) over X [S, N, D], π [S, N]; attn(x [S, D]) -> y [S, D]."""
     S, eps = len(X), hp["rms_norm_eps"]
     a = [mixes(X[t], lw["hc_attn"], hp) for t in range(S)]
@@ -395,11 +428,11 @@ def block(lw, X, pi, hp, attn, routes=None):
     X1 = np.stack([expand(y[t], X[t], a[t][1], a[t][2]) for t in range(S)])
     f = [mixes(X1[t], lw["hc_ffn"], hp) for t in range(S)]
     u = [rms_norm(collapse(X1[t], a[t][0]), lw["ffn_norm"], eps) for t in range(S)]
-    X = np.stack([expand(moe(lw["ffn"], u[t], hp, routes), X1[t], f[t][1], f[t][2]) for t in range(S)])
+    X = np.stack([expand(moe(lw["ffn"], u[t], hp, routes, rt), X1[t], f[t][1], f[t][2]) for t in range(S)])
     return X, np.stack([f[t][0] for t in range(S)])
 
 
-def backbone(weights, ids, positions, b, hp, attn_of, engram_kv_round=None, routes=None):
+def backbone(weights, ids, positions, b, hp, attn_of, engram_kv_round=None, routes=None, rt=EXACT):
     """§1.3 steps 2-4 for one sequence's tokens ids [S] at `positions`; attn_of(l) -> the layer's
     attention over [S, D]. b: the batch row (for the Engram rows). -> (logits [S, V], main_hidden)."""
     n, eps = hp["hc_mult"], hp["rms_norm_eps"]
@@ -415,23 +448,25 @@ def backbone(weights, ids, positions, b, hp, attn_of, engram_kv_round=None, rout
                           for i, t in enumerate(positions)])
         if l in targets:
             taps[l] = X.mean(axis=1)
-        X, pi = block(lw, X, pi, hp, attn_of(l), routes)
+        X, pi = block(lw, X, pi, hp, attn_of(l), routes, rt)
     h = np.stack([rms_norm(collapse(X[i], pi[i]), weights["norm"], eps) for i in range(len(ids))])
     hidden = np.concatenate([taps[l] for l in targets], axis=-1) if targets else None
     return h @ np.asarray(weights["head"], F).T, hidden
 
 
-def forward(weights, tokens, hp, engram_kv_round=None, trace=None):
+def forward(weights, tokens, hp, engram_kv_round=None, trace=None, round_trips=False):
     """tokens [B, S] -> (logits [B, S, V], main_hidden [B, S, len(targets)·D]): a prefill from
     position 0. engram_kv_round: an optional rounding of Engram's κv (see `engram`); exact by default.
     Engram rows ([B, ≥S, n_hash, hd_e]) are indexed by position.
     trace (a dict) receives what each batch row published ("published": [B] dicts keyed
     ("topk", layer) / ("candidates", t) / ...; each is also that row's decode state, see
     `decode_step`) and the routing ("routes": (chosen, chosen without the bias) per token and
-    layer), so a test can check which rules its data exercises."""
+    layer), so a test can check which rules its data exercises. round_trips: a bool or a
+    v41_rounding.Rounding (see the module docstring; Engram's are not modelled)."""
     tokens = np.asarray(tokens)
     B, S = tokens.shape
     sched = Schedule(hp)
+    rt = round_trips if isinstance(round_trips, Rounding) else Rounding(round_trips)
     routes = trace.setdefault("routes", []) if trace is not None else None
     logits, main_hidden = [], []
     for b in range(B):
@@ -440,8 +475,8 @@ def forward(weights, tokens, hp, engram_kv_round=None, trace=None):
             trace.setdefault("published", []).append(pub)
 
         def attn_of(l):
-            return lambda x: attention(l, weights["layers"][l]["attn"], x, hp, sched, pub)
-        lg, hid = backbone(weights, tokens[b], range(S), b, hp, attn_of, engram_kv_round, routes)
+            return lambda x: attention(l, weights["layers"][l]["attn"], x, hp, sched, pub, rt)
+        lg, hid = backbone(weights, tokens[b], range(S), b, hp, attn_of, engram_kv_round, routes, rt)
         logits.append(lg)
         main_hidden.append(hid)
     return np.stack(logits), (np.stack(main_hidden) if main_hidden[0] is not None else None)

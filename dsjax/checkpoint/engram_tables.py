@@ -71,10 +71,6 @@ def build_engram_token_map(tokenizer_json_path: str | Path, vocab_size: int | No
     return out
 
 
-def token_map_sha256(token_map: np.ndarray) -> str:
-    return hashlib.sha256(np.asarray(token_map).astype("<i4").tobytes()).hexdigest()
-
-
 def save_engram_token_map(token_map: np.ndarray, path: str | Path = TOKEN_MAP_FILE) -> None:
     """Write the map as gzip'd int32 LE (mtime 0, so the same map gives the same bytes)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,11 @@ class RuntimeOptions:
     index_keys_from_owner (V4.1): a ratio-2 index source always scores its own KV source's
     keys. False (default) reproduces DeepSeek's reference, where a one-token decode at an
     even position scores the keys the last KV source published (spec deepseek-v41.md §2.7).
-    round_trips (V4.1): the reference's FP8 / FP4 round trips of cached rows, index queries and
-    keys, and its bf16 index scores (part of the trained numerics, so on by default; off for
-    fp32 checks of the mechanisms).
+    round_trips (V4.1): the reference's FP8 / FP4 round trips (Lin8 / Lin4 activations, cached
+    rows, index queries and keys) and the bf16 roundings the spec names (index scores, the
+    compressor's pooled sums, attention probabilities before PV), in float32 and bf16 runs
+    alike (part of the trained numerics, so on by default; off for fp32 checks of the
+    mechanisms).
     compute_dtype: the activations' dtype when the weights are stored narrower ("float32" with
     16-bit weights: `dsjax.store_weights`); None: the embedding's dtype."""
 

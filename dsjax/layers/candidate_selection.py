@@ -1,5 +1,6 @@
-"""V4.1 selection: indexer scores, L20's candidate blocks, the top-k entry lists, and the
-sparse sink attention that reads them (spec deepseek-v41.md §2.6-2.9).
+"""V4.1 selection: indexer scores, L20's candidate blocks and the top-k entry lists (spec
+deepseek-v41.md §2.6-2.8). The sparse attention that reads them (§2.9) is
+dsjax/pallas_kernels/sink_attention.py with `round_p`.
 
 Scores (§2.6), in the reference's bf16 buffers. With q^I [H, d], keys k_j [d], ω [H]:
 
@@ -27,19 +28,6 @@ Ties (β and s alike) are broken by (score desc, index asc): `jax.lax.top_k` kee
 index first among equal values, and -0.0 is folded into +0.0 first because top_k orders -0.0
 below +0.0 while the rule compares values. The reference's own tie order is implementation
 defined (an unsorted torch top-k), so this is a choice, not a port.
-
-Sparse attention (§2.9), per query and head, over the valid entries i of the index list
-(K = V = kv rows, -1 entries ignored), ℓ_i = (q_h . kv_i) * scale in fp32 and σ_h the sink
-(not scaled):
-
-    o_h = Σ_i bf16(e^{ℓ_i - m}) kv_i / (Σ_i e^{ℓ_i - m} + e^{σ_h - m}),   m = max_i ℓ_i
-
-`sparse_sink_attention` is the vendor kernel's blocked form: an online softmax over blocks
-of 64 indices from m = -1e30, p rounded to bf16 against the running max before PV, the fp32 p
-sum in the denominator. `sparse_sink_attention_plain` is one fp32 softmax without the bf16
-rounding of p; the two differ by the rounding of p (relative 2^-9 per weight, taken against a
-different max per block), i.e. by about one bf16 ulp of the output. A row with no valid index
-gives 0 in both.
 """
 
 from __future__ import annotations
@@ -48,9 +36,6 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.sharding.rules import reshape
-
-NEG_INIT = -1e30  # the vendor kernel's starting running max (finite: exp(m_old - m_new) stays NaN-free)
-ATTN_BLOCK = 64  # indices per step of the vendor kernel's online softmax
 
 
 def _expect_shape(name: str, x: jax.Array, shape: tuple) -> None:
@@ -158,71 +143,3 @@ def topk_entry_list(scores: jax.Array, visible: jax.Array, k: int, offset, candi
     valid = jnp.take_along_axis(visible, chosen, axis=-1)
     off = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), scores.shape[:2])[..., None]
     return jnp.where(valid, chosen + off, -1).astype(jnp.int32)
-
-
-def _gather_rows(kv: jax.Array, idx: jax.Array) -> jax.Array:
-    """kv [B, R, dh], idx [B, S, n] (-1 allowed) -> rows [B, S, n, dh] (row 0 where idx = -1)."""
-    return jax.vmap(lambda rows, i: rows[i])(kv, jnp.maximum(idx, 0))
-
-
-def _check_attention_args(q, kv, idx, sink):
-    b, s, h, d = q.shape
-    _expect_shape("kv", kv, (b, kv.shape[1], d))
-    _expect_shape("idx", idx, (b, s, idx.shape[-1]))
-    _expect_shape("sink", sink, (h,))
-
-
-def sparse_sink_attention(q: jax.Array, kv: jax.Array, idx: jax.Array, sink: jax.Array, scale: float, *,
-                          block: int = ATTN_BLOCK) -> jax.Array:
-    """The vendor kernel's blocked online softmax. q [B, S, H, dh], kv [B, R, dh] (K = V),
-    idx [B, S, n] int (-1 = ignore; others must be < R), sink [H] fp32 -> bf16 [B, S, H, dh].
-
-    Per block of `block` indices, in list order (window first, then compressed ascending):
-    m' = max(m, max ℓ), l = l e^{m - m'} + Σ p, acc = acc e^{m - m'} + bf16(p) @ kv with
-    p = e^{ℓ - m'} (fp32, 0 at -1 entries), from m = -1e30. Then o = acc / (l + e^{σ - m})."""
-    _check_attention_args(q, kv, idx, sink)
-    b, s, h, d = q.shape
-    n = idx.shape[-1]
-    n_blocks = max(1, -(-n // block))
-    idx = jnp.pad(idx.astype(jnp.int32), [(0, 0), (0, 0), (0, n_blocks * block - n)], constant_values=-1)
-    idx = jnp.moveaxis(reshape(idx, (b, s, n_blocks, block)), 2, 0)  # [n_blocks, B, S, block]
-    q16, kv16 = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
-
-    def step(carry, idx_blk):
-        m, l, acc = carry  # [B, S, H], [B, S, H], [B, S, H, dh]
-        rows = _gather_rows(kv16, idx_blk)  # [B, S, block, dh]
-        valid = (idx_blk >= 0)[:, :, None, :]  # [B, S, 1, block]
-        logits = jnp.einsum("bshd,bsnd->bshn", q16, rows, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(valid, logits, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(logits - m_new[..., None]), 0.0)
-        pv = jnp.einsum("bshn,bsnd->bshd", p.astype(jnp.bfloat16), rows, preferred_element_type=jnp.float32)
-        return (m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
-
-    # *_like: the carry takes q's sharding, as the loop body's outputs do under a batch-sharded mesh
-    init = (jnp.full_like(q[..., 0], NEG_INIT, jnp.float32), jnp.zeros_like(q[..., 0], jnp.float32),
-            jnp.zeros_like(q, jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(step, init, idx)
-    denom = l + jnp.exp(sink.astype(jnp.float32) - m)
-    out = jnp.where((l > 0)[..., None], acc / denom[..., None], 0.0)  # e^{σ + 1e30} = inf would also give 0
-    return out.astype(jnp.bfloat16)
-
-
-def sparse_sink_attention_plain(q: jax.Array, kv: jax.Array, idx: jax.Array, sink: jax.Array,
-                                scale: float) -> jax.Array:
-    """The same attention as one fp32 softmax with the sink, p kept in fp32 (same arguments).
-
-    The max is taken over the logits and the sink together (equal in exact arithmetic, and
-    e^{σ - m} cannot overflow); only the output is rounded to bf16."""
-    _check_attention_args(q, kv, idx, sink)
-    rows = _gather_rows(kv.astype(jnp.bfloat16), idx)  # [B, S, n, dh]
-    valid = (idx >= 0)[:, :, None, :]
-    logits = jnp.einsum("bshd,bsnd->bshn", q.astype(jnp.bfloat16), rows, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(valid, logits, -jnp.inf)
-    sink = sink.astype(jnp.float32)
-    m = jnp.maximum(jnp.max(logits, axis=-1, initial=-jnp.inf), sink)  # [B, S, H]
-    p = jnp.exp(logits - m[..., None])
-    p = p / (jnp.sum(p, axis=-1) + jnp.exp(sink - m))[..., None]
-    out = jnp.einsum("bshn,bsnd->bshd", p, rows.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return out.astype(jnp.bfloat16)

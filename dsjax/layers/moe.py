@@ -46,7 +46,7 @@ from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import cpu_forms, linear, linear_f32
 from dsjax.layers.quantized import dense, take
 from dsjax.layers.qdq import qdq_fp8
-from dsjax.pallas_kernels.grouped_matmul import grouped_ffn, hidden, swiglu
+from dsjax.pallas_kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import RULES, current_mesh, present_axes, reshape, spec
 
@@ -128,6 +128,11 @@ def expert_ffn_gathered(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, 
     -> [T, K, D] fp32. Reads exactly the chosen experts, like a decode kernel would.
     weights [T, K] / down: W2's input is `down(h, weights)` (`lin4_down_input`)."""
     gathered = lambda w: dense(take(w, idx), x.dtype)
+    if exact_products(down):  # one row per product, in the grouped paths' form (`expert_product`)
+        rows = jnp.broadcast_to(x[:, None, None, :], (*idx.shape, 1, x.shape[-1]))  # [T, K, 1, D]
+        gate, up = (expert_product(rows, gathered(w), True)[..., 0, :] for w in (w1, w3))
+        h = hidden(gate, up, limit, x.dtype, weights, down)
+        return expert_product(h[..., None, :], gathered(w2), True)[..., 0, :]
     gate = jnp.einsum("td,tkid->tki", x, gathered(w1), preferred_element_type=jnp.float32)
     up = jnp.einsum("td,tkid->tki", x, gathered(w3), preferred_element_type=jnp.float32)
     h = hidden(gate, up, limit, x.dtype, weights, down)
@@ -142,15 +147,28 @@ def expert_ffn_each(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, weig
     Unrolled (at most linear.FEW_ROWS assignments): a loop over them ran several times slower
     (docs/cpu-decode.md)."""
     t, k = idx.shape
+    exact = exact_products(down)
 
     def one(i: int, j: int) -> jax.Array:
-        product = lambda a, w: a @ dense(take(w, idx[i, j]), jnp.float32).T  # noqa: E731
+        product = lambda a, w: expert_product(a, dense(take(w, idx[i, j]), jnp.float32), exact)  # noqa: E731
         row = x[i][None]
         h = hidden(product(row, w1), product(row, w3), limit, x.dtype, None if weights is None else weights[i, j][None],
                    down)
         return product(h, w2)[0]
 
     return jnp.stack([jnp.stack([one(i, j) for j in range(k)]) for i in range(t)])
+
+
+def sum_by_expert(y: jax.Array, idx: jax.Array) -> jax.Array:
+    """y [T, K, D] fp32, one row per assignment, idx [T, K] -> [T, D]: the sum over a token's
+    experts in ascending expert order from 0, one fp32 add at a time, as the reference's loop
+    over experts adds them (spec deepseek-v41.md §4); the one order for every path under
+    DeepSeek-V4.1's FP8 activations (XLA keeps the order of a chain of adds)."""
+    y = jnp.take_along_axis(y, jnp.argsort(idx, axis=1, stable=True)[..., None], axis=1)
+    out = jnp.zeros_like(y[:, 0])
+    for j in range(y.shape[1]):  # K: a handful
+        out = out + y[:, j]
+    return out
 
 
 def moe_path(tokens: int, k: int, n_experts: int) -> str:
@@ -184,8 +202,8 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
         p, layer = expert_layer(p, layer), None  # a gather reads only its experts anyway; quantized: dequantize one layer
     if path == "gather":  # each chosen expert's weight is read (and dequantized / widened) where it lies
         ffn = expert_ffn_each if matvecs else expert_ffn_gathered
-        y = ffn(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit, weights, down)
-        return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * after[..., None], axis=1)
+        y = ffn(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit, weights, down).astype(x.dtype).astype(jnp.float32)
+        return sum_by_expert(y, idx) if fp8_acts else jnp.sum(y * after[..., None], axis=1)
     p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
@@ -193,6 +211,8 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels, layer=layer,
                     rows=rows, scale=weights.reshape(-1)[order], down=down)
     y = y.astype(x.dtype).astype(jnp.float32) * after.reshape(-1)[order][:, None]
+    if fp8_acts:  # back to assignment order [T, K], then the one summation order
+        return sum_by_expert(jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1), idx)
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[order // k].add(y)
 
 
@@ -246,6 +266,8 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
     per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
     contrib = per_assignment.astype(jnp.float32) * after.reshape(-1)[order][:, None]
+    if fp8_acts:  # the single-device paths' summation order (`sum_by_expert`)
+        return sum_by_expert(jnp.zeros_like(contrib).at[order].set(contrib).reshape(t, k, d), idx)
     return jnp.zeros((t, d), jnp.float32).at[order // k].add(contrib)
 
 

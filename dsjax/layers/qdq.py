@@ -133,11 +133,6 @@ def pow2_exponent(a: jax.Array, m: float) -> jax.Array:
     return _exponent_field(p) + (mantissa != 0).astype(jnp.int32)
 
 
-def pow2_scale(a: jax.Array, m: float) -> jax.Array:
-    """P(a, m) = 2^ceil(log2(a · fp32(1/m))) in fp32 (§7.2); exponent clipped to [-126, 127]."""
-    return _exp2(pow2_exponent(a, m))
-
-
 # ----------------------------------------------------------------------------- grouped round trips
 def _whole_groups(x: jax.Array, group: int) -> jax.Array:
     """x, with its last axis gathered when it is sharded (tensor parallel) into shards that would

@@ -130,10 +130,19 @@ def empty_shared(cfg: ModelConfig, batch: int, seq: int, n_entries: int, dtype) 
 
 
 # ----------------------------------------------------------------------------- pieces
-def compress_latents(p: LatentCompressor, x: jax.Array, ratio: int, eps: float) -> jax.Array:
+def pool_group(a: jax.Array, z: jax.Array, dtype, round_trips: bool) -> jax.Array:
+    """The ratio-2 pooling of §2.4 over fp32 projections a, z [..., r, hd] of a group's tokens:
+    sum_t softmax_t(z) a, in bf16 as the reference writes it (`round_trips`; else rounded
+    to `dtype` only), then in `dtype` for the norm."""
+    pooled = jnp.sum(jax.nn.softmax(z, axis=-2) * a, axis=-2)
+    return (pooled.astype(jnp.bfloat16) if round_trips else pooled).astype(dtype)
+
+
+def compress_latents(p: LatentCompressor, x: jax.Array, ratio: int, eps: float, round_trips: bool = False
+                     ) -> jax.Array:
     """x [B, S, D] -> latents C [B, S // ratio, hd] before RoPE (§2.4): ratio 1 is a normed
     projection per token; ratio 2 pools each pair of tokens channel-wise by a softmax of
-    their gates (fp32). Tokens after the last full group give no latent."""
+    their gates (fp32, `pool_group`). Tokens after the last full group give no latent."""
     b, s, _ = x.shape
     n = s // ratio
     if ratio == 1:
@@ -141,8 +150,7 @@ def compress_latents(p: LatentCompressor, x: jax.Array, ratio: int, eps: float) 
     xs = x[:, :n * ratio].astype(jnp.float32)
     a = reshape(linear_f32(xs, p.kv_proj), (b, n, ratio, -1))
     z = reshape(linear_f32(xs, p.gate_proj), (b, n, ratio, -1))
-    pooled = jnp.sum(jax.nn.softmax(z, axis=2) * a, axis=2)
-    return rms_norm(pooled.astype(x.dtype), p.norm, eps)
+    return rms_norm(pool_group(a, z, x.dtype, round_trips), p.norm, eps)
 
 
 def rope_at(x: jax.Array, positions: jax.Array, cfg: ModelConfig, kind: str = "compress") -> jax.Array:
@@ -223,12 +231,13 @@ def index_select(p: SharedAttention, layer: LayerSpec, cq, x, shared: Shared, vi
 def attend_and_project(p: SharedAttention, q, keys, lo, hi, positions, shared: Shared | None, cos, sin,
                        cfg: ModelConfig, kernels: str, round_trips: bool) -> jax.Array:
     """Sink attention over the window keys and (compressed layers) the top-k latents, then the
-    inverse RoPE and the grouped output (§2.9-2.10)."""
+    inverse RoPE and the grouped output (§2.9-2.10). round_trips: p rounded to bf16 against
+    the max before PV, as the vendor kernel does (dsjax/pallas_kernels/sink_attention.py)."""
     kv_pq = mask_pq = None
     if shared is not None:
         kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)  # [B, S, k, hd]
         mask_pq = shared.top_valid
-    o = attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels)
+    o = attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels, round_p=round_trips)
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     return grouped_output(p, o, cfg, round_trips)
 
@@ -259,7 +268,7 @@ def shared_attention_forward(p: SharedAttention, x: jax.Array, positions: jax.Ar
     if reads:
         b, n = x.shape[0], shared.entries.shape[1]
         if layer.has_compressor:
-            latents = compress_latents(p.compressor, x, r, cfg.rms_norm_eps)
+            latents = compress_latents(p.compressor, x, r, cfg.rms_norm_eps, round_trips)
             entries, keys = latent_rows(p, latents, entry_indices(b, n), r, cfg, round_trips)
             shared = shared.replace(entries=entries, **({} if keys is None else {"index_keys": keys}))
         if layer.has_indexer:
@@ -307,7 +316,7 @@ def shared_attention_state_shapes(cfg: ModelConfig, layer: LayerSpec, batch: int
 
 # ----------------------------------------------------------------------------- cached path
 def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Array, start: jax.Array,
-                   n_valid: jax.Array, ratio: int, eps: float, at: jax.Array | None = None):
+                   n_valid: jax.Array, ratio: int, eps: float, at: jax.Array | None = None, round_trips: bool = False):
     """A KV source's compressor over a chunk x [B, C, D] at positions start + i, i < n_valid:
     -> (latents [B, G, hd] before RoPE, their entry indices [B, G], complete [B, G], new
     tail_kv, new tail_gate). Ratio 2 pools the groups the chunk closes, reading the open
@@ -332,7 +341,7 @@ def latents_extend(p: LatentCompressor, state: SharedAttentionState, x: jax.Arra
                         jnp.take_along_axis(tail, tail_idx, axis=1))
         return reshape(got, (b, n_groups, ratio, -1))
     a, z = aligned(a_new, tail_kv), aligned(z_new, tail_gate)
-    latents = rms_norm(jnp.sum(jax.nn.softmax(z, axis=2) * a, axis=2).astype(x.dtype), p.norm, eps)
+    latents = rms_norm(pool_group(a, z, x.dtype, round_trips), p.norm, eps)
     entry = (start // ratio)[:, None] + jnp.arange(n_groups)
     complete = (entry + 1) * ratio <= (start + n_valid)[:, None]
     keep = valid & (positions >= (start + n_valid)[:, None] - slots)  # a chunk's last `slots` tokens
@@ -371,7 +380,7 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
     rows = jnp.arange(b)[:, None]
     if r and layer.has_compressor:
         latents, entry, complete, tail_kv, tail_gate = latents_extend(p.compressor, state, x, start, n_valid, r,
-                                                                      cfg.rms_norm_eps, at)
+                                                                      cfg.rms_norm_eps, at, round_trips)
         entries, index_keys = latent_rows(p, latents, entry, r, cfg, round_trips)
         where = jnp.where(complete, entry, state.entries.shape[-2])
         state = state.replace(tail_kv=tail_kv, tail_gate=tail_gate,

@@ -62,6 +62,30 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
                                       preferred_element_type=jnp.float32)
 
 
+def exact_products(down) -> bool:
+    """Whether the routed experts' products take `expert_product`'s exact form: with
+    DeepSeek-V4.1's FP8 activations (`down` given), on XLA:CPU."""
+    return down is not None and jax.default_backend() == "cpu"
+
+
+def expert_product(x: jax.Array, w: jax.Array, exact: bool = False) -> jax.Array:
+    """x [..., R, K] times w [..., O, K] -> [..., R, O] fp32 (fp32 accumulation).
+
+    exact (`exact_products`): fp32 operands (bf16 and FP8 values widen exactly) and at least two
+    rows. XLA:CPU then gives a row the same bits whatever R is and however the product is
+    batched, where a bf16 GEMM's rows change with R and a matrix-vector product sums in another
+    order (tests/test_moe_paths.py): the gather, tile-loop and Pallas paths then decide every
+    rounding after the product (a bf16 gate / up, W2's FP8 input) alike, so a row's output does
+    not depend on the path its batch takes. Accelerators keep bf16 operands: their GEMMs sum in
+    the library's order, and only batch-invariant mode fixes a row's bits there."""
+    if not exact:
+        return jnp.einsum("...rk,...ok->...ro", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    rows = x.shape[-2]
+    if rows == 1:
+        x = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
+    return jnp.einsum("...rk,...ok->...ro", x.astype(jnp.float32), w.astype(jnp.float32))[..., :rows, :]
+
+
 def hidden(gate: jax.Array, up: jax.Array, limit: float, dtype, scale: jax.Array | None = None, down=None
            ) -> jax.Array:
     """W2's input from the fp32 products gate, up [..., I]: the SwiGLU, rounded to dtype. With
@@ -129,6 +153,7 @@ def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, lay
     layer: the weights are stacked over a layer run ([R, E, ...]); each tile reads its
     expert of layer `layer` straight from the stack (no copy of the layer's experts)."""
     m, d = x_sorted.shape
+    exact = exact_products(down)
     expert, first, used = tile_table(group_sizes, m, rows)
     x_padded = jnp.concatenate([x_sorted, jnp.zeros((rows, d), x_sorted.dtype)])
     s_padded = None if scale is None else jnp.concatenate([scale, jnp.zeros((rows,), scale.dtype)])
@@ -137,11 +162,9 @@ def tile_loop(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows: int, lay
         def compute(out):
             xt = jax.lax.dynamic_slice_in_dim(x_padded, first[i], rows)
             e = expert[i] if layer is None else (layer, expert[i])
-            gate = jnp.einsum("rd,id->ri", xt, w1[e].astype(xt.dtype), preferred_element_type=jnp.float32)
-            up = jnp.einsum("rd,id->ri", xt, w3[e].astype(xt.dtype), preferred_element_type=jnp.float32)
+            gate, up = expert_product(xt, w1[e], exact), expert_product(xt, w3[e], exact)
             st = None if scale is None else jax.lax.dynamic_slice_in_dim(s_padded, first[i], rows)
-            h = hidden(gate, up, limit, xt.dtype, st, down)
-            y = jnp.einsum("ri,di->rd", h, w2[e].astype(xt.dtype), preferred_element_type=jnp.float32)
+            y = expert_product(hidden(gate, up, limit, xt.dtype, st, down), w2[e], exact)
             y = jnp.where(jnp.arange(rows)[:, None] < used[i], y, 0.0)
             return jax.lax.dynamic_update_slice_in_dim(out, y, first[i], 0)
 
@@ -156,10 +179,10 @@ def _kernel(expert_ref, x_ref, w1_ref, w3_ref, w2_ref, *refs, limit: float, down
     i = pl.program_id(0)
     e = expert_ref[i]
     x = x_ref[0]  # [rows, D]
-    gate = jnp.einsum("rd,id->ri", x, w1_ref[e], preferred_element_type=jnp.float32)
-    up = jnp.einsum("rd,id->ri", x, w3_ref[e], preferred_element_type=jnp.float32)
+    exact = exact_products(down)
+    gate, up = expert_product(x, w1_ref[e], exact), expert_product(x, w3_ref[e], exact)
     h = hidden(gate, up, limit, x.dtype, s_ref[0][0] if s_ref else None, down)
-    o_ref[0] = jnp.einsum("ri,di->rd", h, w2_ref[e], preferred_element_type=jnp.float32)
+    o_ref[0] = expert_product(h, w2_ref[e], exact)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "rows", "interpret", "down"))
@@ -217,6 +240,7 @@ def _mgpu_swiglu_kernel(expert_gmem, used_gmem, x_gmem, w1_gmem, w3_gmem, h_gmem
             gate, up = (a.astype(jnp.bfloat16).astype(jnp.float32) for a in (gate, up))
         gate = jnp.minimum(gate, limit)
         h = gate / (1.0 + jnp.exp(-gate)) * jnp.minimum(jnp.maximum(up, -limit), limit)
+        # V4.1: h stays fp32 (h_gmem), for `down` to round it once, after the routing weight, as `hidden` does
         store_tile(h.astype(h_gmem.dtype), h_gmem.at[pl.ds(t * rows, rows), pl.ds(n * block_n, block_n)])
 
 
@@ -252,9 +276,9 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
                      steps: int = 3, interpret: bool = False, scale=None, down=None):
     """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation). D and
     I are padded to the block sizes with zeros (which add nothing). With `down` (`hidden`) the
-    first kernel rounds gate and up to bf16, and `down` applies to its bf16 h between the two
-    kernels (one more rounding than the reference's fp32 h; padding columns stay whole zero
-    groups of the FP8 round trip)."""
+    first kernel rounds gate and up to bf16 and writes h in fp32, and `down` applies to it
+    between the two kernels: the roundings of `hidden`, in its order (padding columns stay
+    whole zero groups of the FP8 round trip)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows = 64  # one warpgroup's wgmma M
@@ -270,12 +294,13 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
     common = dict(rows=rows, block_n=block_n, block_k=block_k, steps=steps, interpret=interpret)
     h = plgpu.kernel(
         functools.partial(_mgpu_swiglu_kernel, limit=limit, round_products=down is not None, **common),
-        out_type=jax.ShapeDtypeStruct((n_tiles * rows, ip), dt), grid=(n_tiles, ip // block_n),
+        out_type=jax.ShapeDtypeStruct((n_tiles * rows, ip), dt if down is None else jnp.float32),
+        grid=(n_tiles, ip // block_n),
         grid_names=("tile", "n"), interpret=interpret_params(interpret),
     )(expert, used, x_tiles, w1p, w3p)
     if down is not None:
         s_tiles = gather_tiles(scale[:, None], first, used, rows).reshape(n_tiles * rows)
-        h = down(h.astype(jnp.float32), s_tiles).astype(dt)
+        h = down(h, s_tiles).astype(dt)
     y = plgpu.kernel(
         functools.partial(_mgpu_down_kernel, **common),
         out_type=jax.ShapeDtypeStruct((n_tiles * rows, dp), jnp.float32), grid=(n_tiles, dp // block_n),

@@ -15,6 +15,25 @@ the query's own top-k keys, and adds exp(sink - m) to the denominator at the end
 `reference` is the same math in plain jnp on the equivalent dense mask [B, S, T]; the
 model calls only the dispatch `sink_attention(..., impl=...)`.
 
+Where p is rounded (`round_p`). V4 (HF's oracle): p is normalised, sink included, and cast
+to the keys' dtype before PV (a no-op in fp32). DeepSeek-V4.1 (deepseek-v41.md §2.9, the
+vendor kernel): p = e^{l - m} is rounded to bf16 against the max m of the logits (sink
+excluded) before PV, and the fp32 sum of the unrounded p plus e^{sink - m} divides at the end:
+
+    o_h = sum_i bf16(e^{l_i - m}) kv_i / (sum_i e^{l_i - m} + e^{sink_h - m})
+
+where m is the vendor's online-softmax RUNNING max over consecutive blocks of 64 indices (from
+-1e30): block b's p rounds against M_b = max(M_{b-1}, max of block b), acc and sum rescale by
+e^{M_{b-1} - M_b}, the sink joins against the final max. `reference` computes this vectorised
+(`_running_max_p`) over its key axis in order (the shared keys, then the query's own; a
+masked key is a position in the blocking): the same up to fp32 rounding of the rescale
+factors. The Mosaic GPU kernel's 64-key tiles are these blocks (it stages P in bf16 against
+its running max whatever `round_p` says) when T is a multiple of 64 and the keys are not
+split (decode `splits` > 1 rounds against each split's own max); the Pallas kernel's are
+`block_k` shared keys (T padded to it) then all of a query's own keys as one block, so it is
+the same with block_k=64, T a multiple of 64 and k <= 64. Elsewhere they differ from the
+reference by the rounding of p (2^-9 relative per weight).
+
 `mgpu_sink_attention` is the Hopper (sm90) kernel for Mosaic GPU. All query heads share
 the one KV head, so a program takes 64 heads of ONE query as the 64 rows of a wgmma tile
 (MQA-style, as DeepSeek's FlashMLA decode does): its visibility rule is then one mask per
@@ -42,15 +61,17 @@ from dsjax.pallas_kernels.mgpu import (accumulate, interpret_params, layout, mat
                                        round_up, store_tile)
 
 NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free for fully masked rows
+BLOCK_P = 64  # V4.1's vendor kernel: its online softmax's block of indices (deepseek-v41.md §2.9)
 
 
-def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None):
+def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, round_p: bool = False):
     """The reference math, on the dense mask the intervals stand for.
 
     q [B, S, H, D]; kv [B, T, D] keys shared by all queries, key t visible to query s iff
     k_lo[b, t] <= q_pos[b, s] <= k_hi[b, t]; optionally kv_pq [B, S, k, D] (CSA: each
     query's top-k compressed entries, gathered) with mask_pq [B, S, k]. sinks [H] fp32
-    adds exp(sink_h) to the denominator only. -> o [B, S, H, D] in q's dtype."""
+    adds exp(sink_h) to the denominator only. round_p: V4.1's rounding of p (module
+    docstring); a query with no visible key gives 0. -> o [B, S, H, D] in q's dtype."""
     mask = (q_pos[:, :, None] >= k_lo[:, None, :]) & (q_pos[:, :, None] <= k_hi[:, None, :])  # [B, S, T]
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bshd,btd->bsht", q, kv, preferred_element_type=jnp.float32) * scale
@@ -59,18 +80,43 @@ def reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None):
         extra = jnp.einsum("bshd,bskd->bshk", q, kv_pq, preferred_element_type=jnp.float32) * scale
         logits = jnp.concatenate([logits, jnp.where(mask_pq[:, :, None, :], extra, -jnp.inf)], axis=-1)
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
-    p = jnp.exp(logits - m)
-    p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(kv.dtype)
+    if round_p:  # V4.1: the vendor's online softmax over blocks of 64 keys, p to bf16 unnormalised
+        p, denom = _running_max_p(logits, sink)  # fp32: bf16(e) times e^{M_b - M_last}, not re-rounded
+    else:
+        m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+        p = jnp.exp(logits - m)
+        p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(kv.dtype)
     t = kv.shape[1]
     o = jnp.einsum("bsht,btd->bshd", p[..., :t], kv, preferred_element_type=jnp.float32)
     if kv_pq is not None:
         o = o + jnp.einsum("bshk,bskd->bshd", p[..., t:], kv_pq, preferred_element_type=jnp.float32)
+    if round_p:
+        o = o / denom
     return o.astype(q.dtype)
 
 
+def _running_max_p(logits, sink, block: int = BLOCK_P):
+    """V4.1's p and denominator (§2.9), vectorised: the key axis (shared keys, then the
+    per-query ones) in consecutive blocks of `block`, a masked (-inf) key a position that adds
+    nothing. Block b's running max M_b = max(M_{b-1}, max of block b), M_0 = NEG; its keys'
+    p = bf16(e^{l - M_b}); the online softmax's rescales by e^{M_{b-1} - M_b} multiply out to
+    w_b = e^{M_b - M_last} (equal up to fp32 rounding of the factors), so
+    o = sum_i w_b(i) bf16(p_i) kv_i / (sum_i w_b(i) p_i + e^{sink - M_last}).
+    -> (weights [..., N] fp32, denominator [..., 1]); no visible key: denominator inf, o = 0."""
+    n = logits.shape[-1]
+    nb = max(1, -(-n // block))  # one all-masked block when there is no key
+    blocks = jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, nb * block - n)], constant_values=-jnp.inf)
+    blocks = blocks.reshape(*logits.shape[:-1], nb, block)
+    running = jax.lax.cummax(jnp.max(blocks, axis=-1, initial=NEG), axis=blocks.ndim - 2)  # M_b [..., nb]
+    e = jnp.exp(blocks - running[..., None])  # against the running max
+    w = jnp.exp(running - running[..., -1:])[..., None]  # e^{M_b - M_last}
+    denom = jnp.sum(e * w, axis=(-2, -1))[..., None] + jnp.exp(sink - running[..., -1:])
+    p = e.astype(jnp.bfloat16).astype(jnp.float32) * w
+    return p.reshape(*logits.shape[:-1], nb * block)[..., :n], denom
+
+
 def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: int, n_kblocks: int, scale: float,
-            per_query: bool):
+            per_query: bool, round_p: bool = False):
     if per_query:
         kvq_ref, mq_ref, o_ref = rest
     else:
@@ -87,7 +133,8 @@ def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: in
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[..., None])
-        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + values(p)
+        pv = p.astype(jnp.bfloat16).astype(jnp.float32) if round_p else p  # V4.1: against the running max
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + values(pv)
 
     def key_block(j, carry):
         start = j * block_k
@@ -112,10 +159,11 @@ def _kernel(q_ref, pos_ref, kv_ref, lo_ref, hi_ref, sink_ref, *rest, block_k: in
     o_ref[0] = (acc * jnp.exp(m - m_all)[..., None] / denom[..., None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret", "round_p"))
 def pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, block_q: int = 16,
-                          block_k: int = 128, interpret: bool = False):
-    """Same contract as `reference`; S and T are padded to the block sizes here."""
+                          block_k: int = 128, interpret: bool = False, round_p: bool = False):
+    """Same contract as `reference` (round_p: against the running max); S and T are padded to
+    the block sizes here."""
     b, s, h, d = q.shape
     t = kv.shape[1]
     bq = min(block_q, s)
@@ -143,7 +191,8 @@ def pallas_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=N
         in_specs += [pl.BlockSpec((1, bq, kq, d), lambda i, j: (i, j, 0, 0)),
                      pl.BlockSpec((1, bq, kq), lambda i, j: (i, j, 0))]
         args += [pad_s(kv_pq), pad_s(mask_pq.astype(jnp.int32), 0)]
-    kernel = functools.partial(_kernel, block_k=bk, n_kblocks=tp // bk, scale=d ** -0.5, per_query=per_query)
+    kernel = functools.partial(_kernel, block_k=bk, n_kblocks=tp // bk, scale=d ** -0.5, per_query=per_query,
+                               round_p=round_p)
     out = pl.pallas_call(
         kernel, grid=(b, sp // bq), in_specs=in_specs,
         out_specs=pl.BlockSpec((1, bq, h, d), lambda i, j: (i, j, 0, 0)),
@@ -251,10 +300,11 @@ def num_splits(programs: int, key_blocks: int, sms: int | None = None) -> int:
     return max(1, min(sms // max(programs, 1), key_blocks // 2))
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "steps", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "steps", "splits", "interpret", "round_p"))
 def mgpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, block_k: int | None = None,
-                        steps: int = 2, splits: int | None = None, interpret: bool = False):
-    """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation). Heads
+                        steps: int = 2, splits: int | None = None, interpret: bool = False, round_p: bool = False):
+    """Same contract as `reference`, on Mosaic GPU (bf16 operands, fp32 accumulation; P is
+    always bf16 against the running max, so `round_p` changes nothing here). Heads
     are padded to a multiple of 64, D to a multiple of 64 (of 256 above 256), keys to
     block_k; padding keys are invisible and padded heads are dropped.
 
@@ -321,12 +371,13 @@ def merge_splits(outs: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array
     return jnp.einsum("nr,nrd->rd", weights / denom, outs.astype(jnp.float32))
 
 
-def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference"):
+def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference",
+                   round_p: bool = False):
     """THE dispatch (dispatch.py's rule): "reference" (jnp); "pallas": the Mosaic GPU kernel
     on Hopper+, else the generic Pallas kernel (interpreted on CPU); "mosaic_gpu": the
-    Mosaic GPU kernel (GPU interpret mode off the GPU)."""
+    Mosaic GPU kernel (GPU interpret mode off the GPU). round_p: V4.1's rounding of p."""
     kind, interpret = kernel_choice(impl)
     if kind == "reference":
-        return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq)
+        return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, round_p)
     fn = mgpu_sink_attention if kind == "mosaic_gpu" else pallas_sink_attention
-    return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret)
+    return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret, round_p=round_p)
