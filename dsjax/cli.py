@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_cache_args(s, auto=True)
     s.add_argument("--num-draft-tokens", type=int, default=0, help="speculative decoding with the MTP layer")
     s.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent of "
-                   "its batch (README 'Batch invariance'; about 1.2x slower decode on CPU)")
+                   "its batch (docs/batch-invariance.md; slower decode)")
     s.add_argument("--max-logprobs", type=int, default=0, help="top logprobs a request may ask for (0: logprobs "
                    "refused)")
     s.add_argument("--thinking-default", choices=["on", "off", "auto"], default="auto",
