@@ -442,7 +442,7 @@ def test_caches_after_accept_reject_equal_plain_decoding(small_vocab, rng):
         assert int(spec_engine.cache.length[0]) == int(plain.cache.length[0])
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
                      spec_engine.cache, plain.cache)
-    got = [t for out, _ in spec_engine._pending for t in np.asarray(out.tokens)[:, 0][np.asarray(out.emitted)[:, 0]]]
+    got = [t for out, *_ in spec_engine._pending for t in np.asarray(out.tokens)[:, 0][np.asarray(out.emitted)[:, 0]]]
     assert got == truth[: emitted]
     # the MTP ring equals one built from the plain sequence in a single pass
     seq = jnp.asarray([prompt + truth[: emitted]])
