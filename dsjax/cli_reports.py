@@ -23,7 +23,6 @@ def cmd_memory(args, say) -> int:
 
     from dsjax.api import check_mesh_fits
     from dsjax.config import load_config
-    from dsjax.memory import show_bytes
     from dsjax.param_count import memory_report
     from dsjax.sharding.rules import parse_mesh_spec
 
@@ -37,7 +36,7 @@ def cmd_memory(args, say) -> int:
                       fmt=_checkpoint_format(args.config, cfg), kv_tokens=args.kv_tokens, kv_seqs=args.kv_seqs, device_bytes=device)
     if args.json:
         print(json.dumps(r, indent=2))
-        return 0 if r["fits"] is not False else 1
+        return _verdict(r, args.quantized, quiet=True)
     kind = "as stored (FP8 / MXFP4 + E8M0 scales)" if args.quantized == "resident" else args.dtype
     print(f"{cfg.name} on mesh {sizes}, weights {kind}: bytes per device")
     for k, v in sorted(r["bytes_per_device"].items(), key=lambda kv: -kv[1]):
@@ -54,16 +53,24 @@ def cmd_memory(args, say) -> int:
     print(f"whole model: {r['weights_total_bytes'] / 1e9:.1f} GB of weights on devices"
           + (f" + {r['engram_host_bytes'] / 1e9:.1f} GB of Engram tables on the host = "
              f"{r['checkpoint_bytes'] / 1e9:.1f} GB" if r["engram_host_bytes"] else ""))
+    return _verdict(r, args.quantized)
+
+
+def _verdict(r: dict, quantized: str, quiet: bool = False) -> int:
+    """With --device-memory: "fits" on stdout, or a MemoryError naming the bytes (exit status 2)."""
+    from dsjax.memory import show_bytes
+
     if r["fits"] is None:
         return 0
     need, have = r["need_per_device"], r["device_bytes"]
-    if r["fits"]:
+    if not r["fits"]:
+        raise MemoryError(f"weights + KV budget need {show_bytes(need)} ({need} B) on each device, but a device holds "
+                          f"{show_bytes(have)} ({have} B); use a larger mesh"
+                          f"{', --quantized resident' if quantized != 'resident' else ''} or a smaller KV budget "
+                          f"(--kv-seqs, --kv-tokens)")
+    if not quiet:
         print(f"fits: {show_bytes(need)} of a device's {show_bytes(have)} ({show_bytes(have - need)} left)")
-        return 0
-    print(f"does not fit: each device needs {show_bytes(need)} ({need} B), a device holds {show_bytes(have)} ({have} B); "
-          f"use a larger mesh{', --quantized resident' if args.quantized != 'resident' else ''} or a smaller KV "
-          f"budget (--kv-seqs, --kv-tokens)")
-    return 1
+    return 0
 
 
 def _checkpoint_format(config: str, cfg):

@@ -93,13 +93,14 @@ def test_per_device_bytes_and_the_kv_budget():
 
 
 def test_device_memory_verdict(capsys):
-    """Fits at the bytes the report needs, not one MiB below; the refusal names the bytes needed and held."""
+    """Fits at the bytes the report needs, not one MiB below: refused (exit status 2) naming the bytes needed
+    and held."""
     r = memory_report(load_config("v4-flash"), quantized="resident")
     need = r["need_per_device"]
     argv = ["memory", "--config", "v4-flash", "--quantized", "resident", "--mesh", ""]
     assert cli.main(argv + ["--device-memory", str((need + 2**20) / 2**30)]) == 0
     assert "fits:" in capsys.readouterr().out
     have = need - 2**20
-    assert cli.main(argv + ["--device-memory", str(have / 2**30)]) == 1
-    out = capsys.readouterr().out
-    assert f"each device needs {need / 2**30:.2f} GiB ({need} B)" in out and "a device holds" in out
+    assert cli.main(argv + ["--device-memory", str(have / 2**30)]) == 2
+    err = capsys.readouterr().err
+    assert f"need {need / 2**30:.2f} GiB ({need} B) on each device, but a device holds" in err

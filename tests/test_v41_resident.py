@@ -55,6 +55,11 @@ def test_stored_bytes_on_device(models):
     assert all(isinstance(e.wkv, Fp8Weight) for e in resident.params.engram)
     assert isinstance(resident.mtp.main_proj, Fp8Weight) and isinstance(resident.mtp.stages.moe.w2, Fp4Weight)
     assert resident.options.quantized == "resident"
+    e = resident.config.v41.engram  # the tables stay on the host as stored: a row is hd E4M3 + hd / 32 E8M0 bytes
+    for table in resident.params.engram_tables.tables:
+        q, scale = table.gather(np.array([[0, 7]]))
+        assert table.row_bytes == e.head_dim + e.head_dim // 32 and q.dtype == jnp.float8_e4m3fn
+        assert scale.dtype == np.uint8 and scale.shape == (1, 2, e.head_dim // 32)
 
 
 def test_resident_logits_equal_dequantized(models):
