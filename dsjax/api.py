@@ -292,7 +292,8 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
         small = e is not None and engram_table_values(cfg) * (1 + 1 / 32) <= SEEDED_ENGRAM_BYTES
         tables = EngramStore.seeded(cfg, seed + 2) if small else None
     params = params.replace(engram_tables=tables)
-    return Model(cfg, params, dtype, mesh, drafter, RuntimeOptions(kernels=resolve_kernels(kernels), quantized=quantized))
+    options = RuntimeOptions(kernels=resolve_kernels(kernels), quantized=quantized)
+    return Model(cfg, params, dtype, mesh, drafter, options)
 
 
 def resident_format(path: Path, block: tuple[int, int] | None = None) -> QuantFormat:

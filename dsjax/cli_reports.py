@@ -33,7 +33,8 @@ def cmd_memory(args, say) -> int:
         raise ValueError(f"--device-memory: a device's memory in GiB must be positive, got {args.device_memory}")
     device = None if args.device_memory is None else int(args.device_memory * 2**30)
     r = memory_report(cfg, sizes, dtype=jnp.dtype(args.dtype), quantized=args.quantized,
-                      fmt=_checkpoint_format(args.config, cfg), kv_tokens=args.kv_tokens, kv_seqs=args.kv_seqs, device_bytes=device)
+                      fmt=_checkpoint_format(args.config, cfg), kv_tokens=args.kv_tokens, kv_seqs=args.kv_seqs,
+                      device_bytes=device)
     if args.json:
         print(json.dumps(r, indent=2))
         return _verdict(r, args.quantized, quiet=True)

@@ -23,7 +23,8 @@ def fp4(out, inn):
 
 
 def v41_block(d=5120, experts=384, tile=32, wo_a_bf16=True):
-    """One V4.1-Flash block without compressor / indexer (§8): attention, norms, mHC, gate, shared and routed experts."""
+    """One V4.1-Flash block without compressor / indexer (§8): attention, norms, mHC, gate, shared and
+    routed experts."""
     n = fp8(1280, d, tile) + fp8(32768, 1280, tile) + fp8(512, d, tile) + fp8(d, 8192, tile)
     n += 2 * 8192 * 4096 if wo_a_bf16 else fp8(8192, 4096, tile)  # wo_a: bf16 as the reference keeps it, or as stored
     n += 4 * 64 + 2 * (1280 + 512) + 2 * 2 * d  # attn_sink f32; q_norm, kv_norm, attn_norm, ffn_norm bf16

@@ -116,8 +116,8 @@ def _edit(directory, tensor, fn):
 def test_missing_scale_is_refused(copy):
     name = "mtp.0.main_proj.scale"
     _edit(copy, name, lambda t: t.pop(name))
-    with pytest.raises(CheckpointError, match=rf"'mtp\.0\.main_proj\.weight' in model-\S+: F8_E4M3 weight without its "
-                                              rf"scale tensor 'mtp\.0\.main_proj\.scale'"):
+    with pytest.raises(CheckpointError, match=r"'mtp\.0\.main_proj\.weight' in model-\S+: F8_E4M3 weight without its "
+                                              r"scale tensor 'mtp\.0\.main_proj\.scale'"):
         dsjax.load_model(copy, dtype="float32", quantized="resident")
 
 
@@ -150,7 +150,8 @@ def test_another_block_size_is_refused(copy):
     config = json.loads((copy / "config.json").read_text())
     config["quantization_config"]["weight_block_size"] = [128, 128]
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"weight_block_size \[128, 128\], but this model stores FP8 on \[32, 32\]"):
+    with pytest.raises(CheckpointError, match=r"weight_block_size \[128, 128\], but this model stores FP8 on "
+                                              r"\[32, 32\]"):
         dsjax.load_model(copy, dtype="float32", quantized="resident")
     with pytest.raises(CheckpointError, match=r"scale' in .*: shape \[\d+, \d+\], expected"):
         dsjax.load_model(copy, dtype="float32")
@@ -165,5 +166,6 @@ def test_engram_table_without_scale_is_refused(copy):
 
 def test_too_big_for_the_device_is_refused(checkpoint):
     """Refused with the bytes needed (backbone + DSpark head, as stored) and those available."""
-    with pytest.raises(MemoryError, match=r"the weights need \d+\.\d+ MiB \(\d+ B\) on one device, but a device holds 0\.50 MiB \(524288 B\)"):
+    with pytest.raises(MemoryError, match=r"the weights need \d+\.\d+ MiB \(\d+ B\) on one device, but a device "
+                                          r"holds 0\.50 MiB \(524288 B\)"):
         dsjax.load_model(checkpoint, dtype="float32", quantized="resident", device_memory_bytes=1 << 19)
