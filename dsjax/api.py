@@ -185,7 +185,6 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     if mesh is not None:
         check_mesh_fits(cfg, mesh)
         shardings = shardings_for(specs, mesh)
-    check_memory(specs, mesh, device_memory_bytes)
     if saved_orbax:
         want_mtp = orbax_io.read_marker(path).get("mtp", False) if mtp is None else mtp
     elif path.is_dir():
@@ -200,6 +199,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         elif saved_orbax and marker["quantized"] == "resident":
             m_specs = resident_specs(m_specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
         m_shardings = shardings_for(m_specs, mesh) if mesh is not None else None
+    check_memory((specs, m_specs), mesh, device_memory_bytes)  # the drafter too, before anything is read
     mtp_params = None
     if saved_orbax:
         params = orbax_io.restore(path, abstract_params(specs, shardings))
@@ -360,7 +360,8 @@ def check_mesh_fits(cfg: ModelConfig, mesh) -> None:
 
 
 def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:
-    """Fail before reading anything if one device's share of the weights does not fit."""
+    """Fail before reading anything if one device's share of the weights (`specs`: any tree of
+    specs, the drafter's included; stored-format leaves count their stored bytes) does not fit."""
     if mesh is None:
         need = sum(s.nbytes for _, s in spec_leaves(specs))
         device = jax.devices()[0]
