@@ -18,6 +18,7 @@ import v41_checkpoint
 from dsjax.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
 from dsjax.config import load_config
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
+from dsjax.layers.moe import moe_forward
 from dsjax.model.dspark import dspark_draft, empty_ring
 from dsjax.model.v41 import dspark_specs, v41_model_specs
 from dsjax.params import init_params
@@ -83,6 +84,21 @@ def test_resident_dspark_draft_equals_dequantized(models):
     np.testing.assert_array_equal(r_drafts, d_drafts)
     np.testing.assert_allclose(r_logits, d_logits, atol=2e-6 * np.abs(d_logits).max(), rtol=0)
     np.testing.assert_allclose(r_conf, d_conf, atol=1e-5, rtol=0)
+
+
+def test_resident_decode_moe_equals_dequantized(models):
+    """A decode step's MoE (one and three tokens: each assignment's MXFP4 expert read where it lies,
+    `expert_ffn_each`; the FP8 shared expert through Lin8) equals the dequantized block's."""
+    cfg = models[0].config
+    d_block, r_block = (jax.tree.map(lambda a: a[0], m.params.blocks[0][0].moe) for m in models)
+    assert isinstance(r_block.w2, Fp4Weight) and isinstance(r_block.shared_w1, Fp8Weight)
+    rng = np.random.default_rng(2)
+    for tokens in (1, 3):
+        x = jnp.asarray(rng.standard_normal((1, tokens, cfg.hidden_size)), jnp.float32)
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, tokens)), jnp.int32)
+        step = jax.jit(lambda p: moe_forward(p, x, ids, cfg, fp8_acts=True))
+        want = step(d_block)
+        np.testing.assert_allclose(step(r_block), want, atol=2e-6 * np.abs(want).max(), rtol=0)
 
 
 def test_resident_on_a_mesh(checkpoint, models):
