@@ -180,11 +180,12 @@ def test_bad_v41_field_is_named(edit, field):
 
 
 def test_load_model_v41_refusals_are_named(tmp_path):
-    """What load_model does not do for a V4.1 config yet is refused by name before anything is
-    built (resident quantized weights; a drafter the config does not have)."""
+    """What load_model cannot do for a V4.1 config is refused by name before anything is built
+    (resident weights without a stored FP8 / MXFP4 checkpoint; a drafter the config does not have)."""
     import dsjax
 
-    with pytest.raises(ValueError, match="DeepSeek-V4.1 model loads dequantized only"):
+    with pytest.raises(ValueError, match="quantized='resident' needs an FP8 / MXFP4 checkpoint; .* declares no "
+                                         "quantization_config"):
         dsjax.load_model("tiny-v41", quantized="resident")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(to_hf_dict(load_config("tiny-v41").replace(num_nextn_predict_layers=0))))
