@@ -294,6 +294,24 @@ def test_completions_text_ids_stop_and_batch(model, oai):
     assert "".join(c.choices[0].text for c in chunks) == expected.text
 
 
+def test_logit_bias_bans_and_forces_tokens(oai):
+    """OpenAI's logit_bias through both clients' APIs: -100 on the greedy first token gives
+    the runner-up (the raw top logprobs the same response reports), +100 forces a token."""
+    messages = [{"role": "user", "content": "Name a prime."}]
+    kw = dict(model=NAME, messages=messages, max_tokens=1, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body=NO_THINKING)
+    tok = dsjax.load_tokenizer()
+    top = oai.chat.completions.create(**kw).choices[0].logprobs.content[0].top_logprobs
+    first = tok.encode(top[0].token)
+    assert len(first) == 1
+    banned = oai.chat.completions.create(**kw, logit_bias={str(first[0]): -100}).choices[0]
+    assert banned.logprobs.content[0].token == top[1].token != top[0].token
+    word = tok.encode(" seven")[0]
+    forced = oai.completions.create(model=NAME, prompt="1 2 3", max_tokens=4, temperature=0.8, seed=3,
+                                    logit_bias={str(word): 100})
+    assert forced.choices[0].text == tok.decode([word] * 4) and tok.decode([word]).strip()
+
+
 def test_responses_api(oai):
     chat = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                        temperature=0, extra_body=NO_THINKING)
@@ -588,8 +606,11 @@ def test_api_key(guarded):
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/messages/count_tokens", {"model": "claude-x", "messages": []}, 404, "claude-x"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
-                              "logit_bias": {"100": 5}}, 400, "logit_bias"),
-    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"100": 5}}, 400, "logit_bias"),
+                              "logit_bias": {"100": 500}}, 400, "[-100, 100]"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"a": 5}}, 400, "not a token id"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"999999999": 5}}, 400, "outside the vocab"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias"),
+    ("/v1/responses", {"model": NAME, "input": "x", "logit_bias": {"1": 1}}, 400, "not a field of the responses"),
     ("/v1/responses", {"model": NAME, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": []}, 404, "claude-x"),
     ("/v1/nowhere", {}, 404, "no route"),

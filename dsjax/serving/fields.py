@@ -13,7 +13,7 @@ from typing import Any, Callable
 import deepseek_recipe as recipe
 
 from dsjax.engine import SamplingParams
-from dsjax.engine.sampler import is_real
+from dsjax.engine.sampler import MAX_LOGIT_BIAS, is_real
 from dsjax.tokenizer import Tokenizer
 
 
@@ -156,6 +156,27 @@ def _penalty(body: dict, key: str) -> float:
     return float(value)
 
 
+def logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias` ({"token id": bias in [-100, 100]}) as {id: bias}, each key and
+    value checked by name (ids past the vocabulary: the engine's admission check)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise field_error("logit_bias", f"an object mapping token ids to biases, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise field_error("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 10):
+            raise field_error("logit_bias", f"key {key!r} is not a token id (a non-negative integer, as a string)")
+        if not (is_real(bias) and -100 <= bias <= 100):
+            raise field_error("logit_bias", f"the bias of token {key} must be a number in [-100, 100], "
+                                            f"got {json.dumps(bias)}")
+        out[int(key)] = float(bias)
+    return out
+
+
 def sampling(ctx: Context, *, temperature, top_p, max_tokens: int, seed, logprobs: int = 0, body: dict,
              prompt_logprobs: int | None = None) -> SamplingParams:
     try:
@@ -163,7 +184,8 @@ def sampling(ctx: Context, *, temperature, top_p, max_tokens: int, seed, logprob
                               top_p=1.0 if top_p is None else float(top_p), max_tokens=int(max_tokens),
                               seed=_seed(seed), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               presence_penalty=_penalty(body, "presence_penalty"),
-                              frequency_penalty=_penalty(body, "frequency_penalty"))
+                              frequency_penalty=_penalty(body, "frequency_penalty"),
+                              logit_bias=logit_bias(body))
     except ValueError as e:
         raise APIError(400, str(e).removeprefix("SamplingParams: ")) from None
 
@@ -225,14 +247,15 @@ def wide_integer(value, path: str = "") -> str | None:
 
 # fields a client may send that would change the answer but that this server does not do:
 # refused by name rather than ignored
-UNSUPPORTED = {"logit_bias": "logit_bias is not supported yet",
-               "previous_response_id": "this server stores no responses (send the conversation in `input`)"}
+UNSUPPORTED = {"previous_response_id": "this server stores no responses (send the conversation in `input`)"}
 
 
 def check_unsupported(api: API, body: dict) -> None:
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, {}, "") and (key != "previous_response_id" or api is RESPONSES):
             raise field_error(key, why)
+    if api in (RESPONSES, MESSAGES) and body.get("logit_bias") is not None:
+        raise field_error("logit_bias", f"not a field of the {api.name} API (Chat Completions and Completions have it)")
 
 
 def number_field(body: dict, key: str, default, kind=float):
