@@ -14,7 +14,6 @@ else, so greedy, temperature, top-k / top-p / min-p and the draw all see only th
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 
 import jax
@@ -49,10 +48,10 @@ class SamplingParams:
         (ids within the vocabulary, top_k at most the vocabulary, lengths) is checked when
         an engine admits the request (`dsjax.engine.requests.check_request`)."""
         reals = [
-            ("temperature", lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0 (0: greedy)"),
+            ("temperature", lambda v: 0 <= v <= FLOAT32_MAX, "a finite number >= 0 (0: greedy; float32)"),
             ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
             ("min_p", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-            ("repetition_penalty", lambda v: v > 0 and math.isfinite(v), "a finite number > 0 (1: off)"),
+            ("repetition_penalty", lambda v: 0 < v <= FLOAT32_MAX, "a finite number > 0 (1: off; float32)"),
             ("presence_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
             ("frequency_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         ]
@@ -91,6 +90,7 @@ class SamplingParams:
 
 
 MAX_LOGIT_BIAS = 300  # biased tokens per request (OpenAI's limit): a fixed-width row of the slot state
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # settings live in float32 slot state: larger ones would be inf
 INT32_MAX = 2**31 - 1  # top_k, max_tokens, stop ids and logprobs live in int32 slot state on the device
 UINT32_MAX = 2**32 - 1  # seeds are uint32
 
