@@ -610,7 +610,7 @@ def test_api_key(guarded):
     ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"a": 5}}, 400, "not a token id"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"999999999": 5}}, 400, "outside the vocab"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias"),
-    ("/v1/responses", {"model": NAME, "input": "x", "logit_bias": {"1": 1}}, 400, "not a field of the responses"),
+    ("/v1/responses", {"model": NAME, "input": "x", "logit_bias": {"1": 1}}, 400, "logit_bias: not a field of the /v1/responses"),
     ("/v1/responses", {"model": NAME, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": []}, 404, "claude-x"),
     ("/v1/nowhere", {}, 404, "no route"),
