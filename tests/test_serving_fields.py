@@ -148,10 +148,11 @@ def test_sampling_fields_reach_the_engine(server):
     extra = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
              "presence_penalty": 0.5, "frequency_penalty": -0.5}
     for api, fields in ((CHAT, extra), (COMPLETIONS, {**extra, "ignore_eos": True, "stop_token_ids": [7, 9]}),
-                        (RESPONSES, {"temperature": 0.7, "top_p": 0.9}),
-                        (MESSAGES, {"temperature": 0.7, "top_p": 0.9, "top_k": 5})):
+                        (RESPONSES, {"temperature": 0.7, "top_p": 0.9, "seed": 2**40 + 3}),
+                        (MESSAGES, {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 2**40 + 3})):
         params = prepare(api, {**MINIMAL[api.name], **fields}, ctx).choices[0].params
         for key, value in fields.items():
+            value = value % 2**32 if key == "seed" else value  # the engine's seed: the low 32 bits
             got = getattr(params, key)
             assert (tuple(got) if key == "stop_token_ids" else got) == pytest.approx(
                 tuple(value) if key == "stop_token_ids" else value), (api.name, key)

@@ -14,9 +14,8 @@ import deepseek_recipe as recipe
 
 from dsjax.engine import TokenEvent
 from dsjax.serving.fields import (API, CHAT, MESSAGES, RESPONSES, APIError, check_limits, check_logprobs,
-                                  check_no_images, check_prompt_length, Choice, Context,
-                                  field_error, Job, new_id, request_temperature, sample_seed, samples, sampling,
-                                  wide_integer)
+                                  check_no_images, check_prompt_length, Choice, Context, field_error, Job, new_id,
+                                  number_field, request_temperature, sample_seed, samples, sampling, wide_integer)
 
 
 # --------------------------------------------------------------------------- recipe APIs
@@ -275,6 +274,11 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     spec = None if constraint is None else (*callers_constraint(api, body, constraint.kind, constraint.schema),
                                             conversation.thinking_mode, _parallel_tool_calls(api, body),
                                             budget if conversation.thinking_mode else None)
+    seed = opts.seed
+    if api in (RESPONSES, MESSAGES):  # the recipe reads no seed there; dsjax's extension, as on Chat
+        seed = number_field(body, "seed", None, int)
+        if seed is not None and not 0 <= seed < 2**63:
+            raise field_error("seed", f"an integer in [0, 2**63), got {seed}")
     response_id, created = new_id(api), int(time.time())
     choices = []
     for k in range(n):
@@ -289,7 +293,7 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
             translator = SampleTranslator(translator, k)
         translator.keep = not conv.stream
         params = sampling(ctx, temperature=request_temperature(body, opts), top_p=opts.top_p, max_tokens=max_tokens,
-                          seed=sample_seed(opts.seed, k), logprobs=n_logprobs, body=body)
+                          seed=sample_seed(seed, k), logprobs=n_logprobs, body=body)
         choices.append(Choice(prompt, params, translator, spec))
 
     def one(translator) -> str:
