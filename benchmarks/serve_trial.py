@@ -6,8 +6,10 @@ memory to JSON (and a PNG plot when matplotlib is installed: pip install -e ".[b
         --out benchmarks/results/serve_trial_cpu.json --plot benchmarks/results/serve_trial_cpu.png
 
 The mix (seeded, the same every run): short (one sentence) and long (~1500 tokens) prompts;
-streaming and not; /v1/chat/completions with thinking disabled and enabled, /v1/completions,
-/v1/messages; `cancelled` requests (a chat stream the client closes after a few chunks: counted
+`shared` chats whose long system prompt is one of three the whole trial reuses (what a product's
+fixed instructions look like: the prefix cache's case); `tools` chats (two function tools,
+tool_choice auto); streaming and not; /v1/chat/completions with thinking disabled and enabled,
+/v1/completions, /v1/messages; `cancelled` requests (a chat stream the client closes after a few chunks: counted
 apart, not as errors); `structured` requests (response_format json_schema, --structured-share
 of the mix): a 400 that says structured output is not supported is counted as `unsupported`,
 not as an error, so the trial keeps working before and after the server gains it.
@@ -21,7 +23,11 @@ this process; the server runs in another so the two do not share a GIL):
   e2e   request sent -> last byte, every request that completed
   output tokens: the usage the server reports (chat: stream_options.include_usage; completions:
         the same; messages: message_delta.usage); tokens/s = their sum / the level's wall time
+  cached: prompt tokens the server took from its prefix cache (usage), against all prompt tokens
 Server RSS (psutil, the process and its children) is sampled every 0.1 s: peak and end per level.
+--prefix-cache off,on runs the whole trial twice, on two servers: with the prefix cache off
+(--prefix-cache-mb 0: every prompt computed, the cold case) and on (serve's default; its warm-up
+requests have put the shared system prompts in it, the warm case).
 After each level the trial waits for /metrics to show no running or waiting request (cancelled
 streams must free their slots) and records how long that took, or that it did not happen.
 """
@@ -74,7 +80,17 @@ def long_text(rng: random.Random, words: int) -> str:
 
 # --------------------------------------------------------------------------- the mix
 # (kind, weight): the kinds a level draws from; structured and cancelled shares are flags
-MIX = [("chat", 4), ("chat_think", 2), ("completions", 2), ("messages", 2)]
+MIX = [("chat", 3), ("chat_think", 2), ("completions", 2), ("messages", 2), ("shared", 3), ("tools", 1)]
+TOOLS = [{"type": "function", "function": {"name": name, "description": what, "parameters": {
+    "type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
+    for name, what, arg in (("get_weather", "The weather in a city", "city"),
+                            ("search_docs", "Search the documentation", "query"))]
+
+
+def system_prompts(words: int) -> list[str]:
+    """The three long system prompts `shared` requests reuse (fixed: the same every run)."""
+    return [f"You are assistant {k}. Follow these notes. " + long_text(random.Random(1000 + k), words)
+            for k in range(3)]
 
 
 def make_requests(n: int, args, rng: random.Random, model: str) -> list[dict]:
@@ -94,6 +110,10 @@ def make_requests(n: int, args, rng: random.Random, model: str) -> list[dict]:
                 if long else f"Request {i}. {rng.choice(SHORT)}")
         max_tokens = args.max_tokens * 4 if kind == "cancelled" else args.max_tokens
         messages = [{"role": "user", "content": text}]
+        if kind == "shared":  # a long fixed system prompt, a short question: the prefix cache's case
+            long, text = True, f"Request {i}. {rng.choice(SHORT)}"
+            messages = [{"role": "system", "content": rng.choice(system_prompts(args.long_words))},
+                        {"role": "user", "content": text}]
         if kind == "completions":
             path, body = "/v1/completions", {"prompt": text}
         elif kind == "messages":
@@ -101,6 +121,8 @@ def make_requests(n: int, args, rng: random.Random, model: str) -> list[dict]:
         else:
             path, body = "/v1/chat/completions", {"messages": messages,
                                                   "thinking": {"type": "enabled" if kind == "chat_think" else "disabled"}}
+            if kind == "tools":
+                body.update(tools=TOOLS, tool_choice="auto")
             if kind == "structured":
                 body["response_format"] = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA,
                                                                                   "strict": True}}
@@ -134,7 +156,16 @@ def token_chunk(path: str, event: str | None, data: dict) -> tuple[bool, int | N
 
 def prompt_tokens(data: dict) -> int | None:
     usage = data.get("usage") or (data.get("message") or {}).get("usage") or {}
-    return usage.get("prompt_tokens", usage.get("input_tokens"))
+    if "input_tokens" in usage:  # Anthropic's input_tokens leave out what the cache held
+        return usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
+    return usage.get("prompt_tokens")
+
+
+def cached_tokens(data: dict) -> int | None:
+    usage = data.get("usage") or (data.get("message") or {}).get("usage") or {}
+    if "cache_read_input_tokens" in usage:
+        return usage["cache_read_input_tokens"]
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 def unsupported(status: int, text: str) -> bool:
@@ -144,7 +175,7 @@ def unsupported(status: int, text: str) -> bool:
 async def one(client: httpx.AsyncClient, url: str, req: dict, cancel_after: int) -> dict:
     r = {"kind": req["kind"], "size": req["size"], "stream": req["stream"], "status": None, "outcome": None,
          "ttft": None, "gaps": [], "e2e": None, "output_tokens": 0, "prompt_tokens": None, "chunks": 0,
-         "finish": None}
+         "finish": None, "cached_tokens": None}
     t0 = time.perf_counter()
     try:
         if not req["stream"]:
@@ -157,7 +188,7 @@ async def one(client: httpx.AsyncClient, url: str, req: dict, cancel_after: int)
             data = resp.json()
             usage = data.get("usage") or {}
             r["output_tokens"] = usage.get("completion_tokens", usage.get("output_tokens", 0))
-            r["prompt_tokens"] = prompt_tokens(data)
+            r["prompt_tokens"], r["cached_tokens"] = prompt_tokens(data), cached_tokens(data)
             if req["path"] == "/v1/messages":
                 r["finish"] = data.get("stop_reason")
             else:
@@ -192,6 +223,7 @@ async def one(client: httpx.AsyncClient, url: str, req: dict, cancel_after: int)
                     return r
                 has_text, usage, finish = token_chunk(req["path"], event, data)
                 r["prompt_tokens"] = prompt_tokens(data) or r["prompt_tokens"]
+                r["cached_tokens"] = cached_tokens(data) or r["cached_tokens"]
                 event = None
                 if usage is not None:
                     r["output_tokens"] = usage
@@ -360,6 +392,9 @@ async def run_level(server: ServerProcess, concurrency: int, reqs: list[dict], a
         "prompt_tokens": {size: summary([r["prompt_tokens"] for r in ok if r["size"] == size and r["prompt_tokens"]])
                           for size in ("short", "long")},
         "output_tokens": out_tokens, "tokens_per_s": out_tokens / wall,
+        "cached_prompt_tokens": sum(r["cached_tokens"] or 0 for r in ok),
+        "all_prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+        "ttft_shared_s": summary([r["ttft"] for r in ok if r["ttft"] is not None and r["kind"] == "shared"]),
         "cancelled": outcomes.get("cancelled", 0), "cancelled_chunks_received": sum(
             r["chunks"] for r in results if r["outcome"] == "cancelled"),
         "ended_before_cancel": outcomes.get("ended_before_cancel", 0),
@@ -443,13 +478,15 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="dsjax-tiny-py")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--prefix-cache", default="off,on",
+                   help="a trial per mode, each its own server: off (--prefix-cache-mb 0), on (serve's default)")
     p.add_argument("--requests-per-level", type=int, default=None,
                    help="requests per level (default: 2 x concurrency, at least 8)")
     p.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each request (cancelled ones: 4x)")
-    p.add_argument("--server-args", default="--max-slots 8 --capacity 2048 --prefill-chunk 256",
+    p.add_argument("--server-args", default="--max-slots 16 --max-queue 128 --capacity 2048 --prefill-chunk 256",
                    help="more flags for `python -m dsjax.serving`")
     p.add_argument("--structured-share", type=float, default=0.1)
     p.add_argument("--cancel-share", type=float, default=0.1)
@@ -461,9 +498,25 @@ def main(argv=None) -> int:
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--idle-timeout", type=float, default=60, help="seconds to wait for the server to go idle")
-    p.add_argument("--out", default="benchmarks/results/serve_trial_cpu.json")
+    p.add_argument("--out", default="benchmarks/results/serve_trial_cpu.json",
+                   help="one JSON per --prefix-cache mode: _prefix_off / _prefix_on before the suffix")
     p.add_argument("--plot", default="benchmarks/results/serve_trial_cpu.png")
     args = p.parse_args(argv)
+    modes = args.prefix_cache.split(",")
+    if not set(modes) <= {"off", "on"}:
+        p.error(f"--prefix-cache: off and / or on, got {args.prefix_cache!r}")
+    failed = 0
+    for mode in modes:
+        suffix = lambda path: f"{os.path.splitext(path)[0]}_prefix_{mode}{os.path.splitext(path)[1]}"  # noqa: E731
+        failed |= trial(argparse.Namespace(**{**vars(args), "prefix_cache": mode, "out": suffix(args.out),
+                                              "plot": suffix(args.plot) if args.plot else None,
+                                              "server_args": args.server_args + (" --prefix-cache-mb 0"
+                                                                                 if mode == "off" else "")}))
+    return failed
+
+
+def trial(args) -> int:
+    """One server, the levels in turn -> JSON (and a plot)."""
     levels = [int(x) for x in args.concurrency.split(",")]
     rng = random.Random(args.seed)
 
@@ -474,8 +527,13 @@ def main(argv=None) -> int:
         rss_ready = server.rss()
         print(f"server ready in {ready_s:.1f} s, RSS {rss_ready / 2**20:.0f} MiB", flush=True)
         # one request of each kind first, not measured: first-use costs outside the compiled engine
-        warm = make_requests(8, argparse.Namespace(**{**vars(args), "structured_share": 0, "cancel_share": 0}),
+        warm = make_requests(16, argparse.Namespace(**{**vars(args), "structured_share": 0, "cancel_share": 0}),
                              random.Random(-1), args.model)
+        warm += [{"kind": "shared", "size": "long", "stream": False, "path": "/v1/chat/completions",
+                  "body": {"model": args.model, "max_tokens": 2, "temperature": 0, "thinking": NO_THINKING,
+                           "messages": [{"role": "system", "content": system},
+                                        {"role": "user", "content": "Ready?"}]}}
+                 for system in system_prompts(args.long_words)]  # each shared system prompt, once
         asyncio.run(run_level(server, 4, warm, args))
         results = []
         for c in levels:
@@ -493,8 +551,8 @@ def main(argv=None) -> int:
     finally:
         rc = server.stop()
     result = {
-        "benchmark": "serve_trial",
-        "args": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
+        "benchmark": "serve_trial", "prefix_cache": args.prefix_cache,
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "prefix_cache")},
         "server": {"command": shlex.join(server.cmd[1:]), "ready_s": ready_s, "rss_ready_mb": rss_ready / 2**20,
                    "exit_code": rc, "requests_by_status": {k[len("dsjax_requests_total"):]: v for k, v in
                                                            final_metrics.items() if k.startswith("dsjax_requests_total")},
