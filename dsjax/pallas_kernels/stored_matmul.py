@@ -1,0 +1,259 @@
+"""Products that read the checkpoint's stored FP8 / MXFP4 bytes (Mosaic GPU, sm90): the
+routed experts' grouped FFN (`mgpu_stored_grouped_ffn`, same contract as
+grouped_matmul.reference) and a dense FP8 projection (`mgpu_fp8_linear`, x @ W.T).
+
+Their reference is the dequantize path: dsjax/layers/quantized.py's `dense()` (E2M1 or E4M3
+values times 2^(e - 127)) then grouped_matmul.reference / an einsum. The dispatch is in the
+layers (moe.py `routed_experts`, linear.py `linear`), which see the weight's type.
+
+Stored formats, as the checkpoint ships them ([out, in] = [N, K] per expert):
+    MXFP4   packed int8 [E, N, K/2] (element 2j in the low nibble of byte j, 2j+1 in the high),
+            E8M0 exponents uint8 [E, N, K/32]
+    FP8     float8_e4m3fn [E, N, K], E8M0 exponents uint8 [E, ceil(N/b0), ceil(K/b1)],
+            (b0, b1) = (128, 128) for V4, (32, 32) for V4.1
+
+How the kernels read them. Every pipeline step covers GROUP = 32 elements of K (one MXFP4
+scale group), so a step's weight tile [block_n, 32] has ONE scale per row: the exponents are
+passed as "scale rows" [E, K/32, N] (MXFP4: the stored exponents transposed; FP8: each block's
+exponent repeated over its rows and 32-groups), TMA-copied as a [1, block_n] row and broadcast
+along the tile's columns in registers. A step TMA-copies the activations and the stored bytes
+into shared memory, dequantizes the weight tile in registers (int8 / fp8 -> fp32 -> times
+2^(e - 127) -> bf16: exact, since E2M1 and E4M3 values times a power of two fit bf16), writes it
+to a swizzled bf16 shared-memory tile, and feeds wgmma (fp32 accumulators):
+
+* MXFP4 bytes are never interleaved in registers: the K order of a product is free, so the
+  activations arrive split into even and odd columns (x[:, 0::2], x[:, 1::2], an XLA slice of
+  the small activation) and the product is x_even @ W_low^T + x_odd @ W_high^T. The bytes are
+  widened to 16 bits (Mosaic GPU does no arithmetic on 8-bit registers) and a nibble c becomes
+  the f16 bits ((c & 8) << 12) | ((c & 7) << 9), whose value is E2M1(c) x 2^-14 (the E2M1
+  subnormal 0.5 lands on an f16 subnormal, which f16 -> f32 widens exactly); the 2^14 joins
+  the scale.
+* FP8: the tile is converted as it is.
+
+The grouped FFN is grouped_matmul's pair of kernels over the same tile table (64-row tiles, one
+warpgroup each): (1) gate and up [64, block_n] in two accumulators from W1 / W3, the clamped
+SwiGLU, h out; (2) y [64, block_n] = h W2^T. The dense projection is kernel (2) with one
+"expert" and every 64-row tile on it. Weights are padded only where N is not a multiple of 64
+or (FP8) K not of 32 (tiny test models; V4 / V4.1 widths are not): a pad copies the weight.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dsjax.pallas_kernels.grouped_matmul import gather_tiles, scatter_tiles, tile_table
+from dsjax.pallas_kernels.mgpu import interpret_params, layout, operand_transforms, pad_axis, round_up, store_tile
+from dsjax.pallas_kernels.mgpu import wgmma_nt
+
+GROUP = 32  # K elements per pipeline step: one MXFP4 scale group
+ROWS = 64  # rows per tile: one warpgroup's wgmma M
+FORMATS = ("mxfp4", "fp8")
+
+
+def _parts(fmt: str) -> int:
+    """How many K-interleaved parts a step's weight tile splits into (MXFP4: low / high nibbles)."""
+    return 2 if fmt == "mxfp4" else 1
+
+
+def scale_rows(scale_exp: jax.Array, fmt: str, block, n: int, k: int) -> jax.Array:
+    """Stored E8M0 exponents -> [..., K/32, N] uint8: the exponent of each 32-group of K for each
+    output row (the layout a step reads as one row)."""
+    if fmt == "mxfp4":
+        return jnp.swapaxes(scale_exp, -1, -2)
+    b0, b1 = block
+    s = jnp.repeat(scale_exp, b0, axis=-2)[..., :n, :]
+    return jnp.swapaxes(jnp.repeat(s, b1 // GROUP, axis=-1)[..., :k // GROUP], -1, -2)
+
+
+def check_stored(name: str, data, scale_exp, fmt: str, block=None) -> None:
+    """Refuse a stored weight these kernels cannot read, naming it."""
+    if fmt not in FORMATS:
+        raise ValueError(f"{name}: stored format must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "fp8" and (len(block) != 2 or block[1] % GROUP):
+        raise ValueError(f"{name}: FP8 block {tuple(block)} is not readable by the Mosaic GPU kernels, whose steps "
+                         f"cover {GROUP} elements of K (the block's K size must be a multiple of {GROUP})")
+    if fmt == "mxfp4" and scale_exp.shape[-1] * GROUP != 2 * data.shape[-1]:
+        raise ValueError(f"{name}: MXFP4 scales {scale_exp.shape} do not cover packed bytes {data.shape} "
+                         f"(one exponent per {GROUP} elements)")
+
+
+def _operand(w, fmt: str, block, n_pad: int, k_pad: int):
+    """(stored bytes, stored exponents) [E, N, .] -> (bytes [E, Np, Kp / parts], scale rows
+    [E, Kp / 32, Np]), zero-padded to Np rows and Kp elements of K."""
+    data, scale_exp = w
+    n, k = data.shape[-2], data.shape[-1] * (2 if fmt == "mxfp4" else 1)
+    if fmt == "fp8":
+        data = pad_axis(data, 2, k_pad)
+    s = scale_rows(scale_exp, fmt, block, n, k_pad)
+    return pad_axis(data, 1, n_pad), pad_axis(s, 2, n_pad)
+
+
+def _split(x: jax.Array, fmt: str) -> list[jax.Array]:
+    """Activations [M, K] -> the parts the weight tiles pair with (MXFP4: even / odd columns)."""
+    return [x[:, 0::2], x[:, 1::2]] if fmt == "mxfp4" else [x]
+
+
+def _block_n(n: int) -> int:
+    return 128 if n % 128 == 0 else 64
+
+
+# ----------------------------------------------------------------------------- in the kernel
+def _dequantize(data_smem, s_smem, fmt: str, interpret: bool) -> list[jax.Array]:
+    """A step's stored tile [block_n, 32 / parts] and its exponents [1, block_n] -> the bf16
+    weight tile(s) [block_n, 32 / parts] (MXFP4: the low-nibble and the high-nibble elements)."""
+    offset = 14 if fmt == "mxfp4" else 0  # E2M1 codes read as f16 are 2^-14 of their value
+    s = layout(s_smem[0], "rows", interpret).astype(jnp.int32)
+    factor = jax.lax.bitcast_convert_type((s + offset) << 23, jnp.float32)  # 2^(e - 127 + offset)
+    raw = layout(data_smem[...], "tile", interpret)
+    if fmt == "fp8":
+        values = [raw.astype(jnp.float32)]
+    else:  # Mosaic GPU does no arithmetic on 8-bit registers: the nibbles are taken apart in 16 bits
+        b = raw.astype(jnp.int16)
+        f16 = lambda c: jax.lax.bitcast_convert_type(((c & 8) << 12) | ((c & 7) << 9), jnp.float16)  # noqa: E731
+        values = [f16(b & 15).astype(jnp.float32), f16((b >> 4) & 15).astype(jnp.float32)]
+    return [(v * jax.lax.broadcast_in_dim(factor, v.shape, (0,))).astype(jnp.bfloat16) for v in values]
+
+
+def _step_products(accs, x_smems, weights, w_scratch, fmt: str, interpret: bool) -> None:
+    """accs[i] += x @ W_i^T for one step: each weight (bytes, exponents) dequantized into its
+    scratch tiles, then one wgmma per (accumulator, part)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    p = _parts(fmt)
+    for i, (data_smem, s_smem) in enumerate(weights):
+        for w_smem, tile in zip(w_scratch[i * p:(i + 1) * p], _dequantize(data_smem, s_smem, fmt, interpret)):
+            w_smem[...] = tile
+    plgpu.commit_smem()  # the register stores, visible to wgmma (the async proxy)
+    for i, acc_ref in enumerate(accs):
+        for x_smem, w_smem in zip(x_smems, w_scratch[i * p:(i + 1) * p]):
+            wgmma_nt(acc_ref, x_smem, w_smem, interpret)
+    plgpu.wgmma_wait(0)  # the pipeline refills the operands, and the next step the scratch, after this
+
+
+def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps: int, interpret: bool):
+    """The fp32 products [ROWS, block_n] of tile t's rows with block n of each weight in
+    `weight_gmems` ((bytes [E, N, .], scale rows [E, K/32, N]) of expert e), pipelined over K."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    p, dt = _parts(fmt), jnp.bfloat16
+    kp = GROUP // p  # K elements of each part per step
+    tf = operand_transforms(dt, kp)
+    n_w = len(weight_gmems)
+
+    def run(scratch):
+        def products(*accs):
+            def step(_, *smems):
+                weights = [(smems[p + 2 * i], smems[p + 2 * i + 1]) for i in range(n_w)]
+                _step_products(accs, smems[:p], weights, scratch, fmt, interpret)
+
+            w_specs = [plgpu.BlockSpec((block_n, kp), lambda k: (n, k)),
+                       plgpu.BlockSpec((1, block_n), lambda k: (k, n))]
+            plgpu.emit_pipeline(
+                step, grid=(x_gmems[0].shape[1] // kp,), max_concurrent_steps=steps,
+                in_specs=[plgpu.BlockSpec((ROWS, kp), lambda k: (t, k), transforms=tf)] * p + w_specs * n_w,
+            )(*x_gmems, *[a.at[e] for w in weight_gmems for a in w])
+            return tuple(acc[...] for acc in accs)
+
+        # the accumulators (registers) in a scope of their own: GPU interpret mode cannot mix them with smem
+        return pl.run_scoped(products, *[plgpu.ACC((ROWS, block_n), jnp.float32)] * n_w)
+
+    return pl.run_scoped(lambda *scratch: run(scratch), *[plgpu.SMEM((block_n, kp), dt, transforms=tf)] * (p * n_w))
+
+
+def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, limit: float,
+                   interpret: bool, round_products: bool):
+    p = _parts(fmt)
+    x_gmems, (d1, s1, d3, s3), h_gmem = refs[:p], refs[p:p + 4], refs[p + 4]
+    t, n = jax.lax.axis_index("tile"), jax.lax.axis_index("n")
+
+    @pl.when(used_gmem[t] > 0)
+    def _():
+        gate, up = _accumulate(t, n, expert_gmem[t], x_gmems, [(d1, s1), (d3, s3)], fmt=fmt, block_n=block_n,
+                               steps=steps, interpret=interpret)
+        if round_products:  # DeepSeek-V4.1: the products are Lin4 outputs, bf16 (grouped_matmul.hidden)
+            gate, up = (a.astype(jnp.bfloat16).astype(jnp.float32) for a in (gate, up))
+        gate = jnp.minimum(gate, limit)
+        h = gate / (1.0 + jnp.exp(-gate)) * jnp.minimum(jnp.maximum(up, -limit), limit)
+        store_tile(h.astype(h_gmem.dtype), h_gmem.at[pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
+
+
+def _linear_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, interpret: bool):
+    p = _parts(fmt)
+    x_gmems, (d, s), y_gmem = refs[:p], refs[p:p + 2], refs[p + 2]
+    t, n = jax.lax.axis_index("tile"), jax.lax.axis_index("n")
+
+    @pl.when(used_gmem[t] > 0)
+    def _():
+        (y,) = _accumulate(t, n, expert_gmem[t], x_gmems, [(d, s)], fmt=fmt, block_n=block_n, steps=steps,
+                           interpret=interpret)
+        store_tile(y, y_gmem.at[pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
+
+
+# ----------------------------------------------------------------------------- the calls
+def _linear_call(x_tiles, expert, used, w, *, fmt: str, steps: int, interpret: bool):
+    """x_tiles [tiles * 64, Kp] bf16 @ w[expert of the tile]^T -> [tiles * 64, Np] fp32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n_pad = w[0].shape[1]
+    block_n = _block_n(n_pad)
+    return plgpu.kernel(
+        functools.partial(_linear_kernel, fmt=fmt, block_n=block_n, steps=steps, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((x_tiles.shape[0], n_pad), jnp.float32),
+        grid=(expert.shape[0], n_pad // block_n), grid_names=("tile", "n"), interpret=interpret_params(interpret),
+    )(expert, used, *_split(x_tiles, fmt), *w)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block", "limit", "steps", "interpret", "down"))
+def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limit: float, block=None, steps: int = 4,
+                            interpret: bool = False, scale=None, down=None):
+    """Same contract as grouped_matmul.reference with w1 / w3 [E, I, D] and w2 [E, D, I] given
+    as stored: (bytes, E8M0 exponents) pairs in `fmt` ("mxfp4" | "fp8", `block` the FP8
+    block). scale / down: DeepSeek-V4.1's Lin4, as in grouped_matmul.mgpu_grouped_ffn (the first
+    kernel rounds gate and up to bf16 and writes h in fp32; `down` runs between the kernels)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        check_stored(name, *w, fmt, block)
+    m, d = x_sorted.shape
+    inter = w1[0].shape[1]
+    dp, ip, ik = round_up(d, GROUP), round_up(inter, 64), round_up(inter, GROUP)  # K of W1 / W3, N of W1 / W3, K of W2
+    w1, w3 = (_operand(w, fmt, block, ip, dp) for w in (w1, w3))
+    w2 = _operand(w2, fmt, block, round_up(d, 64), ik)
+    expert, first, used = tile_table(group_sizes, m, ROWS)
+    n_tiles = expert.shape[0]
+    dt = jnp.bfloat16
+    x_tiles = pad_axis(gather_tiles(x_sorted.astype(dt), first, used, ROWS).reshape(n_tiles * ROWS, d), 1, dp)
+    block_n = _block_n(ip)
+    h = plgpu.kernel(
+        functools.partial(_swiglu_kernel, fmt=fmt, block_n=block_n, steps=steps, limit=limit, interpret=interpret,
+                          round_products=down is not None),
+        out_type=jax.ShapeDtypeStruct((n_tiles * ROWS, ip), dt if down is None else jnp.float32),
+        grid=(n_tiles, ip // block_n), grid_names=("tile", "n"), interpret=interpret_params(interpret),
+    )(expert, used, *_split(x_tiles, fmt), *w1, *w3)
+    if down is not None:
+        s_tiles = gather_tiles(scale[:, None], first, used, ROWS).reshape(n_tiles * ROWS)
+        h = down(h, s_tiles).astype(dt)
+    y = _linear_call(h[:, :ik], expert, used, w2, fmt=fmt, steps=steps, interpret=interpret)
+    return scatter_tiles(y[:, :d].reshape(n_tiles, ROWS, d), first, used, m)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "steps", "interpret"))
+def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 4, interpret: bool = False) -> jax.Array:
+    """x [..., K] @ W^T -> [..., N] fp32 for an FP8 block-scaled W (q [N, K] float8_e4m3fn,
+    scale_exp [ceil(N/b0), ceil(K/b1)] uint8), read as stored; x in bf16 (fp32 accumulation)."""
+    check_stored("weight", q, scale_exp, "fp8", block)
+    *lead, k = x.shape
+    n = q.shape[0]
+    flat = x.reshape(-1, k).astype(jnp.bfloat16)
+    m = flat.shape[0]
+    tiles = -(-m // ROWS)
+    kp = round_up(k, GROUP)
+    w = _operand((q[None], scale_exp[None]), "fp8", block, round_up(n, 64), kp)
+    x_tiles = pad_axis(pad_axis(flat, 0, tiles * ROWS), 1, kp)
+    used = jnp.clip(m - ROWS * jnp.arange(tiles, dtype=jnp.int32), 0, ROWS)
+    y = _linear_call(x_tiles, jnp.zeros((tiles,), jnp.int32), used, w, fmt="fp8", steps=steps, interpret=interpret)
+    return y[:m, :n].reshape(*lead, n)
