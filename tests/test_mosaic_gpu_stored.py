@@ -68,6 +68,26 @@ def test_stored_grouped_ffn_interpreted(fmt, block, case):
     assert not got[-2:].any()  # rows past the groups are not computed
 
 
+def test_stored_grouped_ffn_interpreted_v41_lin4():
+    """DeepSeek-V4.1's Lin4 (`down`: the routing weight, then W2's FP8 round trip of h) between
+    the two kernels, as grouped_matmul's kernel does it: where h's FP8 codes all agree with the
+    reference's, rows differ by the summation order only (a code moved by that order moves its
+    row by up to an FP8 step; the bf16 kernels' test allows 1 row in 10 the same way)."""
+    from dsjax.layers.moe import lin4_down_input
+
+    rng = np.random.default_rng(5)
+    sizes = jnp.asarray([5, 0, 66, 2], jnp.int32)
+    m, e, i, d = int(sizes.sum()), 4, 64, 64
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
+    w1, w3, w2 = (_stored(rng, "mxfp4", e, n, k, None) for n, k in ((i, d), (i, d), (d, i)))
+    lin4 = dict(limit=3.0, scale=jnp.asarray(rng.uniform(0.1, 1.5, size=m), jnp.float32), down=lin4_down_input)
+    got = np.asarray(stored_matmul.mgpu_stored_grouped_ffn(x, sizes, *map(_bytes, (w1, w3, w2)), fmt="mxfp4",
+                                                           interpret=True, **lin4))
+    want = np.asarray(grouped_matmul.reference(x, sizes, *(w.dense(jnp.bfloat16) for w in (w1, w3, w2)), **lin4))
+    row_err = np.abs(got - want).max(axis=1) / np.abs(want).max()
+    assert np.mean(row_err <= 1e-5) >= 0.9, np.sort(row_err)[::-1][:8]
+
+
 @pytest.mark.parametrize("m,n,k,block", [(1, 96, 80, (128, 128)),  # one decode row; N and K off the tiles
                                          (5, 128, 64, (32, 32)),  # V4.1's blocks
                                          (70, 64, 256, (128, 128))])  # two row tiles, eight K steps
