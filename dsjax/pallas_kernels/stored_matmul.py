@@ -12,18 +12,20 @@ Stored formats, as the checkpoint ships them ([out, in] = [N, K] per expert):
     FP8     float8_e4m3fn [E, N, K], E8M0 exponents uint8 [E, ceil(N/b0), ceil(K/b1)],
             (b0, b1) = (128, 128) for V4, (32, 32) for V4.1
 
-How the kernels read them. Every pipeline step covers GROUP = 32 elements of K (one MXFP4
-scale group), so a step's weight tile [block_n, 32] has ONE scale per row: the exponents are
-passed as "scale rows" [E, K/32, N] (MXFP4: the stored exponents transposed; FP8: each block's
-exponent repeated over its rows and 32-groups), TMA-copied as a [1, block_n] row and broadcast
-along the tile's columns in registers. A step TMA-copies the activations and the stored bytes
-into shared memory, dequantizes the weight tile in registers (int8 / fp8 -> fp32 -> times
-2^(e - 127) -> bf16: exact, since E2M1 and E4M3 values times a power of two fit bf16), writes it
-to a swizzled bf16 shared-memory tile, and feeds wgmma (fp32 accumulators):
+How the kernels read them. A weight tile [block_n, 32] of one 32-group of K (one MXFP4 scale
+group) has ONE scale per row: the exponents are passed as "scale rows" [E, K/32, N] (MXFP4: the
+stored exponents transposed; FP8: each block's exponent repeated over its rows and 32-groups),
+and a group's row [block_n] is broadcast along the tile's columns in registers. A pipeline step
+takes `groups` (default 4) such groups: it TMA-copies the activations, each group's stored
+bytes (a contiguous tile of its own) and the exponent rows into shared memory, dequantizes each
+weight tile in registers (int8 / fp8 -> fp32 -> times 2^(e - 127) -> bf16: exact, since E2M1
+and E4M3 values times a power of two fit bf16), writes it to a swizzled bf16 shared-memory tile,
+then issues the step's wgmmas (fp32 accumulators) and waits for them once:
 
 * MXFP4 bytes are never interleaved in registers: the K order of a product is free, so the
-  activations arrive split into even and odd columns (x[:, 0::2], x[:, 1::2], an XLA slice of
-  the small activation) and the product is x_even @ W_low^T + x_odd @ W_high^T. The bytes are
+  activations arrive split into even and odd columns (x[:, 0::2], x[:, 1::2]; an XLA copy of
+  the small activation, laid out [K/32, M, 32/parts] so that each group is a whole wgmma
+  operand; FP8 takes the same layout in one part) and the product is x_even @ W_low^T + x_odd @ W_high^T. The bytes are
   widened to 16 bits (Mosaic GPU does no arithmetic on 8-bit registers) and a nibble c becomes
   the f16 bits ((c & 8) << 12) | ((c & 7) << 9), whose value is E2M1(c) x 2^-14 (the E2M1
   subnormal 0.5 lands on an f16 subnormal, which f16 -> f32 widens exactly); the 2^14 joins
@@ -93,22 +95,29 @@ def _operand(w, fmt: str, block, n_pad: int, k_pad: int):
 
 
 def _split(x: jax.Array, fmt: str) -> list[jax.Array]:
-    """Activations [M, K] -> the parts the weight tiles pair with (MXFP4: even / odd columns)."""
-    return [x[:, 0::2], x[:, 1::2]] if fmt == "mxfp4" else [x]
+    """Activations [M, K] -> the parts the weight tiles pair with (MXFP4: even / odd columns),
+    each [K / 32, M, 32 / parts]: a step's groups are then whole [M, 32 / parts] wgmma operands."""
+    parts = [x[:, 0::2], x[:, 1::2]] if fmt == "mxfp4" else [x]
+    return [jnp.swapaxes(a.reshape(a.shape[0], -1, GROUP // len(parts)), 0, 1) for a in parts]
 
 
 def _block_n(n: int) -> int:
     return 128 if n % 128 == 0 else 64
 
 
+def _groups_per_step(n_groups: int, groups: int) -> int:
+    """The most 32-groups of K a pipeline step takes, up to `groups`, that divides K's groups."""
+    return max(g for g in range(1, groups + 1) if n_groups % g == 0)
+
+
 # ----------------------------------------------------------------------------- in the kernel
-def _dequantize(data_smem, s_smem, fmt: str, interpret: bool) -> list[jax.Array]:
-    """A step's stored tile [block_n, 32 / parts] and its exponents [1, block_n] -> the bf16
+def _dequantize(data_ref, s_ref, fmt: str, interpret: bool) -> list[jax.Array]:
+    """One 32-group: the stored tile [block_n, 32 / parts] and its exponents [block_n] -> the bf16
     weight tile(s) [block_n, 32 / parts] (MXFP4: the low-nibble and the high-nibble elements)."""
     offset = 14 if fmt == "mxfp4" else 0  # E2M1 codes read as f16 are 2^-14 of their value
-    s = layout(s_smem[0], "rows", interpret).astype(jnp.int32)
+    s = layout(s_ref[...], "rows", interpret).astype(jnp.int32)
     factor = jax.lax.bitcast_convert_type((s + offset) << 23, jnp.float32)  # 2^(e - 127 + offset)
-    raw = layout(data_smem[...], "tile", interpret)
+    raw = layout(data_ref[...], "tile", interpret)
     if fmt == "fp8":
         values = [raw.astype(jnp.float32)]
     else:  # Mosaic GPU does no arithmetic on 8-bit registers: the nibbles are taken apart in 16 bits
@@ -118,53 +127,64 @@ def _dequantize(data_smem, s_smem, fmt: str, interpret: bool) -> list[jax.Array]
     return [(v * jax.lax.broadcast_in_dim(factor, v.shape, (0,))).astype(jnp.bfloat16) for v in values]
 
 
-def _step_products(accs, x_smems, weights, w_scratch, fmt: str, interpret: bool) -> None:
-    """accs[i] += x @ W_i^T for one step: each weight (bytes, exponents) dequantized into its
-    scratch tiles, then one wgmma per (accumulator, part)."""
+def _step_products(accs, x_smems, weights, scratch, fmt: str, interpret: bool) -> None:
+    """accs[i] += x @ W_i^T over one step's groups: every (group, weight) dequantized into its
+    scratch tiles, then one wgmma per (group, accumulator, part), then one wait. weights[i]: (the
+    step's byte tiles [block_n, 32 / parts], one per group, its exponents [groups, block_n])."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    p = _parts(fmt)
-    for i, (data_smem, s_smem) in enumerate(weights):
-        for w_smem, tile in zip(w_scratch[i * p:(i + 1) * p], _dequantize(data_smem, s_smem, fmt, interpret)):
-            w_smem[...] = tile
+    p, n_w, g_step = _parts(fmt), len(weights), x_smems[0].shape[0]
+    slot = lambda g, i, j: scratch.at[(g * n_w + i) * p + j]  # noqa: E731
+    for g in range(g_step):
+        for i, (data_smems, s_smem) in enumerate(weights):
+            for j, tile in enumerate(_dequantize(data_smems[g], s_smem.at[g], fmt, interpret)):
+                slot(g, i, j)[...] = tile
     plgpu.commit_smem()  # the register stores, visible to wgmma (the async proxy)
-    for i, acc_ref in enumerate(accs):
-        for x_smem, w_smem in zip(x_smems, w_scratch[i * p:(i + 1) * p]):
-            wgmma_nt(acc_ref, x_smem, w_smem, interpret)
+    for g in range(g_step):
+        for i, acc_ref in enumerate(accs):
+            for j, x_smem in enumerate(x_smems):
+                wgmma_nt(acc_ref, x_smem.at[g], slot(g, i, j), interpret)
     plgpu.wgmma_wait(0)  # the pipeline refills the operands, and the next step the scratch, after this
 
 
-def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps: int, interpret: bool):
+def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps: int, groups: int,
+                interpret: bool):
     """The fp32 products [ROWS, block_n] of tile t's rows with block n of each weight in
-    `weight_gmems` ((bytes [E, N, .], scale rows [E, K/32, N]) of expert e), pipelined over K."""
+    `weight_gmems` ((bytes [E, N, .], scale rows [E, K/32, N]) of expert e), pipelined over K,
+    `groups` 32-groups a step (the bytes of each group a copy of its own: a contiguous tile, which
+    registers load without bank conflicts, where one [block_n, groups x 16] copy is not)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     p, dt = _parts(fmt), jnp.bfloat16
-    kp = GROUP // p  # K elements of each part per step
+    kp = GROUP // p  # K elements of each part per group
     tf = operand_transforms(dt, kp)
     n_w = len(weight_gmems)
+    g_step = _groups_per_step(x_gmems[0].shape[0], groups)
 
     def run(scratch):
         def products(*accs):
             def step(_, *smems):
-                weights = [(smems[p + 2 * i], smems[p + 2 * i + 1]) for i in range(n_w)]
+                per_w = g_step + 1
+                weights = [(smems[p + per_w * i:p + per_w * i + g_step], smems[p + per_w * i + g_step])
+                           for i in range(n_w)]
                 _step_products(accs, smems[:p], weights, scratch, fmt, interpret)
 
-            w_specs = [plgpu.BlockSpec((block_n, kp), lambda k: (n, k)),
-                       plgpu.BlockSpec((1, block_n), lambda k: (k, n))]
+            group_spec = lambda g: plgpu.BlockSpec((block_n, kp), lambda k: (n, k * g_step + g))  # noqa: E731
+            w_specs = [group_spec(g) for g in range(g_step)] + [plgpu.BlockSpec((g_step, block_n), lambda k: (k, n))]
             plgpu.emit_pipeline(
-                step, grid=(x_gmems[0].shape[1] // kp,), max_concurrent_steps=steps,
-                in_specs=[plgpu.BlockSpec((ROWS, kp), lambda k: (t, k), transforms=tf)] * p + w_specs * n_w,
-            )(*x_gmems, *[a.at[e] for w in weight_gmems for a in w])
+                step, grid=(x_gmems[0].shape[0] // g_step,), max_concurrent_steps=steps,
+                in_specs=[plgpu.BlockSpec((g_step, ROWS, kp), lambda k: (k, t, 0), transforms=tf)] * p
+                + w_specs * n_w,
+            )(*x_gmems, *[a for data, sr in weight_gmems for a in [data.at[e]] * g_step + [sr.at[e]]])
             return tuple(acc[...] for acc in accs)
 
         # the accumulators (registers) in a scope of their own: GPU interpret mode cannot mix them with smem
         return pl.run_scoped(products, *[plgpu.ACC((ROWS, block_n), jnp.float32)] * n_w)
 
-    return pl.run_scoped(lambda *scratch: run(scratch), *[plgpu.SMEM((block_n, kp), dt, transforms=tf)] * (p * n_w))
+    return pl.run_scoped(run, plgpu.SMEM((g_step * p * n_w, block_n, kp), dt, transforms=tf))
 
 
-def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, limit: float,
+def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, groups: int, limit: float,
                    interpret: bool, round_products: bool):
     p = _parts(fmt)
     x_gmems, (d1, s1, d3, s3), h_gmem = refs[:p], refs[p:p + 4], refs[p + 4]
@@ -173,7 +193,7 @@ def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps:
     @pl.when(used_gmem[t] > 0)
     def _():
         gate, up = _accumulate(t, n, expert_gmem[t], x_gmems, [(d1, s1), (d3, s3)], fmt=fmt, block_n=block_n,
-                               steps=steps, interpret=interpret)
+                               steps=steps, groups=groups, interpret=interpret)
         if round_products:  # DeepSeek-V4.1: the products are Lin4 outputs, bf16 (grouped_matmul.hidden)
             gate, up = (a.astype(jnp.bfloat16).astype(jnp.float32) for a in (gate, up))
         gate = jnp.minimum(gate, limit)
@@ -181,7 +201,8 @@ def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps:
         store_tile(h.astype(h_gmem.dtype), h_gmem.at[pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
 
 
-def _linear_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, interpret: bool):
+def _linear_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, groups: int,
+                   interpret: bool):
     p = _parts(fmt)
     x_gmems, (d, s), y_gmem = refs[:p], refs[p:p + 2], refs[p + 2]
     t, n = jax.lax.axis_index("tile"), jax.lax.axis_index("n")
@@ -189,27 +210,27 @@ def _linear_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps:
     @pl.when(used_gmem[t] > 0)
     def _():
         (y,) = _accumulate(t, n, expert_gmem[t], x_gmems, [(d, s)], fmt=fmt, block_n=block_n, steps=steps,
-                           interpret=interpret)
+                           groups=groups, interpret=interpret)
         store_tile(y, y_gmem.at[pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
 
 
 # ----------------------------------------------------------------------------- the calls
-def _linear_call(x_tiles, expert, used, w, *, fmt: str, steps: int, interpret: bool):
+def _linear_call(x_tiles, expert, used, w, *, fmt: str, steps: int, groups: int, interpret: bool):
     """x_tiles [tiles * 64, Kp] bf16 @ w[expert of the tile]^T -> [tiles * 64, Np] fp32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n_pad = w[0].shape[1]
     block_n = _block_n(n_pad)
     return plgpu.kernel(
-        functools.partial(_linear_kernel, fmt=fmt, block_n=block_n, steps=steps, interpret=interpret),
+        functools.partial(_linear_kernel, fmt=fmt, block_n=block_n, steps=steps, groups=groups, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((x_tiles.shape[0], n_pad), jnp.float32),
         grid=(expert.shape[0], n_pad // block_n), grid_names=("tile", "n"), interpret=interpret_params(interpret),
     )(expert, used, *_split(x_tiles, fmt), *w)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block", "limit", "steps", "interpret", "down"))
-def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limit: float, block=None, steps: int = 4,
-                            interpret: bool = False, scale=None, down=None):
+@functools.partial(jax.jit, static_argnames=("fmt", "block", "limit", "steps", "groups", "interpret", "down"))
+def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limit: float, block=None, steps: int = 2,
+                            groups: int = 4, interpret: bool = False, scale=None, down=None):
     """Same contract as grouped_matmul.reference with w1 / w3 [E, I, D] and w2 [E, D, I] given
     as stored: (bytes, E8M0 exponents) pairs in `fmt` ("mxfp4" | "fp8", `block` the FP8
     block). scale / down: DeepSeek-V4.1's Lin4, as in grouped_matmul.mgpu_grouped_ffn (the first
@@ -229,7 +250,8 @@ def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limi
     x_tiles = pad_axis(gather_tiles(x_sorted.astype(dt), first, used, ROWS).reshape(n_tiles * ROWS, d), 1, dp)
     block_n = _block_n(ip)
     h = plgpu.kernel(
-        functools.partial(_swiglu_kernel, fmt=fmt, block_n=block_n, steps=steps, limit=limit, interpret=interpret,
+        functools.partial(_swiglu_kernel, fmt=fmt, block_n=block_n, steps=steps, groups=groups, limit=limit,
+                          interpret=interpret,
                           round_products=down is not None),
         out_type=jax.ShapeDtypeStruct((n_tiles * ROWS, ip), dt if down is None else jnp.float32),
         grid=(n_tiles, ip // block_n), grid_names=("tile", "n"), interpret=interpret_params(interpret),
@@ -237,12 +259,13 @@ def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limi
     if down is not None:
         s_tiles = gather_tiles(scale[:, None], first, used, ROWS).reshape(n_tiles * ROWS)
         h = down(h, s_tiles).astype(dt)
-    y = _linear_call(h[:, :ik], expert, used, w2, fmt=fmt, steps=steps, interpret=interpret)
+    y = _linear_call(h[:, :ik], expert, used, w2, fmt=fmt, steps=steps, groups=groups, interpret=interpret)
     return scatter_tiles(y[:, :d].reshape(n_tiles, ROWS, d), first, used, m)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "steps", "interpret"))
-def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 4, interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("block", "steps", "groups", "interpret"))
+def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 2, groups: int = 4, interpret: bool = False
+                    ) -> jax.Array:
     """x [..., K] @ W^T -> [..., N] fp32 for an FP8 block-scaled W (q [N, K] float8_e4m3fn,
     scale_exp [ceil(N/b0), ceil(K/b1)] uint8), read as stored; x in bf16 (fp32 accumulation)."""
     check_stored("weight", q, scale_exp, "fp8", block)
@@ -255,5 +278,6 @@ def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 4, interpret: bool =
     w = _operand((q[None], scale_exp[None]), "fp8", block, round_up(n, 64), kp)
     x_tiles = pad_axis(pad_axis(flat, 0, tiles * ROWS), 1, kp)
     used = jnp.clip(m - ROWS * jnp.arange(tiles, dtype=jnp.int32), 0, ROWS)
-    y = _linear_call(x_tiles, jnp.zeros((tiles,), jnp.int32), used, w, fmt="fp8", steps=steps, interpret=interpret)
+    y = _linear_call(x_tiles, jnp.zeros((tiles,), jnp.int32), used, w, fmt="fp8", steps=steps, groups=groups,
+                     interpret=interpret)
     return y[:m, :n].reshape(*lead, n)
