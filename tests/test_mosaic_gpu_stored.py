@@ -90,7 +90,7 @@ def test_stored_grouped_ffn_interpreted_v41_lin4():
 
 @pytest.mark.parametrize("m,n,k,block", [(1, 96, 80, (128, 128)),  # one decode row; N and K off the tiles
                                          (5, 128, 64, (32, 32)),  # V4.1's blocks
-                                         (70, 64, 256, (128, 128))])  # two row tiles, eight K steps
+                                         (70, 64, 256, (128, 128))])  # two row tiles, K split over two programs
 def test_fp8_linear_interpreted(m, n, k, block):
     rng = np.random.default_rng(m)
     w = _stored(rng, "fp8", 1, n, k, block)
@@ -99,6 +99,13 @@ def test_fp8_linear_interpreted(m, n, k, block):
     want = np.asarray(jnp.einsum("mk,nk->mn", x, w.dense(jnp.bfloat16)[0], preferred_element_type=jnp.float32))
     assert got.shape == (m, n)
     assert np.abs(got - want).max() <= BF16_ULP * np.abs(want).max()
+
+
+def test_decode_projections_split_k_to_fill_the_gpu():
+    assert stored_matmul.k_splits(programs=8, k_steps=32) == 16  # V4-Flash W_qa at batch 1: 8 column blocks
+    assert stored_matmul.k_splits(programs=32, k_steps=64) == 4  # W_ob (N = 4096)
+    assert stored_matmul.k_splits(programs=256, k_steps=8) == 1  # W_qb (N = 32768): the grid is full
+    assert stored_matmul.k_splits(programs=2, k_steps=2) == 2  # the interpreted (70, 64, 256) case above
 
 
 def test_stored_weights_the_kernels_cannot_read_are_refused():

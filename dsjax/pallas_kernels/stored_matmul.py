@@ -51,7 +51,8 @@ from dsjax.pallas_kernels.grouped_matmul import gather_tiles, scatter_tiles, til
 from dsjax.pallas_kernels.mgpu import interpret_params, layout, operand_transforms, pad_axis, round_up, store_tile
 from dsjax.pallas_kernels.mgpu import wgmma_nt
 
-GROUP = 32  # K elements per pipeline step: one MXFP4 scale group
+GROUP = 32  # K elements of one MXFP4 scale group: a weight tile's K
+SMS = 132  # streaming multiprocessors of an H100 SXM / H200: one wave of programs
 ROWS = 64  # rows per tile: one warpgroup's wgmma M
 FORMATS = ("mxfp4", "fp8")
 
@@ -148,11 +149,12 @@ def _step_products(accs, x_smems, weights, scratch, fmt: str, interpret: bool) -
 
 
 def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps: int, groups: int,
-                interpret: bool):
+                interpret: bool, split=0, splits: int = 1):
     """The fp32 products [ROWS, block_n] of tile t's rows with block n of each weight in
     `weight_gmems` ((bytes [E, N, .], scale rows [E, K/32, N]) of expert e), pipelined over K,
     `groups` 32-groups a step (the bytes of each group a copy of its own: a contiguous tile, which
-    registers load without bank conflicts, where one [block_n, groups x 16] copy is not)."""
+    registers load without bank conflicts, where one [block_n, groups x 16] copy is not). With
+    `splits` > 1 only the steps of K-split `split` (of `splits` equal ones)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     p, dt = _parts(fmt), jnp.bfloat16
@@ -160,6 +162,8 @@ def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps
     tf = operand_transforms(dt, kp)
     n_w = len(weight_gmems)
     g_step = _groups_per_step(x_gmems[0].shape[0], groups)
+    k_steps = x_gmems[0].shape[0] // g_step // splits
+    k0 = split * k_steps
 
     def run(scratch):
         def products(*accs):
@@ -169,11 +173,12 @@ def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps
                            for i in range(n_w)]
                 _step_products(accs, smems[:p], weights, scratch, fmt, interpret)
 
-            group_spec = lambda g: plgpu.BlockSpec((block_n, kp), lambda k: (n, k * g_step + g))  # noqa: E731
-            w_specs = [group_spec(g) for g in range(g_step)] + [plgpu.BlockSpec((g_step, block_n), lambda k: (k, n))]
+            group_spec = lambda g: plgpu.BlockSpec((block_n, kp), lambda k: (n, (k0 + k) * g_step + g))  # noqa: E731
+            w_specs = [group_spec(g) for g in range(g_step)]
+            w_specs.append(plgpu.BlockSpec((g_step, block_n), lambda k: (k0 + k, n)))
             plgpu.emit_pipeline(
-                step, grid=(x_gmems[0].shape[0] // g_step,), max_concurrent_steps=steps,
-                in_specs=[plgpu.BlockSpec((g_step, ROWS, kp), lambda k: (k, t, 0), transforms=tf)] * p
+                step, grid=(k_steps,), max_concurrent_steps=steps,
+                in_specs=[plgpu.BlockSpec((g_step, ROWS, kp), lambda k: (k0 + k, t, 0), transforms=tf)] * p
                 + w_specs * n_w,
             )(*x_gmems, *[a for data, sr in weight_gmems for a in [data.at[e]] * g_step + [sr.at[e]]])
             return tuple(acc[...] for acc in accs)
@@ -204,28 +209,44 @@ def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps:
 def _linear_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, groups: int,
                    interpret: bool):
     p = _parts(fmt)
-    x_gmems, (d, s), y_gmem = refs[:p], refs[p:p + 2], refs[p + 2]
-    t, n = jax.lax.axis_index("tile"), jax.lax.axis_index("n")
+    x_gmems, (d, s), y_gmem = refs[:p], refs[p:p + 2], refs[p + 2]  # y_gmem [splits, tiles * 64, N]
+    t, n, split = jax.lax.axis_index("tile"), jax.lax.axis_index("n"), jax.lax.axis_index("split")
 
     @pl.when(used_gmem[t] > 0)
     def _():
         (y,) = _accumulate(t, n, expert_gmem[t], x_gmems, [(d, s)], fmt=fmt, block_n=block_n, steps=steps,
-                           groups=groups, interpret=interpret)
-        store_tile(y, y_gmem.at[pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
+                           groups=groups, interpret=interpret, split=split, splits=y_gmem.shape[0])
+        store_tile(y, y_gmem.at[split, pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
 
 
 # ----------------------------------------------------------------------------- the calls
-def _linear_call(x_tiles, expert, used, w, *, fmt: str, steps: int, groups: int, interpret: bool):
-    """x_tiles [tiles * 64, Kp] bf16 @ w[expert of the tile]^T -> [tiles * 64, Np] fp32."""
+def k_splits(programs: int, k_steps: int, sms: int = SMS) -> int:
+    """How many K-splits a projection of `programs` (row tile, column block) programs takes: the
+    most that divides its `k_steps` pipeline steps and keeps the grid within one wave of `sms`
+    programs. A decode projection (one row tile) of N = 1024 has 8 column blocks: 8 of 132 SMs."""
+    return max(d for d in range(1, k_steps + 1) if k_steps % d == 0 and programs * d <= max(sms, programs))
+
+
+def _linear_call(x_tiles, expert, used, w, *, fmt: str, steps: int, groups: int, interpret: bool,
+                 splits: int | None = 1):
+    """x_tiles [tiles * 64, Kp] bf16 @ w[expert of the tile]^T -> [tiles * 64, Np] fp32. splits:
+    K cut into this many parts, each its own program writing an fp32 partial, summed here (None:
+    `k_splits`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n_pad = w[0].shape[1]
     block_n = _block_n(n_pad)
-    return plgpu.kernel(
+    x_parts = _split(x_tiles, fmt)
+    k_steps = x_parts[0].shape[0] // _groups_per_step(x_parts[0].shape[0], groups)
+    programs = expert.shape[0] * (n_pad // block_n)
+    splits = k_splits(programs, k_steps) if splits is None else splits
+    y = plgpu.kernel(
         functools.partial(_linear_kernel, fmt=fmt, block_n=block_n, steps=steps, groups=groups, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((x_tiles.shape[0], n_pad), jnp.float32),
-        grid=(expert.shape[0], n_pad // block_n), grid_names=("tile", "n"), interpret=interpret_params(interpret),
-    )(expert, used, *_split(x_tiles, fmt), *w)
+        out_type=jax.ShapeDtypeStruct((splits, x_tiles.shape[0], n_pad), jnp.float32),
+        grid=(expert.shape[0], n_pad // block_n, splits), grid_names=("tile", "n", "split"),
+        interpret=interpret_params(interpret),
+    )(expert, used, *x_parts, *w)
+    return y[0] if splits == 1 else jnp.sum(y, axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block", "limit", "steps", "groups", "interpret", "down"))
@@ -263,11 +284,12 @@ def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limi
     return scatter_tiles(y[:, :d].reshape(n_tiles, ROWS, d), first, used, m)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "steps", "groups", "interpret"))
-def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 2, groups: int = 4, interpret: bool = False
-                    ) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("block", "steps", "groups", "splits", "interpret"))
+def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 2, groups: int = 4, splits: int | None = None,
+                    interpret: bool = False) -> jax.Array:
     """x [..., K] @ W^T -> [..., N] fp32 for an FP8 block-scaled W (q [N, K] float8_e4m3fn,
-    scale_exp [ceil(N/b0), ceil(K/b1)] uint8), read as stored; x in bf16 (fp32 accumulation)."""
+    scale_exp [ceil(N/b0), ceil(K/b1)] uint8), read as stored; x in bf16 (fp32 accumulation).
+    splits: K-splits (default `k_splits`: few rows get few programs otherwise)."""
     check_stored("weight", q, scale_exp, "fp8", block)
     *lead, k = x.shape
     n = q.shape[0]
@@ -279,5 +301,5 @@ def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 2, groups: int = 4, 
     x_tiles = pad_axis(pad_axis(flat, 0, tiles * ROWS), 1, kp)
     used = jnp.clip(m - ROWS * jnp.arange(tiles, dtype=jnp.int32), 0, ROWS)
     y = _linear_call(x_tiles, jnp.zeros((tiles,), jnp.int32), used, w, fmt="fp8", steps=steps, groups=groups,
-                     interpret=interpret)
+                     interpret=interpret, splits=splits)
     return y[:m, :n].reshape(*lead, n)
