@@ -13,9 +13,11 @@ Stored formats, as the checkpoint ships them ([out, in] = [N, K] per expert):
             (b0, b1) = (128, 128) for V4, (32, 32) for V4.1
 
 How the kernels read them. A weight tile [block_n, 32] of one 32-group of K (one MXFP4 scale
-group) has ONE scale per row: the exponents are passed as "scale rows" [E, K/32, N] (MXFP4: the
-stored exponents transposed; FP8: each block's exponent repeated over its rows and 32-groups),
-and a group's row [block_n] is broadcast along the tile's columns in registers. A pipeline step
+group) has ONE scale per row: the exponents are passed as "scale rows" [slots, K/32, N] (MXFP4:
+the stored exponents transposed; FP8: each block's exponent repeated over its rows and
+32-groups), and a group's row [block_n] is broadcast along the tile's columns in registers.
+That re-layout is an XLA copy per call, so it is made only for the experts that have rows (at
+most min(M, E) "slots": a batch-1 decode step's 6, not 256); the bytes are read in place. A pipeline step
 takes `groups` (default 4) such groups: it TMA-copies the activations, each group's stored
 bytes (a contiguous tile of its own) and the exponent rows into shared memory, dequantizes each
 weight tile in registers (int8 / fp8 -> fp32 -> times 2^(e - 127) -> bf16: exact, since E2M1
@@ -84,10 +86,13 @@ def check_stored(name: str, data, scale_exp, fmt: str, block=None) -> None:
                          f"(one exponent per {GROUP} elements)")
 
 
-def _operand(w, fmt: str, block, n_pad: int, k_pad: int):
+def _operand(w, fmt: str, block, n_pad: int, k_pad: int, experts=None):
     """(stored bytes, stored exponents) [E, N, .] -> (bytes [E, Np, Kp / parts], scale rows
-    [E, Kp / 32, Np]), zero-padded to Np rows and Kp elements of K."""
+    [slots, Kp / 32, Np]), zero-padded to Np rows and Kp elements of K. experts [slots]: whose
+    scale rows (default all E): the exponents are re-laid out per call, so only for the experts
+    that have rows (a decode step's few; the bytes stay where they are)."""
     data, scale_exp = w
+    scale_exp = scale_exp if experts is None else scale_exp[experts]
     n, k = data.shape[-2], data.shape[-1] * (2 if fmt == "mxfp4" else 1)
     if fmt == "fp8":
         data = pad_axis(data, 2, k_pad)
@@ -148,10 +153,11 @@ def _step_products(accs, x_smems, weights, scratch, fmt: str, interpret: bool) -
     plgpu.wgmma_wait(0)  # the pipeline refills the operands, and the next step the scratch, after this
 
 
-def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps: int, groups: int,
+def _accumulate(t, n, e, slot, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps: int, groups: int,
                 interpret: bool, split=0, splits: int = 1):
     """The fp32 products [ROWS, block_n] of tile t's rows with block n of each weight in
-    `weight_gmems` ((bytes [E, N, .], scale rows [E, K/32, N]) of expert e), pipelined over K,
+    `weight_gmems` ((bytes [E, N, .] of expert e, scale rows [slots, K/32, N] of slot `slot`)),
+    pipelined over K,
     `groups` 32-groups a step (the bytes of each group a copy of its own: a contiguous tile, which
     registers load without bank conflicts, where one [block_n, groups x 16] copy is not). With
     `splits` > 1 only the steps of K-split `split` (of `splits` equal ones)."""
@@ -180,7 +186,7 @@ def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps
                 step, grid=(k_steps,), max_concurrent_steps=steps,
                 in_specs=[plgpu.BlockSpec((g_step, ROWS, kp), lambda k: (k0 + k, t, 0), transforms=tf)] * p
                 + w_specs * n_w,
-            )(*x_gmems, *[a for data, sr in weight_gmems for a in [data.at[e]] * g_step + [sr.at[e]]])
+            )(*x_gmems, *[a for data, sr in weight_gmems for a in [data.at[e]] * g_step + [sr.at[slot]]])
             return tuple(acc[...] for acc in accs)
 
         # the accumulators (registers) in a scope of their own: GPU interpret mode cannot mix them with smem
@@ -189,7 +195,7 @@ def _accumulate(t, n, e, x_gmems, weight_gmems, *, fmt: str, block_n: int, steps
     return pl.run_scoped(run, plgpu.SMEM((g_step * p * n_w, block_n, kp), dt, transforms=tf))
 
 
-def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, groups: int, limit: float,
+def _swiglu_kernel(expert_gmem, slot_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, groups: int, limit: float,
                    interpret: bool, round_products: bool):
     p = _parts(fmt)
     x_gmems, (d1, s1, d3, s3), h_gmem = refs[:p], refs[p:p + 4], refs[p + 4]
@@ -197,7 +203,7 @@ def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps:
 
     @pl.when(used_gmem[t] > 0)
     def _():
-        gate, up = _accumulate(t, n, expert_gmem[t], x_gmems, [(d1, s1), (d3, s3)], fmt=fmt, block_n=block_n,
+        gate, up = _accumulate(t, n, expert_gmem[t], slot_gmem[t], x_gmems, [(d1, s1), (d3, s3)], fmt=fmt, block_n=block_n,
                                steps=steps, groups=groups, interpret=interpret)
         if round_products:  # DeepSeek-V4.1: the products are Lin4 outputs, bf16 (grouped_matmul.hidden)
             gate, up = (a.astype(jnp.bfloat16).astype(jnp.float32) for a in (gate, up))
@@ -206,7 +212,7 @@ def _swiglu_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps:
         store_tile(h.astype(h_gmem.dtype), h_gmem.at[pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
 
 
-def _linear_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, groups: int,
+def _linear_kernel(expert_gmem, slot_gmem, used_gmem, *refs, fmt: str, block_n: int, steps: int, groups: int,
                    interpret: bool):
     p = _parts(fmt)
     x_gmems, (d, s), y_gmem = refs[:p], refs[p:p + 2], refs[p + 2]  # y_gmem [splits, tiles * 64, N]
@@ -214,7 +220,7 @@ def _linear_kernel(expert_gmem, used_gmem, *refs, fmt: str, block_n: int, steps:
 
     @pl.when(used_gmem[t] > 0)
     def _():
-        (y,) = _accumulate(t, n, expert_gmem[t], x_gmems, [(d, s)], fmt=fmt, block_n=block_n, steps=steps,
+        (y,) = _accumulate(t, n, expert_gmem[t], slot_gmem[t], x_gmems, [(d, s)], fmt=fmt, block_n=block_n, steps=steps,
                            groups=groups, interpret=interpret, split=split, splits=y_gmem.shape[0])
         store_tile(y, y_gmem.at[split, pl.ds(t * ROWS, ROWS), pl.ds(n * block_n, block_n)])
 
@@ -227,7 +233,7 @@ def k_splits(programs: int, k_steps: int, sms: int = SMS) -> int:
     return max(d for d in range(1, k_steps + 1) if k_steps % d == 0 and programs * d <= max(sms, programs))
 
 
-def _linear_call(x_tiles, expert, used, w, *, fmt: str, steps: int, groups: int, interpret: bool,
+def _linear_call(x_tiles, expert, slot, used, w, *, fmt: str, steps: int, groups: int, interpret: bool,
                  splits: int | None = 1):
     """x_tiles [tiles * 64, Kp] bf16 @ w[expert of the tile]^T -> [tiles * 64, Np] fp32. splits:
     K cut into this many parts, each its own program writing an fp32 partial, summed here (None:
@@ -245,7 +251,7 @@ def _linear_call(x_tiles, expert, used, w, *, fmt: str, steps: int, groups: int,
         out_type=jax.ShapeDtypeStruct((splits, x_tiles.shape[0], n_pad), jnp.float32),
         grid=(expert.shape[0], n_pad // block_n, splits), grid_names=("tile", "n", "split"),
         interpret=interpret_params(interpret),
-    )(expert, used, *x_parts, *w)
+    )(expert, slot, used, *x_parts, *w)
     return y[0] if splits == 1 else jnp.sum(y, axis=0)
 
 
@@ -263,9 +269,14 @@ def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limi
     m, d = x_sorted.shape
     inter = w1[0].shape[1]
     dp, ip, ik = round_up(d, GROUP), round_up(inter, 64), round_up(inter, GROUP)  # K of W1 / W3, N of W1 / W3, K of W2
-    w1, w3 = (_operand(w, fmt, block, ip, dp) for w in (w1, w3))
-    w2 = _operand(w2, fmt, block, round_up(d, 64), ik)
+    # the experts with rows, in order, at most min(M, E) ("slots"); a tile's slot indexes their scale rows
+    n_slots = min(m, group_sizes.shape[0])
+    active = jnp.nonzero(group_sizes > 0, size=n_slots, fill_value=0)[0]
+    slot_of = jnp.clip(jnp.cumsum(group_sizes > 0) - 1, 0, n_slots - 1).astype(jnp.int32)
+    w1, w3 = (_operand(w, fmt, block, ip, dp, active) for w in (w1, w3))
+    w2 = _operand(w2, fmt, block, round_up(d, 64), ik, active)
     expert, first, used = tile_table(group_sizes, m, ROWS)
+    slot = slot_of[expert]
     n_tiles = expert.shape[0]
     dt = jnp.bfloat16
     x_tiles = pad_axis(gather_tiles(x_sorted.astype(dt), first, used, ROWS).reshape(n_tiles * ROWS, d), 1, dp)
@@ -276,11 +287,11 @@ def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limi
                           round_products=down is not None),
         out_type=jax.ShapeDtypeStruct((n_tiles * ROWS, ip), dt if down is None else jnp.float32),
         grid=(n_tiles, ip // block_n), grid_names=("tile", "n"), interpret=interpret_params(interpret),
-    )(expert, used, *_split(x_tiles, fmt), *w1, *w3)
+    )(expert, slot, used, *_split(x_tiles, fmt), *w1, *w3)
     if down is not None:
         s_tiles = gather_tiles(scale[:, None], first, used, ROWS).reshape(n_tiles * ROWS)
         h = down(h, s_tiles).astype(dt)
-    y = _linear_call(h[:, :ik], expert, used, w2, fmt=fmt, steps=steps, groups=groups, interpret=interpret)
+    y = _linear_call(h[:, :ik], expert, slot, used, w2, fmt=fmt, steps=steps, groups=groups, interpret=interpret)
     return scatter_tiles(y[:, :d].reshape(n_tiles, ROWS, d), first, used, m)
 
 
@@ -300,6 +311,7 @@ def mgpu_fp8_linear(x, q, scale_exp, *, block, steps: int = 2, groups: int = 4, 
     w = _operand((q[None], scale_exp[None]), "fp8", block, round_up(n, 64), kp)
     x_tiles = pad_axis(pad_axis(flat, 0, tiles * ROWS), 1, kp)
     used = jnp.clip(m - ROWS * jnp.arange(tiles, dtype=jnp.int32), 0, ROWS)
-    y = _linear_call(x_tiles, jnp.zeros((tiles,), jnp.int32), used, w, fmt="fp8", steps=steps, groups=groups,
+    zeros = jnp.zeros((tiles,), jnp.int32)
+    y = _linear_call(x_tiles, zeros, zeros, used, w, fmt="fp8", steps=steps, groups=groups,
                      interpret=interpret, splits=splits)
     return y[:m, :n].reshape(*lead, n)
