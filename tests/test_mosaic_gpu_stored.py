@@ -45,7 +45,7 @@ def _bytes(w):
 
 FFN_CASES = {  # group sizes (empty groups included), I, D; a pipeline step takes 1-4 of K's 32-groups here
     "prefill_ragged": ([3, 0, 70, 1], 64, 64),  # a group over two 64-row tiles, one empty
-    "decode": ([1, 0, 0, 2, 0, 1], 128, 96),  # a few rows per expert, most experts empty
+    "decode": ([1, 0, 0, 2, 0, 1, 0, 0], 128, 96),  # a few rows per expert, most empty; fewer rows than experts
     "one_group_padded": ([0, 0, 5], 96, 32),  # I off the 64-row block: the weights are padded
 }
 
