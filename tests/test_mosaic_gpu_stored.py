@@ -112,6 +112,8 @@ def test_stored_weights_the_kernels_cannot_read_are_refused():
     q, s = jnp.zeros((64, 64), jnp.float8_e4m3fn), jnp.zeros((1, 4), jnp.uint8)
     with pytest.raises(ValueError, match=r"weight: FP8 block \(128, 16\).*multiple of 32"):
         stored_matmul.mgpu_fp8_linear(jnp.zeros((1, 64)), q, s, block=(128, 16), interpret=True)
+    with pytest.raises(ValueError, match=r"weight: FP8 scales \(1, 4\) do not tile the weight \(64, 64\) in \(32, 32\)"):
+        stored_matmul.mgpu_fp8_linear(jnp.zeros((1, 64)), q, s, block=(32, 32), interpret=True)
     packed, bad = jnp.zeros((2, 64, 32), jnp.int8), jnp.zeros((2, 64, 3), jnp.uint8)
     with pytest.raises(ValueError, match=r"w1: MXFP4 scales \(2, 64, 3\) do not cover packed bytes \(2, 64, 32\)"):
         stored_matmul.mgpu_stored_grouped_ffn(jnp.zeros((4, 64), jnp.bfloat16), jnp.asarray([4, 0], jnp.int32),

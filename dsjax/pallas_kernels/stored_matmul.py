@@ -81,6 +81,9 @@ def check_stored(name: str, data, scale_exp, fmt: str, block=None) -> None:
     if fmt == "fp8" and (len(block) != 2 or block[1] % GROUP):
         raise ValueError(f"{name}: FP8 block {tuple(block)} is not readable by the Mosaic GPU kernels, whose steps "
                          f"cover {GROUP} elements of K (the block's K size must be a multiple of {GROUP})")
+    if fmt == "fp8" and scale_exp.shape[-2:] != tuple(-(-d // b) for d, b in zip(data.shape[-2:], block)):
+        raise ValueError(f"{name}: FP8 scales {scale_exp.shape} do not tile the weight {data.shape} in {tuple(block)} "
+                         f"blocks")
     if fmt == "mxfp4" and scale_exp.shape[-1] * GROUP != 2 * data.shape[-1]:
         raise ValueError(f"{name}: MXFP4 scales {scale_exp.shape} do not cover packed bytes {data.shape} "
                          f"(one exponent per {GROUP} elements)")
