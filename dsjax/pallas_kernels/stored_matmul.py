@@ -278,7 +278,9 @@ def mgpu_stored_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, fmt: str, limi
     slot_of = jnp.clip(jnp.cumsum(group_sizes > 0) - 1, 0, n_slots - 1).astype(jnp.int32)
     w1, w3 = (_operand(w, fmt, block, ip, dp, active) for w in (w1, w3))
     w2 = _operand(w2, fmt, block, round_up(d, 64), ik, active)
-    expert, first, used = tile_table(group_sizes, m, ROWS)
+    # the used tiles come first and number at most M (each holds a row): a decode step's grid is its
+    # few tiles, not ceil(M / 64) + E mostly empty ones (256 programs per column block at V4-Flash)
+    expert, first, used = (a[:m] for a in tile_table(group_sizes, m, ROWS))
     slot = slot_of[expert]
     n_tiles = expert.shape[0]
     dt = jnp.bfloat16
