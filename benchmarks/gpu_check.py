@@ -1,6 +1,8 @@
 """One GPU run: compile every Pallas kernel (no interpret mode), check it against its
 reference, and time kernel vs reference path. JSON out; meant to finish in < 8 minutes.
 
+Families: sink_attention, grouped_matmul, index_scores (bf16 operands) and stored_matmul (the
+kernels that read resident FP8 / MXFP4 bytes, against the XLA path that dequantizes them first).
 Rows: `mosaic_gpu` are the Hopper kernels (what kernels="pallas" runs on a GPU); with
 --with-generic also `generic`, the backend-neutral Pallas kernels compiled through Pallas'
 default GPU backend (Triton, deprecated since jax 0.11; allowed to fail). On the H200 with jax
