@@ -1,6 +1,8 @@
 """One GPU run: compile every Pallas kernel (no interpret mode), check it against its
 reference, and time kernel vs reference path. JSON out; meant to finish in < 8 minutes.
 
+Families: sink_attention, grouped_matmul, index_scores (bf16 operands) and stored_matmul (the
+kernels that read resident FP8 / MXFP4 bytes, against the XLA path that dequantizes them first).
 Rows: `mosaic_gpu` are the Hopper kernels (what kernels="pallas" runs on a GPU); with
 --with-generic also `generic`, the backend-neutral Pallas kernels compiled through Pallas'
 default GPU backend (Triton, deprecated since jax 0.11; allowed to fail). On the H200 with jax
@@ -28,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from results_io import timed, write_result
 
-from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
+from dsjax.layers.quantized import Fp4Weight, Fp8Weight
+from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention, stored_matmul
 
-FAMILIES = ("sink_attention", "grouped_matmul", "index_scores")
+FAMILIES = ("sink_attention", "grouped_matmul", "index_scores", "stored_matmul")
 
 
 def check(fn, args, want, t_ref, rel_tol, repeats=10):
@@ -65,6 +68,47 @@ def attention_cases(rng, smoke):
             kv_pq = jnp.asarray(rng.normal(size=(b, s, k, d)), jnp.bfloat16)
             mask = jnp.asarray(rng.random((b, s, k)) < 0.9)
         yield name, (q, kv, lo, hi, pos, sinks, kv_pq, mask)
+
+
+def _stored(rng, fmt, e, n, k, block):
+    """Random stored weights (bytes, E8M0 exponents), drawn on the device (a host copy of 64
+    V4-Flash experts in float64 would not fit)."""
+    k1, k2 = jax.random.split(jax.random.key(int(rng.integers(2 ** 31))))
+    if fmt == "mxfp4":
+        return (jax.random.randint(k1, (e, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8),
+                jax.random.randint(k2, (e, n, k // 32), 118, 124, jnp.int32).astype(jnp.uint8))
+    return (jax.random.normal(k1, (e, n, k), jnp.bfloat16).astype(jnp.float8_e4m3fn),
+            jax.random.randint(k2, (e, -(-n // block[0]), -(-k // block[1])), 116, 122, jnp.int32).astype(jnp.uint8))
+
+
+def stored_cases(rng, smoke):
+    """(name, args, kernel, reference) for the kernels that read stored FP8 / MXFP4 bytes, against
+    the XLA path (dequantize every weight inside the program, then the bf16 product): V4-Flash's
+    experts (64 of them, to keep the run short) at decode and prefill sizes, MXFP4 and FP8, and
+    FP8 projections at batch 1 and 64 (V4-Flash's W_qb, V4.1-Flash's W_qa)."""
+    def deq(fmt, block):
+        return lambda w: (Fp4Weight(*w) if fmt == "mxfp4" else Fp8Weight(*w, block=block)).dense(jnp.bfloat16)
+
+    experts = {"experts_mxfp4_decode": ("mxfp4", None, 96), "experts_mxfp4_prefill": ("mxfp4", None, 8192),
+               "experts_fp8_decode": ("fp8", (128, 128), 96)}
+    for name, (fmt, block, m) in experts.items():
+        e, i, d = (4, 128, 128) if smoke else (64, 2048, 4096)
+        m = min(m, 100) if smoke else m
+        sizes = jnp.asarray(np.bincount(rng.integers(0, e, m), minlength=e), jnp.int32)
+        x = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
+        ws = [_stored(rng, fmt, e, n, k, block) for n, k in ((i, d), (i, d), (d, i))]
+        kernel = functools.partial(stored_matmul.mgpu_stored_grouped_ffn, fmt=fmt, block=block, limit=10.0)
+        reference = lambda x, sizes, *w, deq=deq(fmt, block): grouped_matmul.reference(  # noqa: E731
+            x, sizes, *map(deq, w), limit=10.0)
+        yield name, (x, sizes, *ws), kernel, reference
+    linears = {"fp8_linear_v4_b1": (1, 32768, 1024, (128, 128)), "fp8_linear_v41_b64": (64, 1280, 5120, (32, 32))}
+    for name, (m, n, k, block) in linears.items():
+        n, k = (128, 256) if smoke else (n, k)
+        q, s = (a[0] for a in _stored(rng, "fp8", 1, n, k, block))
+        x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+        reference = lambda x, q, s, block=block: jnp.einsum(  # noqa: E731
+            "mk,nk->mn", x, Fp8Weight(q, s, block).dense(jnp.bfloat16), preferred_element_type=jnp.float32)
+        yield name, (x, q, s), functools.partial(stored_matmul.mgpu_fp8_linear, block=block), reference
 
 
 def main():
@@ -119,6 +163,8 @@ def main():
         run("index_scores", name, {"mosaic_gpu": functools.partial(index_scores.mgpu_index_scores, **scale),
                                    "generic": functools.partial(index_scores.pallas_index_scores, **scale)},
             a, functools.partial(index_scores.reference, **scale), 1e-4)
+    for name, a, kernel, reference in stored_cases(rng, smoke) if "stored_matmul" in families else ():
+        run("stored_matmul", name, {"mosaic_gpu": kernel}, a, reference, 1e-2)
     failed = [k for k, row in result["kernels"].items() if not row.get("ok")]
     result["failed"] = failed
     write_result(result, args.out)

@@ -87,6 +87,36 @@ def test_resident_mode_same_logits_fewer_bytes(quantized, rng):
     assert isinstance(block.moe.w1, Fp4Weight) and block.moe.w1.packed.dtype == np.int8
 
 
+def test_resident_logits_through_the_stored_weight_kernels(quantized, rng, monkeypatch):
+    """kernels="mosaic_gpu" (GPU interpret mode here): the routed experts (MXFP4) and every FP8
+    projection run the kernels that read the stored bytes (counted), not dense(). Their bf16
+    operands put the fp32 model's logits no further from the reference path's (the same resident
+    weights, dequantized) than a bf16 model is (the oracle for bf16 noise), and not on them."""
+    from dsjax.layers import linear, moe
+
+    calls = {"experts": 0, "fp8": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(moe, "mgpu_stored_grouped_ffn", counted("experts", moe.mgpu_stored_grouped_ffn))
+    monkeypatch.setattr(linear, "mgpu_fp8_linear", counted("fp8", linear.mgpu_fp8_linear))
+    directory, _ = quantized
+    ids = rng.integers(0, 512, (1, 19))
+    want = np.asarray(dsjax.load_model(directory, dtype="float32", quantized="resident").logits(ids))
+    assert calls == {"experts": 0, "fp8": 0}  # the reference path dequantizes
+    bf16 = dsjax.load_model(directory, dtype="bfloat16", quantized="resident").logits(ids)
+    bf16_err = np.abs(np.asarray(bf16, np.float32) - want)
+    got = dsjax.load_model(directory, dtype="float32", quantized="resident", kernels="mosaic_gpu").logits(ids)
+    # 4 layers: their routed experts, and at least W_qa, W_qb, W_kv, W_ob and the shared expert's three each
+    assert calls["experts"] == 4 and calls["fp8"] >= 4 * 7
+    err = np.abs(np.asarray(got) - want)
+    assert 0 < err.mean() <= bf16_err.mean() and err.max() <= bf16_err.max()
+
+
 def test_resident_on_a_mesh(quantized, rng):
     directory, _ = quantized
     if jax.device_count() < 8:

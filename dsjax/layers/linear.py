@@ -31,14 +31,18 @@ import jax.numpy as jnp
 
 from dsjax.layers import cpu_kernels
 from dsjax.layers.qdq import qdq_fp8
-from dsjax.layers.quantized import Bf16Weight, ColumnMajor, PackedHead, dense
+from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight, PackedHead, dense
+from dsjax.pallas_kernels.dispatch import kernel_choice, resolve_kernels
+from dsjax.pallas_kernels.stored_matmul import mgpu_fp8_linear
 from dsjax.sharding.rules import current_mesh, reshape
 
 FEW_ROWS = 16  # up to this many rows a large weight is read once for all of them (multiply-reduce / tiles)
+STORED_ROWS = 256  # up to this many rows an FP8 weight is read as stored by the Mosaic GPU kernel (decode)
 
 
 _GEMM_ONLY = contextvars.ContextVar("dsjax_gemm_only", default=False)
 _WHOLE_WEIGHTS = contextvars.ContextVar("dsjax_whole_weights", default=False)
+_KERNELS = contextvars.ContextVar("dsjax_kernels", default="reference")
 
 
 @contextlib.contextmanager
@@ -64,6 +68,32 @@ def whole_weights():
     (On a slice, XLA fuses the slice into an element-by-element loop instead, and `x @ w.T`
     reads that loop faster; see `linear`.)"""
     return _tracing_with(_WHOLE_WEIGHTS)
+
+
+@contextlib.contextmanager
+def kernels_for_stored_weights(kernels: str):
+    """While tracing inside: a projection of few rows by an FP8 weight kept as stored runs the
+    Mosaic GPU kernel that reads its bytes when `kernels` resolves to it (dispatch.py's rule;
+    `_stored_product`). The model's forward enters it with its `kernels` option, so the many
+    `linear` calls of the layers need no argument for it."""
+    token = _KERNELS.set(resolve_kernels(kernels))
+    try:
+        yield
+    finally:
+        _KERNELS.reset(token)
+
+
+def _stored_product(x: jax.Array, w) -> jax.Array | None:
+    """x [..., K] @ w.T in fp32 by the Mosaic GPU kernel reading an `Fp8Weight` [N, K] as stored
+    (bf16 operands, fp32 accumulation), or None (dequantize, then the GEMM): another weight, a
+    mesh, more than STORED_ROWS rows (prefill reads the weight once for many rows anyway), or
+    kernels that do not resolve to Mosaic GPU."""
+    if not isinstance(w, Fp8Weight) or w.q.ndim != 2 or current_mesh() is not None:
+        return None
+    kind, interpret = kernel_choice(_KERNELS.get())
+    if kind != "mosaic_gpu" or math.prod(x.shape[:-1]) > STORED_ROWS:
+        return None
+    return mgpu_fp8_linear(x, w.q, w.scale_exp, block=w.block, interpret=interpret)
 
 
 def few_rows(rows: int) -> bool:
@@ -146,7 +176,9 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None, out_sharding=None, fp8_ac
     so the product is the reference's up to the order of the fp32 sums)."""
     if fp8_act:
         x = qdq_fp8(x).astype(x.dtype)
-    y = _cpu_product(x, w) if out_sharding is None else None  # a mesh: XLA's sharded GEMM
+    y = None if out_sharding is not None else _stored_product(x, w)  # a mesh: XLA's sharded GEMM
+    if y is None and out_sharding is None:
+        y = _cpu_product(x, w)
     if y is None:
         y = jnp.einsum("...i,oi->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32,
                        out_sharding=out_sharding)

@@ -44,9 +44,11 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import cpu_forms, linear, linear_f32
-from dsjax.layers.quantized import dense, take
+from dsjax.layers.quantized import dense, stored_form, take
 from dsjax.layers.qdq import qdq_fp8
+from dsjax.pallas_kernels.dispatch import kernel_choice
 from dsjax.pallas_kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
+from dsjax.pallas_kernels.stored_matmul import mgpu_stored_grouped_ffn
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import RULES, current_mesh, present_axes, reshape, spec
 
@@ -185,6 +187,15 @@ def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
     return p.replace(w1=take(p.w1, layer), w3=take(p.w3, layer), w2=take(p.w2, layer))
 
 
+def stored_kernel(p: MoE, kernels: str) -> bool:
+    """Whether the routed experts run the Mosaic GPU kernel that reads their stored bytes: kept
+    as stored (MXFP4, or FP8 per expert), all three in one format, and `kernels` resolving to
+    Mosaic GPU (dsjax/pallas_kernels/dispatch.py). Otherwise they are dequantized first."""
+    forms = [stored_form(w) for w in (p.w1, p.w3, p.w2)]
+    return (forms[0] is not None and all(f is not None and f[:2] == forms[0][:2] for f in forms)
+            and kernel_choice(kernels)[0] == "mosaic_gpu")
+
+
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
                    path: str | None = None, *, kernels: str = "reference", layer: jax.Array | None = None,
                    rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
@@ -196,20 +207,28 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     fp8_acts: DeepSeek-V4.1's Lin4 (`lin4`)."""
     t, k = idx.shape
     x, after, down = lin4(x, weights, fp8_acts)
+    stored = stored_kernel(p, kernels)
     matvecs = cpu_forms(x, t * k)  # a decode step on XLA:CPU: each assignment's expert read in place
-    path = path or ("gather" if matvecs else moe_path(t, k, cfg.n_routed_experts))
+    # stored experts under the Mosaic GPU kernels: grouped at any token count, the kernel reads the bytes
+    path = path or ("grouped" if stored else "gather" if matvecs else moe_path(t, k, cfg.n_routed_experts))
     if layer is not None and (path == "gather" or not all(isinstance(w, jax.Array) for w in (p.w1, p.w3, p.w2))):
         p, layer = expert_layer(p, layer), None  # a gather reads only its experts anyway; quantized: dequantize one layer
     if path == "gather":  # each chosen expert's weight is read (and dequantized / widened) where it lies
         ffn = expert_ffn_each if matvecs else expert_ffn_gathered
         y = ffn(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit, weights, down).astype(x.dtype).astype(jnp.float32)
         return sum_by_expert(y, idx) if fp8_acts else jnp.sum(y * after[..., None], axis=1)
-    p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
-    y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels, layer=layer,
-                    rows=rows, scale=weights.reshape(-1)[order], down=down)
+    lin4_args = dict(scale=weights.reshape(-1)[order], down=down)
+    if stored:
+        (fmt, block, w1), w3, w2 = stored_form(p.w1), stored_form(p.w3)[2], stored_form(p.w2)[2]
+        y = mgpu_stored_grouped_ffn(x[order // k], group_sizes, w1, w3, w2, fmt=fmt, block=block,
+                                    limit=cfg.swiglu_limit, interpret=kernel_choice(kernels)[1], **lin4_args)
+    else:
+        p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
+        y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels,
+                        layer=layer, rows=rows, **lin4_args)
     y = y.astype(x.dtype).astype(jnp.float32) * after.reshape(-1)[order][:, None]
     if fp8_acts:  # back to assignment order [T, K], then the one summation order
         return sum_by_expert(jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1), idx)

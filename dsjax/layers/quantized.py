@@ -140,6 +140,17 @@ def dense(w, dtype) -> jax.Array:
             else w.astype(dtype))
 
 
+def stored_form(w):
+    """A weight kept as the checkpoint stores it -> (format, FP8 block, (bytes, E8M0 exponents)),
+    what the Mosaic GPU kernels that read stored bytes take (dsjax/pallas_kernels/stored_matmul.py);
+    None for any other weight."""
+    if isinstance(w, Fp4Weight):
+        return "mxfp4", None, (w.packed, w.scale_exp)
+    if isinstance(w, Fp8Weight):
+        return "fp8", w.block, (w.q, w.scale_exp)
+    return None
+
+
 def take(w, index):
     """w[index] for a plain or a stored (quantized, 16-bit) weight."""
     return jax.tree.map(lambda a: a[index], w)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.layers.linear import gemm_only
+from dsjax.layers.linear import gemm_only, kernels_for_stored_weights
 from dsjax.model.cache import Cache, over_tiles
 from dsjax.model.decoder import (DEFAULT_OPTIONS, INVARIANT_ROWS, ModelParams, decoder_streams, head_input,
                                  last_valid, lm_head_weight, logits_of, rows_logits)
@@ -43,10 +43,11 @@ def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelC
     or its neighbours (see docs/batch-invariance.md)."""
     if cache is not None and ctx_bucket is None:
         raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
-    if opts.batch_invariant and cache is not None:  # the same products on one device as on a mesh
-        with gemm_only():
-            return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
-    return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
+    with kernels_for_stored_weights(opts.kernels):  # FP8 projections: the kernel reading stored bytes, if chosen
+        if opts.batch_invariant and cache is not None:  # the same products on one device as on a mesh
+            with gemm_only():
+                return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
+        return _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)
 
 
 def _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden):
