@@ -14,6 +14,7 @@ import numpy as np
 from dsjax.checkpoint import load_checkpoint, orbax_io
 from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
+from dsjax.checkpoint.quant import QuantFormat
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import Bf16Weight, resident_specs
@@ -138,7 +139,8 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
 
     quantized: for FP8 / MXFP4 checkpoints, "dequantize" (to `dtype` at load) or
     "resident" (keep the stored bytes on device, dequantize inside the matmuls: about half
-    the weight memory).
+    the weight memory). A named config with "resident" gets seeded weights drawn on the
+    device in that stored form (`SEEDED_FORMAT`), never through a bf16 copy.
 
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
     True on a named config it gets seeded random weights. A checkpoint directory's
@@ -172,9 +174,12 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         quantized = marker["quantized"]
         if quantized == "resident":
             specs = resident_specs(specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
+    elif quantized == "resident" and not path.is_dir():  # a named config: seeded bytes drawn in the stored form
+        fmt = SEEDED_FORMAT
+        specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
     elif quantized == "resident":
-        fmt = checkpoint_format(path) if path.is_dir() else None
-        if fmt is None or not (path / "config.json").is_file() or \
+        fmt = checkpoint_format(path)
+        if not (path / "config.json").is_file() or \
                 "quantization_config" not in json.loads((path / "config.json").read_text()):
             raise ValueError(f"quantized='resident' needs an FP8 / MXFP4 checkpoint; {path} declares no "
                              f"quantization_config")
@@ -248,6 +253,9 @@ STORED_NARROW = frozenset(("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_p
                            "h_proj"))  # the matrices every product reads through `dense`
 
 
+# A named config loaded quantized="resident" is drawn as DeepSeek ships V4 / V4.1: FP8 E4M3
+# with E8M0 scales per 128 x 128 block, MXFP4 routed experts (dsjax.layers.quantized.seeded_stored).
+SEEDED_FORMAT = QuantFormat(fp8_block=(128, 128), experts_fp4=True)
 SEEDED_ENGRAM_BYTES = 1 << 30  # a named V4.1 config gets seeded Engram tables in memory up to this size
 
 
