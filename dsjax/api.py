@@ -140,7 +140,8 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     quantized: for FP8 / MXFP4 checkpoints, "dequantize" (to `dtype` at load) or
     "resident" (keep the stored bytes on device, dequantize inside the matmuls: about half
     the weight memory). A named config with "resident" gets seeded weights drawn on the
-    device in that stored form (`SEEDED_FORMAT`), never through a bf16 copy.
+    device, those stored quantized in that stored form (`SEEDED_FORMAT`), never through a
+    bf16 copy.
 
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
     True on a named config it gets seeded random weights. A checkpoint directory's
@@ -214,9 +215,10 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         loaded = load_checkpoint(path, cfg, specs, shardings, progress=progress, check_finite=check_finite,
                                  mtp_specs=m_specs, mtp_shardings=m_shardings)
         params, mtp_params = loaded if want_mtp else (loaded, None)
-    else:
-        params = init_params(specs, seed, shardings)
-        mtp_params = init_params(m_specs, seed + 1, m_shardings) if want_mtp else None
+    else:  # resident: every weight drawn on the device (the stored ones in their bytes)
+        on_device = quantized == "resident"
+        params = init_params(specs, seed, shardings, device_normal=on_device)
+        mtp_params = init_params(m_specs, seed + 1, m_shardings, device_normal=on_device) if want_mtp else None
     return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized), draft_ids)
 
 

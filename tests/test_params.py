@@ -83,6 +83,7 @@ def test_resident_seeded_weights_are_stored_bytes_of_the_init_magnitude():
         exps |= set(np.unique(e).tolist())
         assert abs(d.std() / 0.02 - 1) < 0.08 and abs(d.mean()) < 5 * 0.02 / np.sqrt(d.size), (d.std(), d.mean())
     assert len(exps) == 3  # the exponents are drawn, not one constant
+    assert abs(np.asarray(model.params.embed).std() / 0.02 - 1) < 0.01  # plain weights: N(0, std), on the device
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 12))
     logits = model.logits(ids)
     plain = dsjax.load_model("tiny", dtype="float32", mtp=False).logits(ids)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dsjax.params import LAYERS, ParamSpec, is_spec, path_str
+from dsjax.params import LAYERS, ParamSpec, is_spec, name_key, path_str
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 E2M1_SIGNED = np.concatenate([E2M1, -E2M1])  # index = code (bit 3 = sign)
@@ -210,11 +209,9 @@ def seeded_stored(kind: str, values: ParamSpec, scales: ParamSpec, block: tuple[
     axes are drawn one slice at a time (`lax.map`), so the fp32 draws never hold more than one
     slice. shardings: the container's shardings (`.q` / `.packed`, `.scale_exp`) or None."""
     sh = None if shardings is None else tuple(jax.tree.leaves(shardings))
-    key = jax.random.key(seed)
-    key = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
     make = _stored_program(kind, values.shape, scales.shape, tuple(block), float(values.std),
                            _mapped(values, sh[0] if sh else None), sh)
-    return make(key)
+    return make(name_key(seed, name))
 
 
 def _mapped(spec: ParamSpec, sharding) -> int:
