@@ -113,6 +113,9 @@ def load(cfg, dtype) -> tuple:
 
 def decode_row(model, batch: int, context: int, rounds: int, bandwidth: float) -> dict:
     t = time.perf_counter()
+    ratio = model.config.max_compress_ratio  # the synthetic context keeps each row's place in its compression groups
+    if context % ratio:
+        raise ValueError(f"--context {context} must be a multiple of the largest compression ratio ({ratio})")
     engine = decoding_engine(model, batch, context, steps=(rounds + 1) * 4 + 16, synthetic=True)
     warmup = time.perf_counter() - t
     split = step_split(engine, rounds)
@@ -143,7 +146,7 @@ def prefill_row(model, tokens: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="v4-flash-1gpu")
+    ap.add_argument("--config", help="default v4-flash-1gpu; --smoke: tiny (or tiny-v41)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="the tiny config on CPU (the Pallas kernels interpreted)")
     ap.add_argument("--kernels", default="reference,pallas")
@@ -161,8 +164,10 @@ def main():
                          "GPU; use --smoke for the CPU dry run")
     bandwidth_bytes = 4 << 30
     if args.smoke:
-        args.config, args.context, args.prefill_tokens = SMOKE["config"], SMOKE["context"], SMOKE["prefill_tokens"]
+        args.config, args.context, args.prefill_tokens = args.config or SMOKE["config"], SMOKE["context"], \
+            SMOKE["prefill_tokens"]
         args.rounds, args.kv_batch, bandwidth_bytes = SMOKE["rounds"], SMOKE["kv_batch"], SMOKE["bandwidth_bytes"]
+    args.config = args.config or "v4-flash-1gpu"
     batches = [int(b) for b in (args.batches or ("1,2" if args.smoke else "1,16,64,256")).split(",")]
     device = jax.devices()[0]
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16

@@ -4,7 +4,7 @@
 # one log in $OUT (default /tmp/gpu_out), each phase under its own timeout so a failure or a slow
 # phase still leaves the others' JSON (docs/benchmarks.md, "On a GPU"):
 #   1. kernel checks: each Pallas kernel family compiled and checked against its reference
-#      (gpu_check.py, one process per family), all families within CHECK_BUDGET seconds;
+#      (gpu_check.py, one process per family), all families within CHECK_BUDGET seconds (170);
 #   2. the engine on v4-flash-1gpu, seeded weights as stored (gpu_engine.py): HBM copy
 #      bandwidth, decode at batch 1 / 16 / 64 / 256 with a 4k context and prefill of 8k tokens,
 #      kernels "reference" and "pallas", MBU, host share, warm-up compile seconds
@@ -28,14 +28,19 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee -a "$log"
-check_end=$(( SECONDS + ${CHECK_BUDGET:-150} ))
-for family in ${FAMILIES:-sink_attention grouped_matmul index_scores}; do
+# every family gpu_check.py declares (its FAMILIES), unless FAMILIES names some
+families=${FAMILIES:-$(cd benchmarks && python3 -c "import gpu_check; print(' '.join(gpu_check.FAMILIES))" 2>/dev/null \
+  || echo sink_attention grouped_matmul index_scores)}
+check_end=$(( SECONDS + ${CHECK_BUDGET:-170} ))
+for family in $families; do
   budget=$(( check_end - SECONDS )); budget=$(( budget < ${CHECK_TIMEOUT:-150} ? budget : ${CHECK_TIMEOUT:-150} ))
   if (( budget < 10 )); then echo "== $family skipped: CHECK_BUDGET spent" | tee -a "$log"; continue; fi
   echo "== $family (${budget} s)" | tee -a "$log"
   timeout "$budget" python3 benchmarks/gpu_check.py --only "$family" \
     --out "$OUT/gpu_check_$family.json" 2>&1 | tee -a "$log"
 done
+# the weights (up to ~100 GiB), a 256-row cache and its copy in one process: more than JAX's default 75 %
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 engine() {  # config, seconds: gpu_engine.py plans its rows within the seconds less a margin for its JSON
   echo "== engine $1 (${2} s)" | tee -a "$log"
   timeout "$2" python3 benchmarks/gpu_engine.py --config "$1" --budget-s $(( $2 - 25 )) \
