@@ -88,3 +88,16 @@ def test_resident_seeded_weights_are_stored_bytes_of_the_init_magnitude():
     logits = model.logits(ids)
     plain = dsjax.load_model("tiny", dtype="float32", mtp=False).logits(ids)
     assert np.isfinite(logits).all() and 0.7 < logits.std() / plain.std() < 1.4
+
+
+def test_resident_seeded_weights_do_not_depend_on_the_sharding():
+    """Each [out, in] slice of a stored weight has its own key: drawn sharded over experts
+    (each device its slices) the bytes are the single device's, bit for bit."""
+    if jax.device_count() < 8:
+        import pytest
+        pytest.skip("needs 8 devices")
+    one = dsjax.load_model("tiny", dtype="float32", quantized="resident", mtp=False)
+    mesh = dsjax.load_model("tiny", dtype="float32", quantized="resident", mtp=False, mesh="data=2,expert=4")
+    assert mesh.params.blocks[0][0].moe.w1.packed.sharding.spec[1] == "expert"
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(mesh.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

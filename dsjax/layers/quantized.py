@@ -205,36 +205,35 @@ def seeded_stored(kind: str, values: ParamSpec, scales: ParamSpec, block: tuple[
     z ~ N(0, 1), to E4M3 / to the nearest E2M1 value. Dequantized, a block is z * std up to the
     format's rounding (E4M3: ~3 % relative; E2M1 codes of std 0.5-2: the std within ~5 %),
     so the model sees the bf16 init's magnitudes; the random exponents make every block's
-    scale matter, as a checkpoint's do. Stacked layers ([layers, ...]) and unsharded leading
-    axes are drawn one slice at a time (`lax.map`), so the fp32 draws never hold more than one
-    slice. shardings: the container's shardings (`.q` / `.packed`, `.scale_exp`) or None."""
+    scale matter, as a checkpoint's do. Each [out, in] slice of a stacked weight is drawn from
+    its own key (`_lead_modes`). shardings: the container's shardings (`.q` / `.packed`,
+    `.scale_exp`) or None."""
     sh = None if shardings is None else tuple(jax.tree.leaves(shardings))
     make = _stored_program(kind, values.shape, scales.shape, tuple(block), float(values.std),
-                           _mapped(values, sh[0] if sh else None), sh)
+                           _lead_modes(values, sh[0] if sh else None), sh)
     return make(name_key(seed, name))
 
 
-def _mapped(spec: ParamSpec, sharding) -> int:
-    """How many leading axes of a weight to draw one slice at a time: stacked layers, then any
-    unsharded axis before the last two (a sharded one is drawn whole, each device its shard)."""
-    n = 0
-    spec_axes = tuple(sharding.spec) + (None,) * len(spec.shape) if sharding is not None else (None,) * len(spec.shape)
-    for i in range(len(spec.shape) - 2):
-        if spec.axes[i] != LAYERS and spec_axes[i] is not None:
-            break
-        n += 1
-    return n
+def _lead_modes(spec: ParamSpec, sharding) -> tuple[str, ...]:
+    """Per leading axis (all but the last two: stacked layers, experts): drawn one slice at a
+    time ("map": the fp32 draws hold one slice) where it is stacked layers or unsharded, all
+    at once where it is sharded ("vmap": each device its own slices). Each slice has its own
+    key, so the values are the same either way: they do not depend on the sharding."""
+    lead = len(spec.shape) - 2
+    split = tuple(sharding.spec) + (None,) * lead if sharding is not None else (None,) * lead
+    return tuple("map" if spec.axes[i] == LAYERS or split[i] is None else "vmap" for i in range(lead))
 
 
 @functools.lru_cache(maxsize=None)
-def _stored_program(kind, shape, scale_shape, block, std, lead, shardings):
-    """One jitted draw per (format, shape, std, sharding): the keys are arguments."""
+def _stored_program(kind, shape, scale_shape, block, std, modes, shardings):
+    """One jitted draw per (format, shape, std, sharding): the key is an argument."""
     e0 = 127 + (round(math.log2(std)) if kind == "fp8" else math.floor(math.log2(std)))
     lo, hi = (-1, 2) if kind == "fp8" else (0, 2)
+    lead = len(modes)
     inner, inner_scales = shape[lead:], scale_shape[lead:]
     dense_inner = (*inner[:-1], 2 * inner[-1]) if kind == "mxfp4" else inner
 
-    def one(key):
+    def one(key):  # one [out, in] slice
         k_exp, k_val = jax.random.split(key)
         exp = (e0 + jax.random.randint(k_exp, inner_scales, lo, hi)).astype(jnp.uint8)
         step = jnp.exp2(exp.astype(jnp.float32) - 127.0)
@@ -248,13 +247,16 @@ def _stored_program(kind, shape, scale_shape, block, std, lead, shardings):
         pairs = code.reshape(*code.shape[:-1], -1, 2)
         return jax.lax.bitcast_convert_type(pairs[..., 0] | (pairs[..., 1] << 4), jnp.int8), exp
 
+    def over(keys, modes):
+        if not modes:
+            return one(keys)
+        inner_fn = functools.partial(over, modes=modes[1:])
+        return jax.lax.map(inner_fn, keys) if modes[0] == "map" else jax.vmap(inner_fn)(keys)
+
     def draw(key):
-        if not lead:
-            return one(key)
         n = math.prod(shape[:lead])
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
-        q, e = jax.lax.map(one, keys)
-        return q.reshape(shape), e.reshape(scale_shape)
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n)).reshape(shape[:lead])
+        return over(keys, modes)
 
     return jax.jit(draw, out_shardings=shardings)
 
