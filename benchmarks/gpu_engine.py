@@ -47,7 +47,7 @@ from results_io import write_result
 from roofline import decode_step_bytes
 
 import dsjax
-from dsjax.api import SEEDED_FORMAT
+from dsjax.api import seeded_format
 from dsjax.config import to_hf_dict
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
@@ -80,9 +80,9 @@ def hbm_copy_bandwidth(nbytes: int, repeats: int = 10) -> dict:
 
 
 def stored_specs(cfg, dtype):
-    """The spec tree a named config loads quantized="resident" with (dsjax.api.SEEDED_FORMAT)."""
+    """The spec tree a named config loads quantized="resident" with (dsjax.api.seeded_format)."""
     specs = (v41_model_specs if cfg.v41 is not None else model_specs)(cfg, dtype)
-    return resident_specs(specs, SEEDED_FORMAT.fp8_block, SEEDED_FORMAT.experts_fp4)
+    return resident_specs(specs, seeded_format(cfg).fp8_block, seeded_format(cfg).experts_fp4)
 
 
 def fitting_config(cfg, device_bytes: int, kv_batch: int, context: int, dtype):

@@ -140,7 +140,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     quantized: for FP8 / MXFP4 checkpoints, "dequantize" (to `dtype` at load) or
     "resident" (keep the stored bytes on device, dequantize inside the matmuls: about half
     the weight memory). A named config with "resident" gets seeded weights drawn on the
-    device, those stored quantized in that stored form (`SEEDED_FORMAT`), never through a
+    device, those stored quantized in that stored form (`seeded_format`), never through a
     bf16 copy.
 
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
@@ -176,7 +176,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         if quantized == "resident":
             specs = resident_specs(specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
     elif quantized == "resident" and not path.is_dir():  # a named config: seeded bytes drawn in the stored form
-        fmt = SEEDED_FORMAT
+        fmt = seeded_format(cfg)
         specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
     elif quantized == "resident":
         fmt = checkpoint_format(path)
@@ -255,9 +255,11 @@ STORED_NARROW = frozenset(("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_p
                            "h_proj"))  # the matrices every product reads through `dense`
 
 
-# A named config loaded quantized="resident" is drawn as DeepSeek ships V4 / V4.1: FP8 E4M3
-# with E8M0 scales per 128 x 128 block, MXFP4 routed experts (dsjax.layers.quantized.seeded_stored).
-SEEDED_FORMAT = QuantFormat(fp8_block=(128, 128), experts_fp4=True)
+def seeded_format(cfg: ModelConfig) -> QuantFormat:
+    """How a named config loaded quantized="resident" is drawn: as DeepSeek ships it, FP8 E4M3
+    with E8M0 scales per 128 x 128 block (V4) / 32 x 32 (V4.1) and MXFP4 routed experts
+    (dsjax.layers.quantized.seeded_stored)."""
+    return QuantFormat(fp8_block=(32, 32) if cfg.v41 is not None else (128, 128), experts_fp4=True)
 SEEDED_ENGRAM_BYTES = 1 << 30  # a named V4.1 config gets seeded Engram tables in memory up to this size
 
 
