@@ -52,7 +52,7 @@ if (( $(left) >= ${V41_MIN:-150} )); then
   engine v41-flash-1gpu $(( $(left) - 10 ))
 else
   echo "== engine v41-flash-1gpu skipped: $(left) s left of TOTAL=$TOTAL" | tee -a "$log"
-  printf '{"config": "v41-flash-1gpu", "skipped": "time: %s s left of TOTAL=%s after the kernel checks and v4-flash-1gpu", "rows": []}\n' \
-    "$(left)" "$TOTAL" > "$OUT/gpu_run_v41-flash-1gpu.json"
+  printf '{"config": "v41-flash-1gpu", "skipped": "time: %s s left of TOTAL=%s after %s", "rows": []}\n' \
+    "$(left)" "$TOTAL" "the kernel checks and v4-flash-1gpu" > "$OUT/gpu_run_v41-flash-1gpu.json"
 fi
 echo "== done in $(( SECONDS - start )) s" | tee -a "$log"
