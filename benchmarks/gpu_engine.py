@@ -46,15 +46,12 @@ from results_io import write_result
 from roofline import decode_step_bytes
 
 import dsjax
-from dsjax.api import seeded_format
 from dsjax.config import to_hf_dict
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
-from dsjax.layers.quantized import resident_specs
 from dsjax.memory import device_memory
-from dsjax.model import model_specs
 from dsjax.model.cache import cache_shapes
-from dsjax.model.v41 import v41_model_specs
+from dsjax.model.stored import weight_specs
 from dsjax.params import spec_leaves
 
 FIT_SHARE = 0.85  # of the device's memory for weights + KV: the rest for activations and XLA's scratch
@@ -79,9 +76,8 @@ def hbm_copy_bandwidth(nbytes: int, repeats: int = 10) -> dict:
 
 
 def stored_specs(cfg, dtype):
-    """The spec tree a named config loads quantized="resident" with (dsjax.api.seeded_format)."""
-    specs = (v41_model_specs if cfg.v41 is not None else model_specs)(cfg, dtype)
-    return resident_specs(specs, seeded_format(cfg).fp8_block, seeded_format(cfg).experts_fp4)
+    """The spec tree a named config loads quantized="resident" with (as its release stores it)."""
+    return weight_specs(cfg, dtype, "resident")[0]
 
 
 def fitting_config(cfg, device_bytes: int, kv_batch: int, context: int, dtype):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -15,14 +16,17 @@ from dsjax.checkpoint import load_checkpoint, orbax_io
 from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
 from dsjax.checkpoint.quant import QuantFormat
+from dsjax.checkpoint.safetensors_io import CheckpointError
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import Bf16Weight, resident_specs
 from dsjax.engine.policy import check_draft_vocab
 from dsjax.engine.requests import check_prompt
-from dsjax.memory import device_memory
+from dsjax.memory import device_memory, show_bytes
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
-from dsjax.model.v41 import DSparkParams, ModelParamsV41, dspark_specs, engram_table_values, v41_model_specs
+from dsjax.model.stored import stored_format
+from dsjax.model.v41 import (V41_FP8_BLOCK, V41_FP8_LINEARS, DSparkParams, ModelParamsV41, dspark_specs,
+                             engram_table_values, v41_model_specs)
 from dsjax.pallas_kernels.dispatch import resolve_kernels
 from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_params, spec_leaves
@@ -140,7 +144,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     quantized: for FP8 / MXFP4 checkpoints, "dequantize" (to `dtype` at load) or
     "resident" (keep the stored bytes on device, dequantize inside the matmuls: about half
     the weight memory). A named config with "resident" gets seeded weights drawn on the
-    device, those stored quantized in that stored form (`seeded_format`), never through a
+    device, those stored quantized in that stored form (`dsjax.model.stored.stored_format`), never through a
     bf16 copy.
 
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
@@ -176,14 +180,10 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         if quantized == "resident":
             specs = resident_specs(specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
     elif quantized == "resident" and not path.is_dir():  # a named config: seeded bytes drawn in the stored form
-        fmt = seeded_format(cfg)
+        fmt = stored_format(cfg)  # as the release stores it (dsjax/model/stored.py)
         specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
     elif quantized == "resident":
-        fmt = checkpoint_format(path)
-        if not (path / "config.json").is_file() or \
-                "quantization_config" not in json.loads((path / "config.json").read_text()):
-            raise ValueError(f"quantized='resident' needs an FP8 / MXFP4 checkpoint; {path} declares no "
-                             f"quantization_config")
+        fmt = resident_format(path)
         specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
@@ -191,7 +191,6 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     if mesh is not None:
         check_mesh_fits(cfg, mesh)
         shardings = shardings_for(specs, mesh)
-    check_memory(specs, mesh, device_memory_bytes)
     if saved_orbax:
         want_mtp = orbax_io.read_marker(path).get("mtp", False) if mtp is None else mtp
     elif path.is_dir():
@@ -206,6 +205,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         elif saved_orbax and marker["quantized"] == "resident":
             m_specs = resident_specs(m_specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
         m_shardings = shardings_for(m_specs, mesh) if mesh is not None else None
+    check_memory((specs, m_specs), mesh, device_memory_bytes)  # the drafter too, before anything is read
     mtp_params = None
     if saved_orbax:
         params = orbax_io.restore(path, abstract_params(specs, shardings))
@@ -255,11 +255,6 @@ STORED_NARROW = frozenset(("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_p
                            "h_proj"))  # the matrices every product reads through `dense`
 
 
-def seeded_format(cfg: ModelConfig) -> QuantFormat:
-    """How a named config loaded quantized="resident" is drawn: as DeepSeek ships it, FP8 E4M3
-    with E8M0 scales per 128 x 128 block (V4) / 32 x 32 (V4.1) and MXFP4 routed experts
-    (dsjax.layers.quantized.seeded_stored)."""
-    return QuantFormat(fp8_block=(32, 32) if cfg.v41 is not None else (128, 128), experts_fp4=True)
 SEEDED_ENGRAM_BYTES = 1 << 30  # a named V4.1 config gets seeded Engram tables in memory up to this size
 
 
@@ -269,8 +264,8 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
     and its Engram tables memory-mapped from it (a named config: seeded tables held in memory,
     up to SEEDED_ENGRAM_BYTES; larger ones are left out, and so is the Engram update). The
     DSpark head (`Model.mtp`, the engine's drafter) loads as load_model's mtp says."""
-    if quantized != "dequantize":
-        raise ValueError(f"quantized={quantized!r}: a DeepSeek-V4.1 model loads dequantized only (for now)")
+    if quantized not in ("dequantize", "resident"):
+        raise ValueError(f"quantized must be 'dequantize' or 'resident', got {quantized!r}")
     if path.is_dir() and orbax_io.is_orbax(path):
         raise ValueError(f"{path}: a `dsjax convert` (orbax) directory of a DeepSeek-V4.1 model cannot be loaded yet; "
                          f"load the original checkpoint")
@@ -281,25 +276,48 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
     m_specs = dspark_specs(cfg, dtype) if mtp else None
     if mtp and m_specs is None:
         raise ValueError(f"mtp=True: config {cfg.name!r} has no DSpark drafter (num_nextn_predict_layers / dspark)")
+    if quantized == "resident":  # FP8 on 32 x 32 tiles and MXFP4 experts, kept as stored (spec §7.3, §7.4)
+        fmt = resident_format(path, V41_FP8_BLOCK) if path.is_dir() else stored_format(cfg)
+        keep = functools.partial(resident_specs, block=fmt.fp8_block, experts_fp4=fmt.experts_fp4,
+                                 fp8_linears=V41_FP8_LINEARS)
+        specs, m_specs = keep(specs), None if m_specs is None else keep(m_specs)
     shardings = m_shardings = None
     if mesh is not None:
         check_mesh_fits(cfg, mesh)
         shardings = shardings_for(specs, mesh)
         m_shardings = shardings_for(m_specs, mesh) if m_specs is not None else None
-    check_memory(specs, mesh, device_memory_bytes)
+    check_memory((specs, m_specs), mesh, device_memory_bytes)
     e = cfg.v41.engram
-    if path.is_dir():
+    if path.is_dir():  # the tables are mapped (and checked) first: a bad one is refused before any weight is read
+        tables = EngramStore.from_checkpoint(path, cfg) if e is not None else None
         loaded = load_checkpoint(path, cfg, specs, shardings, progress=progress, check_finite=check_finite,
                                  mtp_specs=m_specs, mtp_shardings=m_shardings)
         params, drafter = loaded if m_specs is not None else (loaded, None)
-        tables = EngramStore.from_checkpoint(path, cfg) if e is not None else None
     else:
-        params = init_params(specs, seed, shardings)
-        drafter = init_params(m_specs, seed + 1, m_shardings) if m_specs is not None else None
+        on_device = quantized == "resident"  # every weight drawn on the device, the stored ones in their bytes
+        params = init_params(specs, seed, shardings, device_normal=on_device)
+        drafter = init_params(m_specs, seed + 1, m_shardings, device_normal=on_device) if m_specs is not None else None
         small = e is not None and engram_table_values(cfg) * (1 + 1 / 32) <= SEEDED_ENGRAM_BYTES
         tables = EngramStore.seeded(cfg, seed + 2) if small else None
     params = params.replace(engram_tables=tables)
-    return Model(cfg, params, dtype, mesh, drafter, RuntimeOptions(kernels=resolve_kernels(kernels)))
+    options = RuntimeOptions(kernels=resolve_kernels(kernels), quantized=quantized)
+    return Model(cfg, params, dtype, mesh, drafter, options)
+
+
+def resident_format(path: Path, block: tuple[int, int] | None = None) -> QuantFormat:
+    """The stored format of the checkpoint `quantized="resident"` keeps on device; refused
+    (naming the field) without a quantization_config, or with another weight_block_size than
+    `block`, the one the model's format has (None: any whose scales fit the weights)."""
+    config = path / "config.json"
+    if not (path.is_dir() and config.is_file()) or "quantization_config" not in json.loads(config.read_text()):
+        raise ValueError(f"quantized='resident' needs an FP8 / MXFP4 checkpoint; {path} declares no "
+                         f"quantization_config")
+    fmt = checkpoint_format(path)
+    if block is not None and tuple(fmt.fp8_block) != tuple(block):
+        raise CheckpointError(f"{config}: quantization_config.weight_block_size {list(fmt.fp8_block)}, but this model "
+                              f"stores FP8 on {list(block)} tiles; quantized='resident' keeps the stored tiles, so "
+                              f"load with quantized='dequantize'")
+    return fmt
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -350,7 +368,8 @@ def check_mesh_fits(cfg: ModelConfig, mesh) -> None:
 
 
 def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:
-    """Fail before reading anything if one device's share of the weights does not fit."""
+    """Fail before reading anything if one device's share of the weights (`specs`: any tree of
+    specs, the drafter's included; stored-format leaves count their stored bytes) does not fit."""
     if mesh is None:
         need = sum(s.nbytes for _, s in spec_leaves(specs))
         device = jax.devices()[0]
@@ -360,5 +379,5 @@ def check_memory(specs, mesh, device_memory_bytes: int | None) -> None:
     have = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
     if need > have:
         where = "one device" if mesh is None else f"each device of mesh {dict(mesh.shape)}"
-        raise MemoryError(f"the weights need {need / 2**30:.2f} GiB on {where}, but a device holds "
-                          f"{have / 2**30:.2f} GiB; use a larger mesh (more expert / tensor shards)")
+        raise MemoryError(f"the weights need {show_bytes(need)} ({need} B) on {where}, but a device holds "
+                          f"{show_bytes(have)} ({have} B); use a larger mesh (more expert / tensor shards)")

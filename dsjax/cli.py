@@ -459,8 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--mesh", default="", help="write from (and for) this mesh, e.g. 'expert=8'")
     v.set_defaults(func=_cmd_convert)
 
-    report("memory", "weight bytes per device by group on a mesh (abstract)", _cmd_memory).add_argument(
-        "--mesh", default="expert=8", help="e.g. 'data=2,expert=4,tensor=2'")
+    mem = report("memory", "weight + KV bytes per device on a mesh, and whether they fit (abstract)", _cmd_memory)
+    mem.add_argument("--mesh", default="expert=8", help="e.g. 'data=2,expert=4,tensor=2'")
+    mem.add_argument("--quantized", default="dequantize", choices=["dequantize", "resident"],
+                     help="weights in --dtype, or as the release stores them (FP8 / MXFP4 + E8M0 scales)")
+    mem.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                     help="a device's memory: say whether weights + the KV budget fit (exit 1 if not)")
+    mem.add_argument("--kv-tokens", type=int, default=4096, help="KV budget: tokens per sequence (default 4096)")
+    mem.add_argument("--kv-seqs", type=int, default=64, help="KV budget: sequences (default 64)")
     from dsjax.batch.command import add_parsers  # dsjax batch, dsjax verify
 
     add_parsers(sub, common, load=_load, setup_cache=_setup_cache, compiling=_compiling,

@@ -34,3 +34,8 @@ def free_memory(device, devices_sharing_host: int = 1) -> int:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return _host_ram(total=False) // max(1, devices_sharing_host)
+
+
+def show_bytes(n: float) -> str:
+    """A byte count for a message: GiB from 1 GiB up, MiB below."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig
-from dsjax.model import model_specs, mtp_specs
+from dsjax.model import cache_bytes, model_specs, mtp_specs
+from dsjax.model.stored import StoredFormat, weight_specs
 from dsjax.model.v41 import dspark_config, dspark_specs, engram_table_values, v41_model_specs
 from dsjax.params import spec_leaves, weight_group
+from dsjax.sharding.rules import RULES, bytes_per_device
 
 
 def _tally(tree, cfg: ModelConfig, copies: int = 1) -> dict:
@@ -79,3 +81,42 @@ def format_counts(c: dict) -> str:
     if c.get("engram_tables"):
         lines.append(f"  Engram tables (host memory) {c['engram_tables'] / g:10.3f} B")
     return "\n".join(lines)
+
+
+ENGRAM_ROW_BYTES_PER_VALUE = 264 / 256  # E4M3 values + one E8M0 scale per 32 (spec deepseek-v41.md §5.5)
+KV_TOKENS, KV_SEQS = 4096, 64  # the memory report's default KV budget: 64 sequences of 4k tokens
+
+
+def memory_report(cfg: ModelConfig, mesh: dict[str, int] | None = None, *, dtype=jnp.bfloat16,
+                  quantized: str = "dequantize", fmt: StoredFormat | None = None, kv_tokens: int = KV_TOKENS,
+                  kv_seqs: int = KV_SEQS, device_bytes: int | None = None) -> dict:
+    """Bytes one device of `mesh` (axis sizes; none: one device) holds, from the declared specs
+    (nothing is allocated): the weights by group, in `dtype` or (quantized="resident") as the
+    release stores them (FP8 1 B + an E8M0 byte per tile, MXFP4 0.5 B + 1/32 B, the rest in
+    `dtype`); the drafter (MTP / DSpark head); a KV budget of `kv_seqs` sequences of
+    `kv_tokens` tokens (the decode cache and token history, the sequences split over the
+    batch shards, as the engine splits its slots); and, with device_bytes, whether they fit.
+    Engram's tables are host memory, reported apart as stored (FP8 + E8M0, read by row)."""
+    mesh = {**{"data": 1, "expert": 1, "tensor": 1}, **(mesh or {})}
+    ratio = cfg.max_compress_ratio
+    if kv_tokens < 1 or kv_tokens % ratio or kv_seqs < 0:
+        raise ValueError(f"KV budget: kv_tokens must be a positive multiple of {ratio} (the largest compression "
+                         f"ratio) and kv_seqs >= 0, got {kv_tokens} x {kv_seqs}")
+    specs, drafter = weight_specs(cfg, dtype, quantized, fmt)
+    weights = bytes_per_device(specs, mesh)
+    drafter_bytes = sum(bytes_per_device(drafter, mesh).values()) if drafter is not None else 0
+    shards = 1
+    for axis in RULES.mesh_axes("batch"):
+        shards *= mesh.get(axis, 1)
+    per_seq = cache_bytes(cfg, kv_tokens, dtype)["bytes_per_sequence"] + kv_tokens * 4  # + the token history
+    kv = per_seq * -(-kv_seqs // shards)
+    need = sum(weights.values()) + drafter_bytes + kv
+    whole = sum(s.nbytes for _, s in spec_leaves((specs, drafter)))
+    host = int(engram_table_values(cfg) * ENGRAM_ROW_BYTES_PER_VALUE)
+    return {"config": cfg.name, "mesh": mesh, "quantized": quantized, "dtype": str(jnp.dtype(dtype)),
+            "bytes_per_device": weights, "drafter_bytes_per_device": drafter_bytes,
+            "kv_budget": {"tokens": kv_tokens, "sequences": kv_seqs, "bytes_per_sequence": per_seq,
+                          "batch_shards": shards, "bytes_per_device": kv},
+            "need_per_device": need, "device_bytes": device_bytes,
+            "fits": None if device_bytes is None else need <= device_bytes,
+            "weights_total_bytes": whole, "engram_host_bytes": host, "checkpoint_bytes": whole + host}

@@ -114,18 +114,16 @@ def test_one_gpu_configs_are_the_full_model_with_experts_cut(name, full, fields)
     """The one-GPU configs differ from the full ones only in what their descriptions say was
     cut, and their stored (resident) weights plus a 64 x 4096-token KV cache fit an H200's
     139 GiB; with 64 experts (what gpu_engine.py picks on an H100), a 78 GiB H100. Bytes from
-    the specs: dsjax.layers.quantized.resident_specs over the model's declaration, in the
-    format a named config is drawn in (dsjax.api.seeded_format)."""
+    the specs as the release stores them (dsjax.model.stored.weight_specs), the form a named
+    config is drawn in."""
     import dataclasses
 
     import jax
     import jax.numpy as jnp
 
-    from dsjax.api import seeded_format
-    from dsjax.layers.quantized import resident_specs
-    from dsjax.model import model_specs
     from dsjax.model.cache import cache_shapes
-    from dsjax.model.v41 import engram_table_values, v41_model_specs
+    from dsjax.model.stored import weight_specs
+    from dsjax.model.v41 import engram_table_values
     from dsjax.params import spec_leaves
 
     one, ref = load_config(name), load_config(full)
@@ -138,9 +136,7 @@ def test_one_gpu_configs_are_the_full_model_with_experts_cut(name, full, fields)
     assert differ == fields and one.num_hidden_layers == ref.num_hidden_layers
     for experts, device_gib in ((one.n_routed_experts, 139), (64, 78)):
         cfg = one.replace(n_routed_experts=experts)
-        specs = (v41_model_specs if cfg.v41 is not None else model_specs)(cfg, jnp.bfloat16)
-        fmt = seeded_format(cfg)
-        weights = sum(s.nbytes for _, s in spec_leaves(resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)))
+        weights = sum(s.nbytes for _, s in spec_leaves(weight_specs(cfg, jnp.bfloat16, "resident")[0]))
         cache = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache_shapes(cfg, 64, 4096 + 128)))
         assert weights + cache < 0.9 * device_gib * 2**30, (experts, weights / 2**30, cache / 2**30)
     with pytest.raises(ConfigError, match="num_experts_per_tok"):  # top-6 needs at least 6 experts

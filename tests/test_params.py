@@ -62,14 +62,13 @@ def test_resident_seeded_weights_are_stored_bytes_of_the_init_magnitude():
     (seeded_stored's rule): the stored dtypes and shapes of its specs, E8M0 exponents from the
     rule's set, dequantized weights ~ N(0, std) within sampling and format error, and logits
     finite and of the bf16-init model's scale."""
-    from dsjax.api import seeded_format
-    from dsjax.layers.quantized import Fp4Weight, Fp8Weight, dense, resident_specs
+    from dsjax.layers.quantized import Fp4Weight, Fp8Weight, dense
+    from dsjax.model.stored import weight_specs
     from dsjax.params import check_against_specs
 
     cfg = load_config("tiny")
     model = dsjax.load_model("tiny", dtype="float32", quantized="resident", mtp=False)
-    fmt = seeded_format(cfg)
-    specs = resident_specs(model_specs(cfg, jnp.float32), fmt.fp8_block, fmt.experts_fp4)
+    specs = weight_specs(cfg, jnp.float32, "resident")[0]
     check_against_specs(model.params, specs)
     stored = [w for w in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, (Fp8Weight, Fp4Weight)))
               if isinstance(w, (Fp8Weight, Fp4Weight))]

@@ -163,7 +163,8 @@ def test_two_processes_with_jax_distributed(single, prompts):
 
 
 def test_too_big_for_the_mesh_fails_early():
-    with pytest.raises(MemoryError, match=r"GiB on each device of mesh .*expert.*: 8.*use a larger mesh"):
+    with pytest.raises(MemoryError, match=r"need [\d.]+ MiB \(\d+ B\) on each device of mesh .*expert.*: 8.*"
+                                          r"holds 1\.00 MiB \(1048576 B\); use a larger mesh"):
         dsjax.load_model("tiny", dtype="float32", mesh="expert=8", device_memory_bytes=1 << 20)
     from dsjax.config import load_config
     from dsjax.model import model_specs

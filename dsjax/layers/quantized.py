@@ -158,22 +158,25 @@ def take(w, index):
     return jax.tree.map(lambda a: a[index], w)
 
 
-# The weights DeepSeek's checkpoints store in FP8 (routed experts: MXFP4, or FP8 per expert).
+# The weights DeepSeek-V4's checkpoints store in FP8 and keep so (routed experts: MXFP4, or
+# FP8 per expert), by the end of their dsjax path. A model generation names its own list (V4.1:
+# dsjax.model.v41.V41_FP8_LINEARS); a weight stored FP8 but not listed is dequantized at load.
 FP8_LINEARS = ("attn.q_a_proj", "attn.q_b_proj", "attn.kv_proj", "attn.o_a_proj", "attn.o_b_proj",
                "attn.indexer.q_b_proj", "moe.shared_w1", "moe.shared_w2", "moe.shared_w3", "e_proj", "h_proj")
 ROUTED_EXPERTS = ("moe.w1", "moe.w2", "moe.w3")
 
 
-def resident_specs(specs, block: tuple[int, int], experts_fp4: bool):
-    """Replace the spec of every weight the checkpoint stores quantized by its stored form
-    (an Fp8Weight / Fp4Weight of ParamSpecs), so it is loaded and kept as stored. The value
+def resident_specs(specs, block: tuple[int, int], experts_fp4: bool, fp8_linears: tuple[str, ...] = FP8_LINEARS):
+    """Replace the spec of every weight kept as stored (`fp8_linears`, and the routed experts)
+    by its stored form (an Fp8Weight / Fp4Weight of ParamSpecs), so it is loaded and kept so.
+    The rest stay in the model's dtype (a stored-FP8 one is dequantized at load). The value
     spec keeps the weight's init std: `init_params` draws stored bytes of that magnitude."""
     import ml_dtypes
 
     def one(path, s):
         name = "." + path_str(path)
         experts = name.endswith(tuple("." + n for n in ROUTED_EXPERTS))
-        if not (experts or name.endswith(tuple("." + n for n in FP8_LINEARS))):
+        if not (experts or name.endswith(tuple("." + n for n in fp8_linears))):
             return s
         if experts and experts_fp4:
             lead = s.shape[:-1]

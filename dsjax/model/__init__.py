@@ -6,6 +6,7 @@ cache, and the MTP drafter.
     v41.py / dspark.py  DeepSeek-V4.1's parameters and backbone; its DSpark drafter
     cache.py    Cache pytree, shapes / bytes, the rows a chunk writes (speculative rollback)
     mtp.py      MTPParams, the drafter's forward and head
+    stored.py   each generation's stored weight format; spec trees as resident mode keeps them
 """
 
 from dsjax.model.cache import Cache, batch_axes, cache_bytes, cache_shapes, init_cache, put_rows, take_rows

@@ -60,6 +60,15 @@ class ModelParamsV41:
     engram_tables: Any = struct.field(pytree_node=False, default=None)
 
 
+# The weights a V4.1 checkpoint stores in FP8 (E4M3, UE8M0 scales on 32 x 32 tiles, spec §7.3, §8)
+# that a resident model keeps so, by the end of their dsjax path; with the MXFP4 routed experts.
+# attn.wo_a (o_a_proj) is stored FP8 too, but the reference dequantizes it to bf16 at load (its
+# grouped product is a bf16 einsum, §8), and so does dsjax: it is not listed.
+V41_FP8_LINEARS = ("attn.q_a_proj", "attn.q_b_proj", "attn.kv_proj", "attn.o_b_proj", "attn.index_queries.q_b_proj",
+                   "moe.shared_w1", "moe.shared_w2", "moe.shared_w3", "wkv", "main_proj")  # wkv: engram.K.wkv
+V41_FP8_BLOCK = (32, 32)
+
+
 def v41_block_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Block:
     return Block(attn_hc=hyper_connection_specs(cfg), attn_norm=norm_spec(cfg),
                  attn=shared_attention_specs(cfg, layer, dtype), ffn_hc=hyper_connection_specs(cfg),
