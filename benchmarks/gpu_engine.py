@@ -139,6 +139,28 @@ def prefill_row(model, tokens: int) -> dict:
     return {"tokens_per_s": tokens / times[1], "prefill_s": times[1], "warmup_s": times[0]}
 
 
+def acceptance(rows: list[dict]) -> dict:
+    """Issue 48's GPU criteria, read off the rows run (None where a row is missing): MBU >= 0.5
+    at batch 1 and 64, "pallas" at least as fast as "reference" in every row run with both,
+    host share <= 0.1 at batch 1, every warm-up <= 120 s."""
+    done = {(r["what"], r["batch"], r["kernels"]): r for r in rows if "tokens_per_s" in r}
+    best = lambda what, b, key: max((r[key] for (w, bb, _), r in done.items() if (w, bb) == (what, b)),  # noqa: E731
+                                    default=None)
+    pairs = [(r, done.get((w, b, "reference"))) for (w, b, k), r in done.items() if k == "pallas"]
+    pairs = [(p, q) for p, q in pairs if q is not None]
+    warm = [r["warmup_s"] for r in done.values()]
+    out = {"mbu_batch_1": best("decode", 1, "mbu"), "mbu_batch_64": best("decode", 64, "mbu"),
+           "host_share_batch_1": min((r["host_share"] for (w, b, _), r in done.items() if (w, b) == ("decode", 1)),
+                                     default=None),
+           "pallas_over_reference_min": min((p["tokens_per_s"] / q["tokens_per_s"] for p, q in pairs), default=None),
+           "warmup_s_max": max(warm, default=None)}
+    limits = {"mbu_batch_1": (0.5, 1), "mbu_batch_64": (0.5, 1), "host_share_batch_1": (0.1, -1),
+              "pallas_over_reference_min": (1.0, 1), "warmup_s_max": (120, -1)}
+    out["met"] = {k: None if out[k] is None else (out[k] >= lim if sign > 0 else out[k] <= lim)
+                  for k, (lim, sign) in limits.items()}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="default v4-flash-1gpu; --smoke: tiny (or tiny-v41)")
@@ -222,7 +244,9 @@ def main():
             print({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
                    if not isinstance(v, dict)}, flush=True)
             result["rows"].append(row)
+            result["acceptance"] = acceptance(result["rows"])
             out()
+    result["acceptance"] = acceptance(result["rows"])
     result["total_s"] = time.perf_counter() - start
     out()
 

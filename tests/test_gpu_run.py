@@ -31,6 +31,8 @@ def test_gpu_engine_smoke_json(tmp_path):
     rows = {row["row"]: row for row in r["rows"]}
     assert set(rows) == {"decode b=2 reference"}
     assert all("error" not in row and "skipped" not in row for row in rows.values()), rows
+    assert r["acceptance"]["mbu_batch_1"] is None and set(r["acceptance"]["met"]) == {  # batch 1 was not run
+        "mbu_batch_1", "mbu_batch_64", "host_share_batch_1", "pallas_over_reference_min", "warmup_s_max"}
     cfg = dsjax.load_config("tiny")
     h, e, k, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     for b in (2,):
