@@ -71,10 +71,12 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict:
     return out
 
 
-def decode_step_bytes(cfg: ModelConfig, *, batch: int, context: int, dtype=jnp.float32) -> dict:
-    """Bytes one decode step reads at `batch` rows of `context` cached tokens, by group."""
+def decode_step_bytes(cfg: ModelConfig, *, batch: int, context: int, dtype=jnp.float32, specs=None) -> dict:
+    """Bytes one decode step reads at `batch` rows of `context` cached tokens, by group.
+    specs: the weights as held (default: model_specs at `dtype`; a resident spec tree counts
+    the stored bytes, FP8 / MXFP4 codes and their exponents); the cache is at `dtype`."""
     groups: dict[str, float] = {}
-    for path, spec in spec_leaves(model_specs(cfg, dtype)):
+    for path, spec in spec_leaves(model_specs(cfg, dtype) if specs is None else specs):
         group = weight_group(path)
         groups[group] = groups.get(group, 0.0) + float(spec.nbytes)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok

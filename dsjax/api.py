@@ -24,6 +24,7 @@ from dsjax.engine.policy import check_draft_vocab
 from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory, show_bytes
 from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
+from dsjax.model.stored import stored_format
 from dsjax.model.v41 import (V41_FP8_BLOCK, V41_FP8_LINEARS, DSparkParams, ModelParamsV41, dspark_specs,
                              engram_table_values, v41_model_specs)
 from dsjax.pallas_kernels.dispatch import resolve_kernels
@@ -142,7 +143,9 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
 
     quantized: for FP8 / MXFP4 checkpoints, "dequantize" (to `dtype` at load) or
     "resident" (keep the stored bytes on device, dequantize inside the matmuls: about half
-    the weight memory).
+    the weight memory). A named config with "resident" gets seeded weights drawn on the
+    device, those stored quantized in that stored form (`dsjax.model.stored.stored_format`), never through a
+    bf16 copy.
 
     mtp: load the MTP drafter layer (`mtp.0.*`): default when the checkpoint has it; with
     True on a named config it gets seeded random weights. A checkpoint directory's
@@ -176,6 +179,9 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         quantized = marker["quantized"]
         if quantized == "resident":
             specs = resident_specs(specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
+    elif quantized == "resident" and not path.is_dir():  # a named config: seeded bytes drawn in the stored form
+        fmt = stored_format(cfg)  # as the release stores it (dsjax/model/stored.py)
+        specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
     elif quantized == "resident":
         fmt = resident_format(path)
         specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
@@ -209,9 +215,10 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         loaded = load_checkpoint(path, cfg, specs, shardings, progress=progress, check_finite=check_finite,
                                  mtp_specs=m_specs, mtp_shardings=m_shardings)
         params, mtp_params = loaded if want_mtp else (loaded, None)
-    else:
-        params = init_params(specs, seed, shardings)
-        mtp_params = init_params(m_specs, seed + 1, m_shardings) if want_mtp else None
+    else:  # resident: every weight drawn on the device (the stored ones in their bytes)
+        on_device = quantized == "resident"
+        params = init_params(specs, seed, shardings, device_normal=on_device)
+        mtp_params = init_params(m_specs, seed + 1, m_shardings, device_normal=on_device) if want_mtp else None
     return Model(cfg, params, dtype, mesh, mtp_params, RuntimeOptions(kernels=kernels, quantized=quantized), draft_ids)
 
 
@@ -270,7 +277,7 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
     if mtp and m_specs is None:
         raise ValueError(f"mtp=True: config {cfg.name!r} has no DSpark drafter (num_nextn_predict_layers / dspark)")
     if quantized == "resident":  # FP8 on 32 x 32 tiles and MXFP4 experts, kept as stored (spec §7.3, §7.4)
-        fmt = resident_format(path, V41_FP8_BLOCK)
+        fmt = resident_format(path, V41_FP8_BLOCK) if path.is_dir() else stored_format(cfg)
         keep = functools.partial(resident_specs, block=fmt.fp8_block, experts_fp4=fmt.experts_fp4,
                                  fp8_linears=V41_FP8_LINEARS)
         specs, m_specs = keep(specs), None if m_specs is None else keep(m_specs)
@@ -287,8 +294,9 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
                                  mtp_specs=m_specs, mtp_shardings=m_shardings)
         params, drafter = loaded if m_specs is not None else (loaded, None)
     else:
-        params = init_params(specs, seed, shardings)
-        drafter = init_params(m_specs, seed + 1, m_shardings) if m_specs is not None else None
+        on_device = quantized == "resident"  # every weight drawn on the device, the stored ones in their bytes
+        params = init_params(specs, seed, shardings, device_normal=on_device)
+        drafter = init_params(m_specs, seed + 1, m_shardings, device_normal=on_device) if m_specs is not None else None
         small = e is not None and engram_table_values(cfg) * (1 + 1 / 32) <= SEEDED_ENGRAM_BYTES
         tables = EngramStore.seeded(cfg, seed + 2) if small else None
     params = params.replace(engram_tables=tables)

@@ -13,6 +13,7 @@ leaves are `ParamSpec`s. From that single declaration come:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from typing import Any, Callable
 
@@ -128,21 +129,53 @@ def materialize(specs, readers, shardings=None, progress: Callable[[int], Any] |
     flat_shardings = tree.flatten_up_to(shardings) if shardings is not None else [None] * len(flat_specs)
     arrays = []
     for s, sh, read in zip(flat_specs, flat_shardings, flat_readers):
-        if sh is None:
-            arrays.append(jnp.asarray(read(())))
-        else:
-            arrays.append(jax.make_array_from_callback(s.shape, sh, read))
+        arrays.append(_from_reader(s, sh, read))
         if progress is not None:
             progress(s.nbytes)
     return tree.unflatten(arrays)
 
 
-def init_params(specs, seed: int, shardings=None):
+def _from_reader(spec: ParamSpec, sharding, read) -> jax.Array:
+    return jnp.asarray(read(())) if sharding is None else jax.make_array_from_callback(spec.shape, sharding, read)
+
+
+def is_stored(x) -> bool:
+    """A stored-format container of specs (`dsjax.layers.quantized`: an Fp8Weight / Fp4Weight
+    of ParamSpecs), which draws its own bytes (`seeded`): duck-typed, as params sits below layers."""
+    return not is_spec(x) and callable(getattr(x, "seeded", None))
+
+
+def init_params(specs, seed: int, shardings=None, device_normal: bool = False):
     """Seeded random weights for a spec tree (see `init_values`); with `shardings`, each
-    device's shard is generated where it lives, never a full replica first."""
-    readers = jax.tree_util.tree_map_with_path(
-        lambda path, spec: (lambda ix, s=spec, n=path_str(path): init_values(s, seed, n, ix)), specs, is_leaf=is_spec)
-    return materialize(specs, readers, shardings)
+    device's shard is generated where it lives, never a full replica first. Stored-format
+    weights (FP8 / MXFP4 containers of a resident spec tree) are drawn on the device in their
+    stored bytes (`dsjax.layers.quantized.seeded_stored`), never as a host copy.
+    device_normal: draw the N(0, std) weights with jax.random on the device too (other
+    values than the host's, as seeded): a full-size model's embedding, head and the rest
+    would take numpy tens of seconds."""
+    flat, tree = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: is_spec(x) or is_stored(x))
+    flat_shardings = tree.flatten_up_to(shardings) if shardings is not None else [None] * len(flat)
+    arrays = []
+    for (path, s), sh in zip(flat, flat_shardings):
+        name = path_str(path)
+        if is_stored(s):
+            arrays.append(s.seeded(seed, name, sh))
+        elif device_normal and s.init == "normal":
+            arrays.append(_normal_program(s.shape, jnp.dtype(s.dtype), float(s.std), sh)(name_key(seed, name)))
+        else:
+            arrays.append(_from_reader(s, sh, lambda ix, s=s, n=name: init_values(s, seed, n, ix)))
+    return tree.unflatten(arrays)
+
+
+def name_key(seed: int, name: str) -> jax.Array:
+    """The jax.random key of one weight drawn on the device: (seed, crc32 of its path)."""
+    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_program(shape, dtype, std, sharding):
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
+                   out_shardings=sharding)
 
 
 def abstract_params(specs, shardings=None):

@@ -105,3 +105,40 @@ def test_layer_runs_follow_the_periodic_schedule():
         cfg = load_config(name)
         flat = [run.layer(r, j) for run in cfg.layer_runs for r in range(run.repeats) for j in range(len(run.layers))]
         assert flat == list(cfg.layers)
+
+
+@pytest.mark.parametrize("name, full, fields", [
+    ("v4-flash-1gpu", "v4-flash", {"n_routed_experts"}),
+    ("v41-flash-1gpu", "v41-flash", {"n_routed_experts", "engram"})])
+def test_one_gpu_configs_are_the_full_model_with_experts_cut(name, full, fields):
+    """The one-GPU configs differ from the full ones only in what their descriptions say was
+    cut, and their stored (resident) weights plus a 64 x 4096-token KV cache fit an H200's
+    139 GiB; with 64 experts (what gpu_engine.py picks on an H100), a 78 GiB H100. Bytes from
+    the specs as the release stores them (dsjax.model.stored.weight_specs), the form a named
+    config is drawn in."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.model.cache import cache_shapes
+    from dsjax.model.stored import weight_specs
+    from dsjax.model.v41 import engram_table_values
+    from dsjax.params import spec_leaves
+
+    one, ref = load_config(name), load_config(full)
+    assert "description" in json.loads((dsjax.config.configs_dir() / f"{name}.json").read_text())
+    differ = {f.name for f in dataclasses.fields(one) if getattr(one, f.name) != getattr(ref, f.name)} - {"name", "v41"}
+    if one.v41 is not None:
+        differ |= {"engram"} if one.v41.engram != ref.v41.engram else set()
+        assert dataclasses.replace(one.v41, engram=ref.v41.engram) == ref.v41
+        assert engram_table_values(one) * (1 + 1 / 32) <= dsjax.api.SEEDED_ENGRAM_BYTES  # seeded in host memory
+    assert differ == fields and one.num_hidden_layers == ref.num_hidden_layers
+    for experts, device_gib in ((one.n_routed_experts, 139), (64, 78)):
+        cfg = one.replace(n_routed_experts=experts)
+        weights = sum(s.nbytes for _, s in spec_leaves(weight_specs(cfg, jnp.bfloat16, "resident")[0]))
+        cache = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache_shapes(cfg, 64, 4096 + 128)))
+        assert weights + cache < 0.9 * device_gib * 2**30, (experts, weights / 2**30, cache / 2**30)
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):  # top-6 needs at least 6 experts
+        from_hf_dict({**json.loads((dsjax.config.configs_dir() / "v4-flash-1gpu.json").read_text()),
+                      "n_routed_experts": 4})

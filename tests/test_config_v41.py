@@ -181,12 +181,18 @@ def test_bad_v41_field_is_named(edit, field):
 
 def test_load_model_v41_refusals_are_named(tmp_path):
     """What load_model cannot do for a V4.1 config is refused by name before anything is built
-    (resident weights without a stored FP8 / MXFP4 checkpoint; a drafter the config does not have)."""
-    import dsjax
+    (a drafter the config does not have). A named config's resident weights are seeded in
+    their stored bytes (tests/test_params.py), V4.1's on its 32 x 32 FP8 tiles."""
+    import jax
 
-    with pytest.raises(ValueError, match="quantized='resident' needs an FP8 / MXFP4 checkpoint; .* declares no "
-                                         "quantization_config"):
-        dsjax.load_model("tiny-v41", quantized="resident")
+    import dsjax
+    from dsjax.layers.quantized import Fp4Weight, Fp8Weight
+
+    model = dsjax.load_model("tiny-v41", dtype="float32", quantized="resident", mtp=False)
+    stored = [w for w in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, (Fp8Weight, Fp4Weight)))
+              if isinstance(w, (Fp8Weight, Fp4Weight))]
+    assert {type(w) for w in stored} == {Fp8Weight, Fp4Weight}
+    assert {w.block for w in stored if isinstance(w, Fp8Weight)} == {(32, 32)}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(to_hf_dict(load_config("tiny-v41").replace(num_nextn_predict_layers=0))))
     with pytest.raises(ValueError, match="has no DSpark drafter"):

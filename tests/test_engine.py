@@ -333,6 +333,29 @@ def test_steady_state_decode_never_recompiles(tiny, rng):
     assert compiles["n"] == 0, compiles["names"]
 
 
+
+def test_steady_decode_makes_no_host_to_device_transfer(tiny, rng):
+    """A steady decode step's inputs are all on the device (cache, slots, the "none
+    cancelled" rows): no host-to-device copy per step (benchmarks/host_share.py). The one
+    step after a cancel sends the cancelled rows: the guard sees that one, so it is live."""
+    engine = Engine(tiny, max_slots=4, capacity=256, prefill_chunk=32)
+    ids = [engine.add_request(rng.integers(3, 5000, 20).tolist(),
+                              SamplingParams(max_tokens=60, ignore_eos=True, temperature=t, top_p=0.9))
+           for t in (0.0, 0.0, 0.8, 1.0)]
+    while any(engine.requests[i].state != "decoding" for i in ids):
+        engine.step()
+    engine.step()
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        for _ in range(5):
+            engine.step()
+    engine.cancel(ids[0])
+    with pytest.raises(Exception, match="host-to-device transfer"), \
+            jax.transfer_guard_host_to_device("disallow_explicit"):
+        engine.step()
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        for _ in range(3):
+            engine.step()
+
 def test_streaming_events(tiny, rng):
     engine = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32)
     seen = []

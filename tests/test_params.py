@@ -55,3 +55,49 @@ def test_init_is_seeded_and_shard_independent():
     table = np.asarray(layer_block(a, cfg, 0).moe.tid2eid)
     assert all(len(set(row)) == len(row) for row in table[:1000])  # distinct experts per token
     assert abs(np.std(np.asarray(a.embed)) - 0.02) < 1e-3
+
+
+def test_resident_seeded_weights_are_stored_bytes_of_the_init_magnitude():
+    """A named config loaded quantized="resident" draws FP8 / MXFP4 bytes on the device
+    (seeded_stored's rule): the stored dtypes and shapes of its specs, E8M0 exponents from the
+    rule's set, dequantized weights ~ N(0, std) within sampling and format error, and logits
+    finite and of the bf16-init model's scale."""
+    from dsjax.layers.quantized import Fp4Weight, Fp8Weight, dense
+    from dsjax.model.stored import weight_specs
+    from dsjax.params import check_against_specs
+
+    cfg = load_config("tiny")
+    model = dsjax.load_model("tiny", dtype="float32", quantized="resident", mtp=False)
+    specs = weight_specs(cfg, jnp.float32, "resident")[0]
+    check_against_specs(model.params, specs)
+    stored = [w for w in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, (Fp8Weight, Fp4Weight)))
+              if isinstance(w, (Fp8Weight, Fp4Weight))]
+    assert {type(w) for w in stored} == {Fp8Weight, Fp4Weight}
+    exps = set()
+    for w in stored:
+        d = np.asarray(dense(w, jnp.float32)).ravel()
+        e = np.asarray(w.scale_exp)
+        # 2^(e0-127) = 2^round(log2 0.02) = 2^-6 (FP8) / 2^floor(log2 0.02) = 2^-6 (MXFP4); u in {-1,0,1} / {0,1}
+        allowed = {120, 121, 122} if isinstance(w, Fp8Weight) else {121, 122}
+        assert set(np.unique(e)) <= allowed, (type(w).__name__, np.unique(e))
+        exps |= set(np.unique(e).tolist())
+        assert abs(d.std() / 0.02 - 1) < 0.08 and abs(d.mean()) < 5 * 0.02 / np.sqrt(d.size), (d.std(), d.mean())
+    assert len(exps) == 3  # the exponents are drawn, not one constant
+    assert abs(np.asarray(model.params.embed).std() / 0.02 - 1) < 0.01  # plain weights: N(0, std), on the device
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 12))
+    logits = model.logits(ids)
+    plain = dsjax.load_model("tiny", dtype="float32", mtp=False).logits(ids)
+    assert np.isfinite(logits).all() and 0.7 < logits.std() / plain.std() < 1.4
+
+
+def test_resident_seeded_weights_do_not_depend_on_the_sharding():
+    """Each [out, in] slice of a stored weight has its own key: drawn sharded over experts
+    (each device its slices) the bytes are the single device's, bit for bit."""
+    if jax.device_count() < 8:
+        import pytest
+        pytest.skip("needs 8 devices")
+    one = dsjax.load_model("tiny", dtype="float32", quantized="resident", mtp=False)
+    mesh = dsjax.load_model("tiny", dtype="float32", quantized="resident", mtp=False, mesh="data=2,expert=4")
+    assert mesh.params.blocks[0][0].moe.w1.packed.sharding.spec[1] == "expert"
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(mesh.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -48,6 +48,7 @@ _IGNORED = {
     "compress_rate_hca", "num_hash_layers", "layer_types", "mlp_layer_types", "eos_token_id",
     "id2label", "label2id", "return_dict", "output_attentions", "output_hidden_states",
     "tie_encoder_decoder", "is_encoder_decoder", "chunk_size_feed_forward", "problem_type",
+    "description",  # a named config's note on what it is for (configs/*-1gpu.json)
 }
 
 
@@ -262,7 +263,8 @@ _V41_HF_TO_FLAT = {
 _V41_REQUIRED = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
                  "compress_ratios", "kv_source_layers", "index_source_layers")
 # Flat keys that size runtime buffers or other towers, not the text model.
-_V41_FLAT_IGNORED = {"max_batch_size", "max_seq_len", "dtype", "expert_dtype", "scale_fmt", "image_token_id"}
+_V41_FLAT_IGNORED = {"max_batch_size", "max_seq_len", "dtype", "expert_dtype", "scale_fmt", "image_token_id",
+                     "description"}
 _V41_HF_IGNORED = {"num_key_value_heads", "topk_method", "hidden_act", "rope_scaling", "model_type", "architectures",
                    "transformers_version", "torch_dtype", "dtype", "tie_word_embeddings", "max_position_embeddings",
                    "quantization_config", "vision_config", "bos_token_id", "eos_token_id", "pad_token_id",

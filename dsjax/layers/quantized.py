@@ -4,12 +4,15 @@ Formats: see dsjax/checkpoint/quant.py."""
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dsjax.params import ParamSpec, is_spec, path_str
+from dsjax.params import LAYERS, ParamSpec, is_spec, name_key, path_str
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 E2M1_SIGNED = np.concatenate([E2M1, -E2M1])  # index = code (bit 3 = sign)
@@ -35,6 +38,11 @@ class Fp8Weight:
         s = jnp.repeat(jnp.repeat(s, b0, axis=-2), b1, axis=-1)[..., :out, :inn]
         return (self.q.astype(jnp.float32) * s).astype(dtype)
 
+    def seeded(self, seed: int, name: str, shardings=None) -> "Fp8Weight":
+        """Seeded stored bytes for a spec container (`dsjax.params.init_params`): see `seeded_stored`."""
+        q, e = seeded_stored("fp8", self.q, self.scale_exp, self.block, seed, name, shardings)
+        return Fp8Weight(q, e, self.block)
+
 
 @struct.dataclass
 class Fp4Weight:
@@ -54,6 +62,11 @@ class Fp4Weight:
         vals = jnp.asarray(E2M1_SIGNED)[codes.astype(jnp.int32)]
         s = jnp.exp2(self.scale_exp.astype(jnp.float32) - 127.0)
         return (vals * jnp.repeat(s, MXFP4_GROUP, axis=-1)).astype(dtype)
+
+    def seeded(self, seed: int, name: str, shardings=None) -> "Fp4Weight":
+        """Seeded stored bytes for a spec container (`dsjax.params.init_params`): see `seeded_stored`."""
+        return Fp4Weight(*seeded_stored("mxfp4", self.packed, self.scale_exp, (1, MXFP4_GROUP), seed, name,
+                                        shardings))
 
 
 @struct.dataclass
@@ -167,7 +180,8 @@ ROUTED_EXPERTS = ("moe.w1", "moe.w2", "moe.w3")
 def resident_specs(specs, block: tuple[int, int], experts_fp4: bool, fp8_linears: tuple[str, ...] = FP8_LINEARS):
     """Replace the spec of every weight kept as stored (`fp8_linears`, and the routed experts)
     by its stored form (an Fp8Weight / Fp4Weight of ParamSpecs), so it is loaded and kept so.
-    The rest stay in the model's dtype (a stored-FP8 one is dequantized at load)."""
+    The rest stay in the model's dtype (a stored-FP8 one is dequantized at load). The value
+    spec keeps the weight's init std: `init_params` draws stored bytes of that magnitude."""
     import ml_dtypes
 
     def one(path, s):
@@ -178,12 +192,90 @@ def resident_specs(specs, block: tuple[int, int], experts_fp4: bool, fp8_linears
         if experts and experts_fp4:
             lead = s.shape[:-1]
             return Fp4Weight(
-                packed=ParamSpec((*lead, s.shape[-1] // 2), np.int8, s.axes, init="zeros"),
+                packed=ParamSpec((*lead, s.shape[-1] // 2), np.int8, s.axes, init="zeros", std=s.std),
                 scale_exp=ParamSpec((*lead, s.shape[-1] // MXFP4_GROUP), np.uint8, s.axes, init="zeros"))
         *lead, out, inn = s.shape
         return Fp8Weight(
-            q=ParamSpec(s.shape, ml_dtypes.float8_e4m3fn, s.axes, init="zeros"),
+            q=ParamSpec(s.shape, ml_dtypes.float8_e4m3fn, s.axes, init="zeros", std=s.std),
             scale_exp=ParamSpec((*lead, -(-out // block[0]), -(-inn // block[1])), np.uint8, s.axes, init="zeros"),
             block=block)
 
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
+
+
+# ----------------------------------------------------------------------------- seeded stored bytes
+E2M1_MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2  # |t| above the i-th midpoint rounds to E2M1[i + 1] or higher
+
+
+def seeded_stored(kind: str, values: ParamSpec, scales: ParamSpec, block: tuple[int, int], seed: int, name: str,
+                  shardings=None) -> tuple[jax.Array, jax.Array]:
+    """Random FP8 (E4M3 + E8M0 per `block`) or MXFP4 (E2M1 codes, two a byte + E8M0 per 32)
+    bytes of one weight, drawn with jax.random on the device in the weight's sharding: no bf16
+    copy of it is ever made, on the host or the device.
+
+    The rule, for a weight whose bf16 init is N(0, std) (`values.std`): each scale block gets
+    an exponent e = e0 + u with u uniform in {-1, 0, 1} (FP8) or {0, 1} (MXFP4) and
+    2^(e0 - 127) = 2^floor(log2 std) (FP8: round), and codes = round(z * std / 2^(e - 127)),
+    z ~ N(0, 1), to E4M3 / to the nearest E2M1 value. Dequantized, a block is z * std up to the
+    format's rounding (E4M3: ~3 % relative; E2M1 codes of std 0.5-2: the std within ~5 %),
+    so the model sees the bf16 init's magnitudes; the random exponents make every block's
+    scale matter, as a checkpoint's do. Each [out, in] slice of a stacked weight is drawn from
+    its own key (`_lead_modes`). shardings: the container's shardings (`.q` / `.packed`,
+    `.scale_exp`) or None."""
+    sh = None if shardings is None else tuple(jax.tree.leaves(shardings))
+    make = _stored_program(kind, values.shape, scales.shape, tuple(block), float(values.std),
+                           _lead_modes(values, sh[0] if sh else None), sh)
+    return make(name_key(seed, name))
+
+
+def _lead_modes(spec: ParamSpec, sharding) -> tuple[str, ...]:
+    """Per leading axis (all but the last two: stacked layers, experts): drawn one slice at a
+    time ("map": the fp32 draws hold one slice) where it is stacked layers or unsharded, all
+    at once where it is sharded ("vmap": each device its own slices). Each slice has its own
+    key, so the values are the same either way: they do not depend on the sharding."""
+    lead = len(spec.shape) - 2
+    split = tuple(sharding.spec) + (None,) * lead if sharding is not None else (None,) * lead
+    return tuple("map" if spec.axes[i] == LAYERS or split[i] is None else "vmap" for i in range(lead))
+
+
+@functools.lru_cache(maxsize=None)
+def _stored_program(kind, shape, scale_shape, block, std, modes, shardings):
+    """One jitted draw per (format, shape, std, sharding): the key is an argument."""
+    e0 = 127 + (round(math.log2(std)) if kind == "fp8" else math.floor(math.log2(std)))
+    lo, hi = (-1, 2) if kind == "fp8" else (0, 2)
+    lead = len(modes)
+    inner, inner_scales = shape[lead:], scale_shape[lead:]
+    dense_inner = (*inner[:-1], 2 * inner[-1]) if kind == "mxfp4" else inner
+
+    def one(key):  # one [out, in] slice
+        k_exp, k_val = jax.random.split(key)
+        exp = (e0 + jax.random.randint(k_exp, inner_scales, lo, hi)).astype(jnp.uint8)
+        step = jnp.exp2(exp.astype(jnp.float32) - 127.0)
+        step = jnp.repeat(jnp.repeat(step, block[0], axis=-2), block[1], axis=-1)
+        step = step[..., :dense_inner[-2], :dense_inner[-1]]
+        t = jax.random.normal(k_val, dense_inner, jnp.float32) * (std / step)
+        if kind == "fp8":
+            return t.astype(values_dtype(kind)), exp
+        code = jnp.sum(jnp.abs(t)[..., None] > jnp.asarray(E2M1_MIDPOINTS), axis=-1).astype(jnp.uint8)
+        code = code | jnp.where(t < 0, jnp.uint8(8), jnp.uint8(0))  # bit 3: the sign (E2M1_SIGNED)
+        pairs = code.reshape(*code.shape[:-1], -1, 2)
+        return jax.lax.bitcast_convert_type(pairs[..., 0] | (pairs[..., 1] << 4), jnp.int8), exp
+
+    def over(keys, modes):
+        if not modes:
+            return one(keys)
+        inner_fn = functools.partial(over, modes=modes[1:])
+        return jax.lax.map(inner_fn, keys) if modes[0] == "map" else jax.vmap(inner_fn)(keys)
+
+    def draw(key):
+        n = math.prod(shape[:lead])
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n)).reshape(shape[:lead])
+        return over(keys, modes)
+
+    return jax.jit(draw, out_shardings=shardings)
+
+
+def values_dtype(kind: str):
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn if kind == "fp8" else np.int8
