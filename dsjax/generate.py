@@ -267,7 +267,7 @@ def engine_capacity(longest: int, model: Model) -> int:
 
 def sampling_params(n: int, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0, *, min_p=0.0,
                     repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=None,
-                    ignore_eos: bool = False, logprobs: int = 0) -> list[SamplingParams]:
+                    ignore_eos: bool = False, logprobs: int = 0, logit_bias=None) -> list[SamplingParams]:
     """The SamplingParams of n prompts (each setting: one value or one per prompt), checked
     before anything is loaded or compiled."""
     _check_count(max_new_tokens, "max_new_tokens")
@@ -278,21 +278,23 @@ def sampling_params(n: int, max_new_tokens: int = 32, temperature=0.0, top_p=1.0
         ("frequency_penalty", frequency_penalty), ("seed", seed))}
     # max_tokens >= 1 is SamplingParams' rule; max_new_tokens 0 means "nothing to generate"
     return [SamplingParams(**{k: v[i] for k, v in per.items()}, max_tokens=max(max_new_tokens, 1),
-                           stop_token_ids=_stop_ids(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+                           stop_token_ids=_stop_ids(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
+                           logit_bias=dict(logit_bias or {}))
             for i in range(n)]
 
 
 def plan(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, top_p=1.0, top_k=0, seed=0,
          num_draft_tokens: int = 0, spec_policy: str | None = None, *, min_p=0.0, repetition_penalty=1.0,
          presence_penalty=0.0, frequency_penalty=0.0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
-         logprobs: int = 0, tokenizer: Tokenizer | None = None, token_healing: bool = False) -> GenerationPlan:
+         logprobs: int = 0, tokenizer: Tokenizer | None = None, token_healing: bool = False,
+         logit_bias=None) -> GenerationPlan:
     """Check and encode `generate`'s arguments (see there) into a GenerationPlan."""
     items = prompt_list(prompts)
     _check_count(num_draft_tokens, "num_draft_tokens")
     params = sampling_params(len(items), max_new_tokens, temperature, top_p, top_k, seed, min_p=min_p,
                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                              frequency_penalty=frequency_penalty, stop_token_ids=stop_token_ids,
-                             ignore_eos=ignore_eos, logprobs=logprobs)
+                             ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=logit_bias)
     stops = _stop_strings(stop)
     is_text = [isinstance(p, str) for p in items]
     if tokenizer is None and (any(is_text) or stops):
@@ -309,7 +311,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, t
              presence_penalty=0.0, frequency_penalty=0.0, stop: str | Sequence[str] | None = None,
              stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, logprobs: int = 0,
              tokenizer: Tokenizer | None = None, token_healing: bool = False, details: bool = False,
-             on_token: Callable[[int, TokenEvent, str], None] | None = None) -> list:
+             on_token: Callable[[int, TokenEvent, str], None] | None = None,
+             logit_bias: dict[int, float] | None = None) -> list:
     """Generate up to max_new_tokens for each prompt, stopping at EOS, a stop id or a stop string.
 
     prompts: a list whose items are strings (encoded as [BOS] + tokenizer.encode(text)) or
@@ -324,6 +327,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, t
     stop: strings that end a generation (matched on the decoded text, cut from it);
     stop_token_ids: ids that end it (kept as its last id), besides the model's EOS unless
     ignore_eos. logprobs=n: each token's logprob and the top n (`details=True` shows them).
+    logit_bias: {token id: bias in [-100, 100]} added to every prompt's logits (OpenAI's).
     tokenizer: default `load_tokenizer(model)` (the bundled V4 tokenizer), loaded only when
     a prompt is text or stop strings are given.
     token_healing: a text prompt's last token is backed off and the first new token drawn
@@ -338,7 +342,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, t
     p = plan(model, prompts, max_new_tokens, temperature, top_p, top_k, seed, num_draft_tokens, spec_policy,
              min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-             logprobs=logprobs, tokenizer=tokenizer, token_healing=token_healing)
+             logprobs=logprobs, tokenizer=tokenizer, token_healing=token_healing, logit_bias=logit_bias)
     engine = p.engine(model)
     results = p.run(engine, on_token)
     if details:

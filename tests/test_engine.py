@@ -359,6 +359,26 @@ def test_stop_token(tiny):
     assert stopped.tokens == free[: free.index(stop) + 1] and stopped.finish_reason == "stop"
 
 
+def test_logit_bias(tiny):
+    """logit_bias in the engine: -100 on the greedy token gives the runner-up (the raw
+    distribution's second, as the request's own top logprobs report it), +100 on a token
+    forces it; a biased request beside an unbiased one leaves the other's tokens alone."""
+    prompt = [0, 11, 12, 13]
+    engine = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=32, max_logprobs=2)
+    plain = SamplingParams(max_tokens=6, ignore_eos=True)
+    free = engine.generate([prompt], [plain])[0]
+    ids = [engine.add_request(prompt, plain),
+           engine.add_request(prompt, SamplingParams(max_tokens=1, logit_bias={free[0]: -100}, logprobs=2))]
+    events = [e for e in engine.run() if e.request_id == ids[1]]
+    assert engine.requests[ids[0]].tokens == free
+    (top, _), (runner_up, _) = events[0].top_logprobs
+    assert top == free[0] and events[0].token == runner_up != top
+    forced = engine.generate([prompt], [SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={777: 100})])[0]
+    assert forced == [777] * 5
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        engine.add_request(prompt, SamplingParams(logit_bias={tiny.config.vocab_size: 1}))
+
+
 def test_bad_requests_are_refused(tiny):
     engine = Engine(tiny, max_slots=1, capacity=256)
     with pytest.raises(ValueError, match="capacity"):

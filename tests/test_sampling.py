@@ -3,13 +3,14 @@ statistics, logprobs, chi-square tests of the sampled distribution, and the
 (seed, position)-only key derivation."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.engine.sampler import (SamplingState, apply_penalties, filter_logits, record_tokens, sample_tokens,
+from dsjax.engine.sampler import (MAX_LOGIT_BIAS, SamplingParams, SamplingState, apply_penalties, filter_logits, record_tokens, sample_tokens,
                                   token_stats, top_logprobs)
 
 _sample_tokens = jax.jit(sample_tokens)
@@ -39,15 +40,21 @@ def _history(seen, counts):
 
 
 def _state(b, v, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-           frequency_penalty=0.0, seed=0, history=None, prompt_len=0):
-    """A SamplingState of batch b; scalars broadcast to [b]; no history = an empty one."""
+           frequency_penalty=0.0, seed=0, history=None, prompt_len=0, bias=None):
+    """A SamplingState of batch b; scalars broadcast to [b]; no history = an empty one; bias:
+    per row a list of (token, bias) pairs (SamplingParams.logit_bias)."""
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))  # noqa: E731
     history = np.zeros((b, 1), np.int32) if history is None else np.broadcast_to(history, (b, np.shape(history)[-1]))
+    ids, values = np.zeros((b, MAX_LOGIT_BIAS), np.int32), np.zeros((b, MAX_LOGIT_BIAS), np.float32)
+    for r, pairs in enumerate(bias or [()] * b):
+        for j, (token, value) in enumerate(pairs):
+            ids[r, j], values[r, j] = token, value
     return SamplingState(
         temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32), top_p=full(top_p, jnp.float32),
         min_p=full(min_p, jnp.float32), repetition_penalty=full(repetition_penalty, jnp.float32),
         presence_penalty=full(presence_penalty, jnp.float32), frequency_penalty=full(frequency_penalty, jnp.float32),
-        seed=full(seed, jnp.uint32), history=jnp.asarray(history, jnp.int32), prompt_len=full(prompt_len, jnp.int32))
+        seed=full(seed, jnp.uint32), history=jnp.asarray(history, jnp.int32), prompt_len=full(prompt_len, jnp.int32),
+        bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values))
 
 
 def sample(logits, temperature, top_k, top_p, seed, positions, seen=None, counts=None, **kw):
@@ -232,6 +239,39 @@ def test_greedy_uses_penalized_logits():
     want = _np_penalties(logits, seen, counts, rp, presence, frequency).argmax(-1)
     np.testing.assert_array_equal(tokens, want)
     assert (want != top).any()  # the penalties did change some greedy choice
+
+
+def test_logit_bias_is_added_before_everything_but_the_mask():
+    """Greedy and sampled tokens with logit_bias are those of the logits plus the dense bias
+    (the same keys: draws compared token for token), penalties applied after it."""
+    rng = np.random.default_rng(7)
+    b, v = 6, 50
+    logits = (rng.normal(size=(b, v)) * 3).astype(np.float32)
+    pairs = [[(int(t), float(rng.uniform(-100, 100))) for t in rng.choice(v, size=n, replace=False)]
+             for n in (0, 1, 5, 20, 3, 50)]
+    pairs[1] = [(int(np.argsort(logits[1])[0]), 100.0)]  # the least likely token forced
+    pairs[4] = [(int(logits[4].argmax()), -100.0)]  # the most likely banned
+    dense = np.zeros((b, v), np.float32)
+    for r, row in enumerate(pairs):
+        for t, x in row:
+            dense[r, t] = x
+    positions = np.arange(b)
+    for temperature in (0.0, 0.7):
+        got = sample(logits, temperature, 0, 0.9, 5, positions, bias=pairs, presence_penalty=0.5,
+                     seen=np.eye(b, v, dtype=bool), counts=np.eye(b, v, dtype=np.int32))
+        want = sample(logits + dense, temperature, 0, 0.9, 5, positions, presence_penalty=0.5,
+                      seen=np.eye(b, v, dtype=bool), counts=np.eye(b, v, dtype=np.int32))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    greedy = np.asarray(sample(logits, 0.0, 0, 1.0, 5, positions, bias=pairs))
+    assert greedy[1] == pairs[1][0][0] and greedy[4] != pairs[4][0][0]
+
+
+def test_logit_bias_refusals():
+    assert SamplingParams(logit_bias={3: 1.5}).logit_bias == ((3, 1.5),)
+    for bad, where in (({3: 101}, "logit_bias[0] bias"), ({-1: 1}, "logit_bias[0] token"),
+                       ({i: 1 for i in range(MAX_LOGIT_BIAS + 1)}, "at most 300"), ([(1, 1), (1, 2)], "one bias per")):
+        with pytest.raises(ValueError, match=re.escape(where)):
+            SamplingParams(logit_bias=bad)
 
 
 # ---------------------------------------------------------------- record_tokens

@@ -294,6 +294,24 @@ def test_completions_text_ids_stop_and_batch(model, oai):
     assert "".join(c.choices[0].text for c in chunks) == expected.text
 
 
+def test_logit_bias_bans_and_forces_tokens(oai):
+    """OpenAI's logit_bias through both clients' APIs: -100 on the greedy first token gives
+    the runner-up (the raw top logprobs the same response reports), +100 forces a token."""
+    messages = [{"role": "user", "content": "Name a prime."}]
+    kw = dict(model=NAME, messages=messages, max_tokens=1, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body=NO_THINKING)
+    tok = dsjax.load_tokenizer()
+    top = oai.chat.completions.create(**kw).choices[0].logprobs.content[0].top_logprobs
+    first = tok.encode(top[0].token)
+    assert len(first) == 1
+    banned = oai.chat.completions.create(**kw, logit_bias={str(first[0]): -100}).choices[0]
+    assert banned.logprobs.content[0].token == top[1].token != top[0].token
+    word = tok.encode(" seven")[0]
+    forced = oai.completions.create(model=NAME, prompt="1 2 3", max_tokens=4, temperature=0.8, seed=3,
+                                    logit_bias={str(word): 100})
+    assert forced.choices[0].text == tok.decode([word] * 4) and tok.decode([word]).strip()
+
+
 def test_responses_api(oai):
     chat = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                        temperature=0, extra_body=NO_THINKING)
@@ -588,8 +606,11 @@ def test_api_key(guarded):
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/messages/count_tokens", {"model": "claude-x", "messages": []}, 404, "claude-x"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
-                              "logit_bias": {"100": 5}}, 400, "logit_bias"),
-    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"100": 5}}, 400, "logit_bias"),
+                              "logit_bias": {"100": 500}}, 400, "[-100, 100]"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"a": 5}}, 400, "not a token id"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"999999999": 5}}, 400, "outside the vocab"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias"),
+    ("/v1/responses", {"model": NAME, "input": "x", "logit_bias": {"1": 1}}, 400, "logit_bias: not a field of the /v1/responses"),
     ("/v1/responses", {"model": NAME, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": []}, 404, "claude-x"),
     ("/v1/nowhere", {}, 404, "no route"),
@@ -662,7 +683,8 @@ def test_fuzzed_bodies_never_500(served):
     values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
                           max_leaves=6)
     keys = st.sampled_from(["messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "tools",
-                            "response_format", "prompt", "n", "logprobs", "thinking", "input", "system"])
+                            "response_format", "prompt", "n", "logprobs", "thinking", "input", "system",
+                            "logit_bias", "top_k", "store", "best_of", "stream_options", "metadata", "stop_token_ids"])
     bodies = st.fixed_dictionaries({"model": st.just(NAME), "max_tokens": st.integers(1, 3)},
                                    optional={"messages": st.just([{"role": "user", "content": "x"}])}).flatmap(
         lambda base: st.dictionaries(keys, values, max_size=3).map(lambda extra: {**base, **extra}))
@@ -671,7 +693,7 @@ def test_fuzzed_bodies_never_500(served):
     chat = {"model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
 
     with httpx.Client(timeout=TIMEOUT) as client:
-        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
         @given(path=paths, body=bodies)
         @example(path="/v1/messages", body={**chat, "messages": float("inf")})
         @example(path="/v1/chat/completions", body={**chat, "temperature": float("nan")})
@@ -848,3 +870,32 @@ def test_usage_reports_prompt_tokens_from_the_prefix_cache(cached_server):
     total = m.usage.input_tokens + m.usage.cache_read_input_tokens  # Anthropic: input_tokens are the uncached ones
     assert total == n and m.usage.cache_read_input_tokens == (n - 1) // 64 * 64
     assert metric(url, "dsjax_prefix_cache_hits") >= 2 and metric(url, "dsjax_prefix_cache_prefill_tokens_saved") > 0
+
+
+def test_n_samples_share_the_prefill_and_each_is_its_seeds_request(cached_server):
+    """n = 4 with a seed: four choices (indices 0..3), each the answer a single request with
+    seed + k gives, streamed or not; the prompt's whole blocks are prefilled once (the prefix
+    cache's saved-token counter grows by 3 x its blocks), and usage counts the prompt once."""
+    url = cached_server[1].url
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    messages = [{"role": "system", "content": "Samples share a prompt. " * 30}, {"role": "user", "content": "Go"}]
+    kw = dict(model=NAME, messages=messages, max_tokens=6, temperature=1.0, extra_body=NO_THINKING)
+    n_prompt = len(recipe_ids({"model": NAME, "messages": messages, **NO_THINKING}))
+    saved = metric(url, "dsjax_prefix_cache_prefill_tokens_saved")
+    r = oai.chat.completions.create(**kw, n=4, seed=11)
+    assert metric(url, "dsjax_prefix_cache_prefill_tokens_saved") - saved == 3 * ((n_prompt - 1) // 64 * 64)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
+    assert texts == [oai.chat.completions.create(**kw, seed=11 + k).choices[0].message.content for k in range(4)]
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 24
+    chunks = list(oai.chat.completions.create(**kw, n=4, seed=11, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == k)
+                for k in range(4)]
+    assert streamed == texts and chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    assert sum(c.usage is not None for c in chunks) == 1
+    done = oai.completions.create(model=NAME, prompt=["1 2", "3 4"], n=2, max_tokens=4, temperature=1.0, seed=5)
+    single = [oai.completions.create(model=NAME, prompt=p, max_tokens=4, temperature=1.0, seed=5 + k).choices[0].text
+              for k, p in enumerate(["1 2", "1 2", "3 4", "3 4"])]
+    assert [c.index for c in done.choices] == [0, 1, 2, 3] and [c.text for c in done.choices] == single
+    with pytest.raises(openai.BadRequestError, match="n: an integer in"):
+        oai.chat.completions.create(**kw, n=17)

@@ -200,6 +200,8 @@ def _openai(obj: dict, line: int, rid, ctx: Context, run_seed: int, max_new_toke
 
     first = job()
     if len(first.choices) != 1:
+        if body.get("n") not in (None, 1):
+            raise RecordError("body.n: one sample per line (write n lines, each with its own seed)")
         raise RecordError("body.prompt: one prompt per line (split a list of prompts over several lines)")
     choice = first.choices[0]
     if choice.constraint is not None:

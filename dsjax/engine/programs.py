@@ -71,12 +71,12 @@ class StepOutput:
 def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions: jax.Array,
                     rows: jax.Array) -> jax.Array:
     """`sample_tokens(h @ head.T, s, positions)` [B] from the head's input rows h [B, D] (fp32).
-    When every row in `rows` [B] is greedy and unpenalised, the screen finds each row's first
+    When every row in `rows` [B] is greedy, unpenalised and unbiased, the screen finds each row's first
     maximum reading the head's bf16 copy and the fp32 tiles of a few candidates: the same
     tokens, bitwise, as the full product (`cpu_kernels.greedy_tokens`). Otherwise, or where
     the screen leaves a row undecided, the full fp32 logits and the sampler."""
     plain = (s.temperature == 0) & (s.repetition_penalty == 1) & (s.presence_penalty == 0) & (
-        s.frequency_penalty == 0)
+        s.frequency_penalty == 0) & jnp.all(s.bias_values == 0, axis=-1)
     undecided = jnp.full(h.shape[:1], -1, jnp.int32)
     tokens = jax.lax.cond(jnp.all(plain | ~rows), lambda: cpu_kernels.greedy_tokens(h, head)[0], lambda: undecided)
     return jax.lax.cond(jnp.all((tokens >= 0) | ~rows), lambda: jnp.maximum(tokens, 0),

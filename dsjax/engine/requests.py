@@ -18,7 +18,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig
 from dsjax.engine.constraints import Constraint, pack_mask
-from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.sampler import MAX_LOGIT_BIAS, SamplingParams
 from dsjax.engine.slots import MAX_STOP_IDS, Admission
 
 # Prompt chunk widths and context buckets grow by SHAPE_GROWTH from MIN_CHUNK / MIN_BUCKET:
@@ -140,6 +140,8 @@ def admission(rows: list[Request | None]) -> Admission:
     n = len(rows)
     reset = np.array([r is not None and not r.admitted for r in rows])
     sampling = {k: np.zeros(n, dt) for k, dt in _SETTINGS.items()} | {"prompt_len": np.zeros(n, np.int32)}
+    sampling |= {"bias_ids": np.zeros((n, MAX_LOGIT_BIAS), np.int32),
+                 "bias_values": np.zeros((n, MAX_LOGIT_BIAS), np.float32)}
     max_tokens, stops = np.zeros(n, np.int32), np.full((n, MAX_STOP_IDS), -1, np.int32)
     for i in np.flatnonzero(reset):
         r = rows[i]
@@ -147,6 +149,8 @@ def admission(rows: list[Request | None]) -> Admission:
             sampling[k][i] = getattr(r.params, k)
         sampling["prompt_len"][i], max_tokens[i] = len(r.prompt), max(1, r.params.max_tokens)  # 0: scored only
         stops[i, : len(r.stop_ids)] = r.stop_ids
+        for j, (token, bias) in enumerate(r.params.logit_bias):
+            sampling["bias_ids"][i, j], sampling["bias_values"][i, j] = token, bias
     return Admission(reset, sampling, max_tokens, stops)
 
 
@@ -235,6 +239,9 @@ def check_request(prompt, params: SamplingParams, stops: tuple[int, ...], *, voc
     bad_stops = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad_stops:
         raise ValueError(f"stop_token_ids: token id {bad_stops[0]} is outside the vocabulary [0, {vocab_size})")
+    bad_bias = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad_bias:
+        raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab_size})")
     if params.top_k > vocab_size:
         raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size ({vocab_size}); use at most "
                          f"{vocab_size}, or 0 for no top-k limit")
@@ -250,6 +257,9 @@ def check_request(prompt, params: SamplingParams, stops: tuple[int, ...], *, voc
     if k and (params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty):
         raise ValueError("penalties are not supported with speculative decoding (their token statistics "
                          "would change inside the draft chain); use an engine with num_draft_tokens=0")
+    if k and params.logit_bias:
+        raise ValueError("logit_bias is not supported with speculative decoding (the verify step compares "
+                         "drafts with the model's own tokens); use an engine with num_draft_tokens=0")
     if params.logprobs > max_logprobs:
         raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={max_logprobs}")
     if params.prompt_logprobs is not None:

@@ -3,8 +3,10 @@
 Order (as vLLM): repetition / presence / frequency penalties -> temperature -> top-k,
 top-p, min-p -> draw. Randomness for a request comes from a counter-based key derived from
 (request seed, position) only, so its tokens never depend on batch neighbours or slot.
-Reported logprobs are those of the model's raw distribution (log_softmax of the logits,
-before penalties and temperature). Structured output (`dsjax.engine.constraints`) hands in
+A request's `logit_bias` (OpenAI's: token id -> a bias added to its logit) is added
+after the structured-output mask and before the penalties. Reported logprobs are those of
+the model's raw distribution (log_softmax of the logits, before bias, penalties and
+temperature). Structured output (`dsjax.engine.constraints`) hands in
 a packed mask of the allowed tokens per row; disallowed tokens get -inf before anything
 else, so greedy, temperature, top-k / top-p / min-p and the draw all see only the allowed.
 """
@@ -12,7 +14,6 @@ else, so greedy, temperature, top-k / top-p / min-p and the draw all see only th
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 
 import jax
@@ -40,16 +41,17 @@ class SamplingParams:
     logprobs: int = 0  # top-n logprobs per generated token
     seed: int = 0
     prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob (and the top n)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs added to the logits
 
     def __post_init__(self):
         """Types and ranges, each checked here, at construction; what depends on the model
         (ids within the vocabulary, top_k at most the vocabulary, lengths) is checked when
         an engine admits the request (`dsjax.engine.requests.check_request`)."""
         reals = [
-            ("temperature", lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0 (0: greedy)"),
+            ("temperature", lambda v: 0 <= v <= FLOAT32_MAX, "a finite number >= 0 (0: greedy; float32)"),
             ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
             ("min_p", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-            ("repetition_penalty", lambda v: v > 0 and math.isfinite(v), "a finite number > 0 (1: off)"),
+            ("repetition_penalty", lambda v: 0 < v <= FLOAT32_MAX, "a finite number > 0 (1: off; float32)"),
             ("presence_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
             ("frequency_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         ]
@@ -73,8 +75,22 @@ class SamplingParams:
             _fail("stop_token_ids", "a tuple of int token ids", self.stop_token_ids)
         for i, token in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", token, 0, INT32_MAX, " (a token id)")
+        if isinstance(self.logit_bias, dict):  # OpenAI's shape: {token id: bias}
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        if not isinstance(self.logit_bias, (tuple, list)) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            _fail("logit_bias", f"at most {MAX_LOGIT_BIAS} (token id, bias) pairs or a dict of them", self.logit_bias)
+        for i, pair in enumerate(self.logit_bias):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                _fail(f"logit_bias[{i}]", "a (token id, bias) pair", pair)
+            _check_int(f"logit_bias[{i}] token", pair[0], 0, INT32_MAX, " (a token id)")
+            if not (is_real(pair[1]) and -100 <= pair[1] <= 100):
+                _fail(f"logit_bias[{i}] bias", "a number in [-100, 100]", pair[1])
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            _fail("logit_bias", "one bias per token id", self.logit_bias)
 
 
+MAX_LOGIT_BIAS = 300  # biased tokens per request (OpenAI's limit): a fixed-width row of the slot state
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # settings live in float32 slot state: larger ones would be inf
 INT32_MAX = 2**31 - 1  # top_k, max_tokens, stop ids and logprobs live in int32 slot state on the device
 UINT32_MAX = 2**32 - 1  # seeds are uint32
 
@@ -112,6 +128,8 @@ class SamplingState:
     seed: jax.Array  # [B] u32
     history: jax.Array  # [B, capacity] i32: the token at each position (prompt, then generated)
     prompt_len: jax.Array  # [B] i32
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] i32: logit_bias tokens (0 where unused: bias 0)
+    bias_values: jax.Array  # [B, MAX_LOGIT_BIAS] f32
 
 
 def request_key(seed: jax.Array, position: jax.Array) -> jax.Array:
@@ -132,6 +150,15 @@ def token_stats(s: SamplingState, positions: jax.Array, vocab: int) -> tuple[jax
     counts = jnp.zeros((s.history.shape[0], vocab), jnp.int32).at[rows, s.history].add(
         generated.astype(jnp.int32), out_sharding=out)
     return seen, counts
+
+
+def apply_bias(logits: jax.Array, s: SamplingState) -> jax.Array:
+    """logits [B, V] + each row's logit_bias (a scatter-add of MAX_LOGIT_BIAS entries, run
+    only when some row has a bias)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return jax.lax.cond(jnp.any(s.bias_values != 0),
+                        lambda z: z.at[rows, s.bias_ids].add(s.bias_values, out_sharding=spec("batch", None)),
+                        lambda z: z, logits)
 
 
 def apply_penalties(logits: jax.Array, s: SamplingState, seen: jax.Array, counts: jax.Array) -> jax.Array:
@@ -286,6 +313,7 @@ def sample_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, mas
     logits = logits.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(unpack_mask(mask, logits.shape[-1]), logits, -jnp.inf)
+    logits = apply_bias(logits, s)
     penalized = jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
     logits = jax.lax.cond(penalized, lambda z: apply_penalties(z, s, *token_stats(s, positions, z.shape[-1])),
                           lambda z: z, logits)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dsjax.engine.sampler import SamplingState, record_tokens
+from dsjax.engine.sampler import MAX_LOGIT_BIAS, SamplingState, record_tokens
 
 MAX_STOP_IDS = 16
 
@@ -37,7 +37,8 @@ def init_slots(batch: int, capacity: int) -> Slots:
     z = lambda dt: jnp.zeros((batch,), dt)  # noqa: E731
     return Slots(
         sampling=SamplingState(z(f32), z(i32), jnp.ones((batch,), f32), z(f32), jnp.ones((batch,), f32), z(f32),
-                               z(f32), z(jnp.uint32), jnp.zeros((batch, capacity), i32), z(i32)),
+                               z(f32), z(jnp.uint32), jnp.zeros((batch, capacity), i32), z(i32),
+                               jnp.zeros((batch, MAX_LOGIT_BIAS), i32), jnp.zeros((batch, MAX_LOGIT_BIAS), f32)),
         last_token=z(i32), active=z(bool), n_generated=z(i32), max_tokens=z(i32),
         stop_ids=jnp.full((batch, MAX_STOP_IDS), -1, i32))
 
@@ -48,7 +49,7 @@ class Admission:
     `reset` is False (a later chunk, or a row not prefilled) keep their state."""
 
     reset: jax.Array  # [R] bool: the chunk is a prompt's first; the slot takes a new request
-    sampling: dict[str, jax.Array]  # SamplingState fields but `history`: [R] each
+    sampling: dict[str, jax.Array]  # SamplingState fields but `history`: [R] each ([R, MAX_LOGIT_BIAS] the bias)
     max_tokens: jax.Array  # [R] i32
     stop_ids: jax.Array  # [R, MAX_STOP_IDS] i32, -1 padded
 

@@ -10,8 +10,8 @@ import time
 from dsjax.engine import TokenEvent
 from dsjax.generate import TextRun
 from dsjax.serving.fields import (COMPLETIONS, APIError, check_limits, check_logprobs, check_prompt_length,
-                                  check_unsupported, Choice, Context, field_error, Job, new_id, number_field,
-                                  sampling)
+                                  Choice, Context, field_error, Job, new_id, number_field,
+                                  sample_seed, samples, sampling)
 
 
 # --------------------------------------------------------------------------- /v1/completions
@@ -146,8 +146,7 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
     prompts = _prompts(body, ctx)
     for p in prompts:
         check_prompt_length(len(p), ctx)
-    if number_field(body, "n", 1, int) != 1 or number_field(body, "best_of", 1, int) != 1:
-        raise field_error("n", "only n = 1 (and best_of = 1) is supported")
+    n = samples(body, ctx)
     echo = body.get("echo", False)
     if not isinstance(echo, bool) and echo is not None:
         raise field_error("echo", "must be a boolean")
@@ -156,9 +155,6 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
         if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
             raise field_error("prompt_logprobs", "an integer >= 0 (top logprobs per prompt token)")
         check_logprobs(prompt_logprobs, ctx, "prompt_logprobs")
-    if body.get("suffix"):
-        raise field_error("suffix", "suffix (fill in the middle) is not supported")
-    check_unsupported(COMPLETIONS, body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise field_error("stream", "must be a boolean")
@@ -189,16 +185,15 @@ def prepare_completions(body: dict, ctx: Context) -> Job:
     response_id, created, model = new_id(api), int(time.time()), body["model"]
     head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
     choices = []
-    for i, p in enumerate(prompts):
+    for k, (i, p) in enumerate((i, p) for i, p in enumerate(prompts) for _ in range(n)):  # k: the choice's index
         params = sampling(ctx, temperature=number_field(body, "temperature", 1.0),
-                          top_p=number_field(body, "top_p", 1.0), max_tokens=max_tokens,
-                          seed=None if seed is None else seed + i,
+                          top_p=number_field(body, "top_p", 1.0), max_tokens=max_tokens, seed=sample_seed(seed, k),
                           logprobs=0 if logprobs is None else max(logprobs, 1), body=body,
                           prompt_logprobs=None if n_scored is None else min(n_scored, ctx.max_logprobs))
         text = body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][i]
         # echo: the prompt's text
         shown = (text if isinstance(text, str) else ctx.tokenizer.decode(p)) if echo else None
-        translator = CompletionTranslator(i, ctx, stops, logprobs, head, prompt=p, prompt_logprobs=prompt_logprobs,
+        translator = CompletionTranslator(k, ctx, stops, logprobs, head, prompt=p, prompt_logprobs=prompt_logprobs,
                                           echo=shown)
         translator.keep = not stream
         choices.append(Choice(p, params, translator))

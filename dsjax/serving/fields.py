@@ -13,7 +13,7 @@ from typing import Any, Callable
 import deepseek_recipe as recipe
 
 from dsjax.engine import SamplingParams
-from dsjax.engine.sampler import is_real
+from dsjax.engine.sampler import MAX_LOGIT_BIAS, is_real
 from dsjax.tokenizer import Tokenizer
 
 
@@ -38,6 +38,7 @@ class Limits:
     max_prompt_tokens: int | None = None  # default: the engine's capacity - 1
     max_tokens: int | None = None  # default: the engine's capacity
     max_prompts: int = 16  # /v1/completions: prompts per request
+    max_samples: int = 16  # `n`: samples per prompt (Chat Completions, Completions)
     max_stop: int = 16  # stop strings per request
     max_stop_chars: int = 256
     max_schema_bytes: int = 64 << 10  # response_format / tools / text.format, serialized
@@ -120,6 +121,20 @@ def check_limits(body: dict, api: "API", ctx: Context) -> None:
             raise field_error(key, f"larger than {ctx.limits.max_schema_bytes} bytes serialized")
 
 
+def samples(body: dict, ctx: Context) -> int:
+    """`n`, the samples per prompt (each a choice of its own: the same prompt, its own seed)."""
+    n = number_field(body, "n", 1, int)
+    if not 1 <= n <= ctx.limits.max_samples:
+        raise field_error("n", f"an integer in [1, {ctx.limits.max_samples}] (samples per prompt), got {n}")
+    return n
+
+
+def sample_seed(seed: int | None, k: int) -> int | None:
+    """The seed of a request's k-th choice: the request's seed + k (None: each a random one),
+    so a choice is reproduced by a single request with that seed."""
+    return None if seed is None else seed + k
+
+
 def check_prompt_length(n: int, ctx: Context) -> None:
     if n > ctx.max_prompt_tokens:
         raise APIError(400, f"the prompt has {n} tokens; this server takes at most {ctx.max_prompt_tokens} "
@@ -147,23 +162,61 @@ def request_temperature(body: dict, opts):
     return 0.0 if is_real(asked) and asked == 0 else opts.temperature
 
 
-def _penalty(body: dict, key: str) -> float:
+def _penalty(body: dict, key: str, default: float = 0.0) -> float:
     value = body.get(key)
     if value is None:
-        return 0.0
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise field_error(key, f"must be a number, got {type(value).__name__}")
     return float(value)
 
 
+def logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias` ({"token id": bias in [-100, 100]}) as {id: bias}, each key and
+    value checked by name (ids past the vocabulary: the engine's admission check)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise field_error("logit_bias", f"an object mapping token ids to biases, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise field_error("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 10):
+            raise field_error("logit_bias", f"key {key!r} is not a token id (a non-negative integer, as a string)")
+        if not (is_real(bias) and -100 <= bias <= 100):
+            raise field_error("logit_bias", f"the bias of token {key} must be a number in [-100, 100], "
+                                            f"got {json.dumps(bias)}")
+        out[int(key)] = float(bias)
+    return out
+
+
 def sampling(ctx: Context, *, temperature, top_p, max_tokens: int, seed, logprobs: int = 0, body: dict,
              prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's settings of one choice: what the API's own parsing resolved (temperature,
+    top_p, max_tokens, seed, logprobs) and the fields read from the body here (penalties,
+    logit_bias; vLLM's top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, which
+    `field_table` refuses where an API has no such field)."""
+    top_k = number_field(body, "top_k", 0, int)
+    stop_ids = body.get("stop_token_ids") or ()
+    if not (isinstance(stop_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                        for t in stop_ids)):
+        raise field_error("stop_token_ids", "a list of token ids")
+    ignore_eos = body.get("ignore_eos") or False
+    if not isinstance(ignore_eos, bool):
+        raise field_error("ignore_eos", "must be a boolean")
     try:
         return SamplingParams(temperature=1.0 if temperature is None else float(temperature),
                               top_p=1.0 if top_p is None else float(top_p), max_tokens=int(max_tokens),
                               seed=_seed(seed), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               presence_penalty=_penalty(body, "presence_penalty"),
-                              frequency_penalty=_penalty(body, "frequency_penalty"))
+                              frequency_penalty=_penalty(body, "frequency_penalty"),
+                              top_k=0 if top_k == -1 else top_k,  # vLLM's -1: off
+                              min_p=_penalty(body, "min_p"),
+                              repetition_penalty=_penalty(body, "repetition_penalty", 1.0),
+                              stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
+                              logit_bias=logit_bias(body))
     except ValueError as e:
         raise APIError(400, str(e).removeprefix("SamplingParams: ")) from None
 
@@ -225,16 +278,6 @@ def wide_integer(value, path: str = "") -> str | None:
 
 # fields a client may send that would change the answer but that this server does not do:
 # refused by name rather than ignored
-UNSUPPORTED = {"logit_bias": "logit_bias is not supported yet",
-               "previous_response_id": "this server stores no responses (send the conversation in `input`)"}
-
-
-def check_unsupported(api: API, body: dict) -> None:
-    for key, why in UNSUPPORTED.items():
-        if body.get(key) not in (None, {}, "") and (key != "previous_response_id" or api is RESPONSES):
-            raise field_error(key, why)
-
-
 def number_field(body: dict, key: str, default, kind=float):
     value = body.get(key, default)
     if value is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsjax.serving.field_table import check_fields
 from dsjax.serving.completions import CompletionTranslator, prepare_completions
 from dsjax.serving.fields import (API, CHAT, COMPLETIONS, MESSAGES, MODEL_VERSIONS, RESPONSES, APIError, Choice,
                                   Context, Job, Limits, field_error)
@@ -32,4 +33,5 @@ def prepare(api: API, body: Any, ctx: Context) -> Job:
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     if api is not COMPLETIONS and body.get("prompt_logprobs") is not None:  # never accepted and ignored
         raise field_error("prompt_logprobs", f"prompt_logprobs is served on /v1/completions only, not {api.path}")
+    check_fields(api, body)  # every field honoured or refused by name (docs/api-fields.md)
     return prepare_completions(body, ctx) if api is COMPLETIONS else prepare_recipe(api, body, ctx)

@@ -14,8 +14,9 @@ import deepseek_recipe as recipe
 
 from dsjax.engine import TokenEvent
 from dsjax.serving.fields import (API, CHAT, MESSAGES, RESPONSES, APIError, check_limits, check_logprobs,
-                                  check_no_images, check_prompt_length, check_unsupported, Choice, Context,
-                                  field_error, Job, new_id, request_temperature, sampling, wide_integer)
+                                  check_no_images, check_prompt_length, Choice, Context,
+                                  field_error, Job, new_id, request_temperature, sample_seed, samples, sampling,
+                                  wide_integer)
 
 
 # --------------------------------------------------------------------------- recipe APIs
@@ -76,6 +77,55 @@ class RecipeTranslator:
     def close(self) -> None:
         if not self.processor.finished:
             self.processor.close()
+
+
+class SampleTranslator:
+    """Choice k of a Chat Completions request with n > 1: the recipe writes every chunk as
+    choice 0 with its own usage; here each chunk gets its index and loses its usage, which
+    the request reports once, summed (`merged_usage`)."""
+
+    def __init__(self, inner: RecipeTranslator, index: int):
+        self.inner, self.index, self.usage = inner, index, None
+
+    def __getattr__(self, name):  # stopped, tokens, events, keep, close: the recipe translator's
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name == "keep":
+            self.inner.keep = value
+        else:
+            super().__setattr__(name, value)
+
+    def _indexed(self, out):
+        events = []
+        for name, data in out:
+            chunk = json.loads(data)
+            for c in chunk.get("choices") or []:
+                c["index"] = self.index
+            self.usage = chunk.pop("usage", None) or self.usage
+            events.append((name, json.dumps({**chunk, "usage": None})))
+        return events
+
+    def start(self, cached_tokens: int = 0):
+        return self._indexed(self.inner.start(cached_tokens))
+
+    def push(self, events):
+        return self._indexed(self.inner.push(events))
+
+    def finish(self, reason):
+        return self._indexed(self.inner.finish(reason))
+
+
+def merged_usage(usages: list[dict]) -> dict:
+    """One request's usage from its choices': the prompt's counts once, the generated summed."""
+    out = dict(usages[0])
+    for key in ("completion_tokens", "total_tokens"):
+        out[key] = sum(u.get(key) or 0 for u in usages)
+    out["total_tokens"] = out["completion_tokens"] + (out.get("prompt_tokens") or 0)
+    details = [u.get("completion_tokens_details") for u in usages]
+    if all(isinstance(d, dict) for d in details):
+        out["completion_tokens_details"] = {k: sum(d.get(k) or 0 for d in details) for k in details[0]}
+    return out
 
 
 def _culprit(api: API, body: dict, error: str) -> str:
@@ -172,7 +222,6 @@ def _recipe_body(api: API, body: dict) -> dict:
             body["max_tokens"] = value
     if api is MESSAGES and body.get("max_tokens") is None:
         raise field_error("max_tokens", "required: the most tokens to generate (an integer >= 1)")
-    check_unsupported(api, body)
     return body
 
 
@@ -208,6 +257,9 @@ def count_tokens(body: Any, ctx: Context) -> int:
 
 def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     body = _recipe_body(api, body)
+    n = 1
+    if api is CHAT:  # the recipe converts one sample: n is read (and removed) here
+        n, body = samples(body, ctx), {k: v for k, v in body.items() if k != "n"}
     model, extra, conv, prompt = convert(api, body, ctx)
     conversation = conv.conversation
     opts = conv.inference_options
@@ -218,28 +270,49 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
     if ctx.limits.max_tokens is not None:
         max_tokens = min(max_tokens, ctx.limits.max_tokens)
     n_logprobs = check_logprobs(max(opts.top_logprobs or 0, int(opts.logprobs)), ctx, "top_logprobs")
-    params = sampling(ctx, temperature=request_temperature(body, opts), top_p=opts.top_p, max_tokens=max_tokens,
-                      seed=opts.seed, logprobs=n_logprobs, body=body)
     constraint = opts.output_constraint
     budget = thinking_budget(body, ctx, max_tokens)
     spec = None if constraint is None else (*callers_constraint(api, body, constraint.kind, constraint.schema),
                                             conversation.thinking_mode, _parallel_tool_calls(api, body),
                                             budget if conversation.thinking_mode else None)
     response_id, created = new_id(api), int(time.time())
-    if api is MESSAGES:
-        generator = recipe.MessagesChunkGenerator(response_id, model, conversation.thinking_mode)
-    else:
-        generator = api.request_cls.chunk_generator(conv, response_id, model)
-    if extra is not None:
-        generator = generator.with_echo(extra[0]).with_namespace_tool_map(extra[1])
-    translator = RecipeTranslator(api, generator, conv, ctx, len(prompt))
-    translator.keep = not conv.stream
+    choices = []
+    for k in range(n):
+        if api is MESSAGES:
+            generator = recipe.MessagesChunkGenerator(response_id, model, conversation.thinking_mode)
+        else:
+            generator = api.request_cls.chunk_generator(conv, response_id, model)
+        if extra is not None:
+            generator = generator.with_echo(extra[0]).with_namespace_tool_map(extra[1])
+        translator = RecipeTranslator(api, generator, conv, ctx, len(prompt))
+        if n > 1:
+            translator = SampleTranslator(translator, k)
+        translator.keep = not conv.stream
+        params = sampling(ctx, temperature=request_temperature(body, opts), top_p=opts.top_p, max_tokens=max_tokens,
+                          seed=sample_seed(opts.seed, k), logprobs=n_logprobs, body=body)
+        choices.append(Choice(prompt, params, translator, spec))
 
-    def response():
+    def one(translator) -> str:
         acc = api.response_cls(response_id, model, created, len(prompt), 0)
         for event in translator.events:
             acc.accumulate(event)
         return acc.to_json()
 
-    return Job(api, conv.stream, [Choice(prompt, params, translator, spec)], response,
-               api.response_cls.sse_done_data())
+    def response():
+        if n == 1:
+            return one(choices[0].translator)
+        bodies = [json.loads(one(c.translator)) for c in choices]
+        merged = bodies[0]
+        merged["choices"] = [{**c, "index": k} for k, b in enumerate(bodies) for c in b["choices"]]
+        if all(b.get("usage") for b in bodies):
+            merged["usage"] = merged_usage([b["usage"] for b in bodies])
+        return merged
+
+    def usage_chunk():  # n > 1: the usage the choices' chunks left out, summed, in a chunk of its own
+        usages = [c.translator.usage for c in choices if c.translator.usage]
+        return None, json.dumps({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                                 "model": model, "choices": [], "usage": merged_usage(usages) if usages else None})
+
+    include_usage = n > 1 and conv.stream and (body.get("stream_options") or {}).get("include_usage")
+    return Job(api, conv.stream, choices, response, api.response_cls.sse_done_data(),
+               usage_chunk if include_usage else None)
