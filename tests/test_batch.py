@@ -20,7 +20,7 @@ import dsjax.batch
 from dsjax import cli
 from dsjax.batch.manifest import manifest_path
 from dsjax.batch.runner import context
-from dsjax.serving.protocol import CHAT, prepare
+from dsjax.protocol import CHAT, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS = ["--max-slots", "4", "--batch-invariant", "--max-new-tokens", "6"]

@@ -1,8 +1,13 @@
 """The package's import graph, read with `ast` (nothing is imported): imports run downward
 only, with no circles, so each layer can be read and tested without the ones above it.
 
-    cli / serving / train -> generate, scoring -> api -> engine -> checkpoint, model -> layers
-        -> pallas_kernels, sharding.rules, memory -> params -> config
+    cli -> serving / batch / train -> command -> generate, scoring, protocol -> output -> api
+        -> engine -> checkpoint, model -> layers -> pallas_kernels, sharding.rules, memory
+        -> params -> config
+
+The front ends (serving, batch) stand on the library, not on each other: what they share
+(the OpenAI / Anthropic translation, the output processor, how a command runs) lies below
+them, and only the CLI, the top, imports the front ends it launches.
 """
 
 import ast
@@ -23,13 +28,20 @@ RANKS = {
     "dsjax.checkpoint": 5, "dsjax.param_count": 5,
     "dsjax.engine": 6,
     "dsjax.api": 7,
-    "dsjax.generate": 8, "dsjax.chat": 8, "dsjax.scoring": 8,
-    "dsjax.cli": 9, "dsjax.testing": 9, "dsjax.serving": 9, "dsjax.batch": 9, "dsjax.train": 9, "dsjax": 9,
+    "dsjax.output": 8,  # the output processor: token events -> text, stop strings, logprobs
+    "dsjax.generate": 9, "dsjax.chat": 9, "dsjax.scoring": 9, "dsjax": 9,
+    "dsjax.protocol": 9,  # the OpenAI / Anthropic translation, served and batched alike
+    "dsjax.command": 10,  # how every command runs, its common flags, loading
+    "dsjax.serving": 11, "dsjax.batch": 11, "dsjax.train": 11, "dsjax.testing": 11,
+    "dsjax.cli": 12, "dsjax.__main__": 12,  # the top: it launches the front ends
 }
+# Front ends: none imports another (equal ranks would allow it; the CLI, above them, may).
+FRONT_ENDS = ("dsjax.serving", "dsjax.batch")
 # Below the model, a mechanism file sees only these.
 LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.pallas_kernels", "dsjax.layers")
-# Function-level imports of dsjax hide upward edges; only the CLI defers its imports (start-up time).
-LAZY_ALLOWED = ("dsjax.cli",)
+# Function-level imports of dsjax hide upward edges; only the CLI and the command helpers defer
+# their imports (start-up time).
+LAZY_ALLOWED = ("dsjax.cli", "dsjax.command")
 
 
 def _modules() -> dict[str, Path]:
@@ -101,6 +113,19 @@ def test_forbidden_edges(below, above):
     bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m.startswith(below)
            for t, _ in edges if t == above or t.startswith(above + ".")]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_no_front_end_imports_another(front_end):
+    others = [f for f in FRONT_ENDS if f != front_end] + ["dsjax.cli"]
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m == front_end or m.startswith(front_end + ".")
+           for t, _ in edges if any(t == o or t.startswith(o + ".") for o in others)]
+    assert not bad, "a front end imports another (move what they share below them):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("shared", ["dsjax.protocol", "dsjax.output", "dsjax.command"])
+def test_what_front_ends_share_lies_below_them(shared):
+    assert _rank(shared) < min(_rank(f) for f in FRONT_ENDS + ("dsjax.cli",))
 
 
 def test_no_function_level_imports():

@@ -27,7 +27,7 @@ import openai
 import pytest
 
 import dsjax
-from dsjax.serving.protocol import Limits
+from dsjax.protocol import Limits
 from dsjax.serving.server import BackgroundServer, build
 
 NAME = "tiny"
@@ -399,7 +399,7 @@ def test_json_schema_output_validates(oai, thinking):
 def test_the_grammar_is_compiled_from_the_callers_schema(api):
     """deepseek-recipe's strict schemas leave maxLength out (a 15-character name came back for
     maxLength 5); the server compiles the body's own schema, tools included."""
-    from dsjax.serving.protocol import CHAT, MESSAGES, RESPONSES, callers_constraint
+    from dsjax.protocol import CHAT, MESSAGES, RESPONSES, callers_constraint
     API_BY_NAME = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}
     strict = {**SCHEMA, "properties": {**SCHEMA["properties"], "name": {"type": "string", "maxLength": 5}}}
     tool = {"name": "person", "strict": True, "parameters": strict}

@@ -1,4 +1,4 @@
-"""Every row of the API field table (dsjax/serving/field_table.py) against a live server:
+"""Every row of the API field table (dsjax/protocol/field_table.py) against a live server:
 refused fields are 400s naming them (their default values pass), metadata fields change no
 token, unknown fields are refused, every honoured row names a test that sends the field,
 and the fields read from the body reach the engine's settings and the prompt as the
@@ -14,8 +14,8 @@ import openai
 import pytest
 
 import dsjax
-from dsjax.serving.field_table import HONOURED, METADATA, REFUSED, TABLE, markdown
-from dsjax.serving.protocol import CHAT, COMPLETIONS, MESSAGES, RESPONSES, prepare
+from dsjax.protocol.field_table import HONOURED, METADATA, REFUSED, TABLE, markdown
+from dsjax.protocol import CHAT, COMPLETIONS, MESSAGES, RESPONSES, prepare
 from dsjax.serving.server import BackgroundServer, build
 
 NAME = "tiny"
@@ -67,7 +67,7 @@ def text(api: str, data: dict) -> str:
 
 def test_api_fields_doc_is_current():
     assert (TESTS.parent / "docs" / "api-fields.md").read_text() == markdown(), \
-        "python -m dsjax.serving.field_table > docs/api-fields.md"
+        "python -m dsjax.protocol > docs/api-fields.md"
 
 
 def _test_sources() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""`dsjax batch` and `dsjax verify`: the parsers and the commands. dsjax/cli.py registers
+"""`dsjax batch` and `dsjax verify`: the parsers and the commands. dsjax/cli/ registers
 them (`add_parsers`) and hands over its helpers (loading with the command's flags, the
 compile cache), so this file holds only what is particular to batch jobs."""
 

@@ -1,7 +1,7 @@
 """Input lines -> checked records, each with its prompt ids, SamplingParams and how its
 tokens become an output line. Nothing here converts a request itself: raw records go
 through `dsjax.generate.plan` (the checks and encoding of `dsjax.generate`), OpenAI batch
-lines through `dsjax.serving.protocol.prepare` (deepseek-recipe's conversion, as served).
+lines through `dsjax.protocol.prepare` (deepseek-recipe's conversion, as served).
 
     {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
     {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "def f(n):"}}
@@ -21,8 +21,9 @@ import json
 from typing import Any
 
 from dsjax.engine import SamplingParams, TokenEvent
-from dsjax.generate import TextRun, plan
-from dsjax.serving.protocol import CHAT, COMPLETIONS, APIError, Context, prepare
+from dsjax.generate import plan
+from dsjax.output import TextRun
+from dsjax.protocol import CHAT, COMPLETIONS, APIError, Context, prepare
 
 URLS = {CHAT.path: CHAT, COMPLETIONS.path: COMPLETIONS}
 RAW_FIELDS = {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",

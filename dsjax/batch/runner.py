@@ -22,7 +22,7 @@ from dsjax.api import Model
 from dsjax.batch.records import Record, RecordError, parse, read_lines, record_id
 from dsjax.engine import Engine, PrefixCacheOptions
 from dsjax.engine.requests import bucket_capacity, max_capacity
-from dsjax.serving.protocol import Context, Limits
+from dsjax.protocol import Context, Limits
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
 MAX_LOGPROBS = 20  # what a record may ask for (OpenAI's top_logprobs limit)

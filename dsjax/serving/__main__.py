@@ -2,6 +2,6 @@
 
 import sys
 
-from dsjax.cli import main
+from dsjax.serving.command import main
 
-sys.exit(main(["serve", *sys.argv[1:]]))
+sys.exit(main(sys.argv[1:]))

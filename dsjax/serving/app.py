@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from dsjax.serving.loop import Draining, EngineFailed, EngineLoop, QueueFull
 from dsjax.serving.metrics import Metrics
-from dsjax.serving.protocol import (CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, count_tokens,
+from dsjax.protocol import (CHAT, COMPLETIONS, MESSAGES, RESPONSES, API, APIError, Context, Job, count_tokens,
                                     detokenize, prepare, tokenize, tokenizer_info)
 
 log = logging.getLogger("dsjax.serving")

@@ -21,7 +21,7 @@ from dsjax.engine.prefix_cache import PrefixCacheOptions
 from dsjax.serving.app import create_app
 from dsjax.serving.loop import EngineLoop
 from dsjax.serving.metrics import Metrics
-from dsjax.serving.protocol import Context, Limits
+from dsjax.protocol import Context, Limits
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 from dsjax.weights import bundled_models
 

@@ -5,7 +5,7 @@
     metadata   accepted; it describes the request and changes no token (user ids, tags)
 
 A field no row names is refused as unknown, so nothing is accepted and silently ignored.
-docs/api-fields.md is this table rendered (`python -m dsjax.serving.field_table > docs/api-fields.md`;
+docs/api-fields.md is this table rendered (`python -m dsjax.protocol > docs/api-fields.md`;
 tests/test_serving_fields.py checks it is current, and checks every row).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from dsjax.serving.fields import API, CHAT, COMPLETIONS, MESSAGES, RESPONSES, field_error
+from dsjax.protocol.fields import API, CHAT, COMPLETIONS, MESSAGES, RESPONSES, field_error
 
 HONOURED, REFUSED, METADATA = "honoured", "refused", "metadata"
 
@@ -172,7 +172,7 @@ def check_fields(api: API, body: dict) -> None:
 def markdown() -> str:
     """docs/api-fields.md: the table, one section per API."""
     out = ["# API fields", "", "Every request field of the generation endpoints and what `dsjax serve` does with it",
-           "(rendered from `dsjax/serving/field_table.py`; a field not listed is a 400 naming it).", "",
+           "(rendered from `dsjax/protocol/field_table.py`; a field not listed is a 400 naming it).", "",
            "- honoured: it does what the API says; the test that shows it is named.",
            "- refused: a 400 naming the field, unless its value asks for nothing (shown).",
            "- metadata: accepted; it changes no token.", ""]
@@ -188,6 +188,3 @@ def markdown() -> str:
         out.append("")
     return "\n".join(out)
 
-
-if __name__ == "__main__":
-    print(markdown(), end="")

@@ -1,112 +1,34 @@
-"""`dsjax` command line: generate text, chat, serve, inspect sizes, convert checkpoints.
+"""`dsjax` command line: generate text, chat, serve, inspect sizes, convert checkpoints, batch jobs.
 
-This module holds the commands and their arguments; how a command runs (a worker thread,
-Ctrl-C, one-line errors, crash reports) is dsjax/cli_runner.py. Imports of dsjax and JAX are
-deferred into the commands: `dsjax --help` answers at once.
+The top of the package: it registers every command. This module holds generate, chat, info
+and convert and the parser; reports.py the abstract size reports; the front ends their own
+commands (dsjax/serving/command.py: serve, dsjax/batch/command.py: batch, verify). How a
+command runs (a worker thread, Ctrl-C, one-line errors, crash reports), the common flags and
+loading are dsjax/command.py. Imports of dsjax and JAX are deferred into the commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 
-from dsjax.cli_reports import cmd_cache as _cmd_cache
-from dsjax.cli_reports import cmd_memory as _cmd_memory
-from dsjax.cli_reports import cmd_params as _cmd_params
-from dsjax.cli_runner import UsageError, on_interrupt, run_command
+from dsjax.cli.reports import cmd_cache as _cmd_cache
+from dsjax.cli.reports import cmd_memory as _cmd_memory
+from dsjax.cli.reports import cmd_params as _cmd_params
+from dsjax.command import (WEIGHT_DTYPE_HELP, CommandParser, add_prefix_cache_args, common_flags, compile_counter,
+                           compiling, load, run_command, setup_cache)
 from dsjax.weights import DEFAULT_MODEL, resolve
 
 SIDE_FILES = ("draft_vocab.json", "tokenizer.json", "tokenizer_config.json", "training.json")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print the usage block and exit 2 itself
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-@contextlib.contextmanager
-def _compile_counter():
-    """Counts of programs built (compiled or read from the persistent cache) and read from the cache meanwhile."""
-    import jax
-
-    counts = {"programs": 0, "cached": 0}
-
-    def on_duration(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            counts["programs"] += 1
-
-    def on_event(event, **kw):
-        if event == "/jax/compilation_cache/cache_hits":
-            counts["cached"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    jax.monitoring.register_event_listener(on_event)
-    try:
-        yield counts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_duration)
-        jax.monitoring.unregister_event_listener(on_event)
-
-
-def _setup_cache(args):
-    from dsjax.compile_cache import setup_compile_cache
-
-    return setup_compile_cache("off" if args.no_compile_cache else args.compile_cache)
-
-
-WEIGHT_DTYPE_HELP = ("bfloat16: the projection matrices stored in bf16 under float32 activations (half the bytes a "
-                     "CPU decode step reads; dsjax.store_weights). Default: as --dtype")
-
-
-def _load(args, say, **kw):
-    """load_model with the command's flags, saying what it loads."""
-    import dsjax
-    from dsjax.api import resolve_dtype
-    from dsjax.weights import bundled_path
-
-    dtype = resolve_dtype(args.dtype).name
-    narrow = getattr(args, "weight_dtype", None)
-    if narrow is not None and dtype != "float32":
-        raise ValueError(f"--weight-dtype {narrow} stores weights under float32 activations; --dtype is {dtype}")
-    if Path(args.model).exists():
-        what = f"{args.model} ({dtype})"
-    elif bundled_path(args.model) is not None:
-        what = f"{args.model} (trained weights shipped with dsjax, {dtype})"
-    else:
-        what = f"{args.model} (random weights, seed {args.seed}, {dtype})"
-    say(f"loading {what} ...")
-    t = time.perf_counter()
-    model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None,
-                             kernels=args.kernels, progress=not args.quiet and Path(args.model).is_dir(), **kw)
-    say(f"loaded in {time.perf_counter() - t:.1f} s")
-    if narrow is not None:
-        model = dsjax.store_weights(model, narrow)
-        say(f"projection weights stored as {narrow}, activations float32")
-    return model
-
-
-def _compiling(say, cache) -> None:
-    from dsjax.layers import cpu_kernels
-
-    if cpu_kernels.needs_build():
-        say("building the CPU vocabulary-head kernel (once on this machine) ...")
-        say(f"CPU head kernel: {cpu_kernels.status()}")
-    if cache.enabled:
-        say(f"compiling (programs compiled before are read from the cache in {cache.directory}) ...")
-    else:
-        say("compiling (compile cache off) ...")
-
-
 def _cmd_generate(args, say) -> int:
-    cache = _setup_cache(args)
-    with _compile_counter() as counts:
+    cache = setup_cache(args)
+    with compile_counter() as counts:
         results, engine, first_token = _generate(args, say, cache)
     stream = len(args.text) == 1 and not (args.json or args.ids)
     for text, r in zip(args.text, results):
@@ -139,7 +61,7 @@ def _generate(args, say, cache):
     sampling = (args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     sampling_params(1, *sampling, **settings)  # refuse bad settings before a (possibly long) load
     initialize(args.coordinator, args.num_processes, args.process_id)
-    model = _load(args, say, mtp=True if args.num_draft_tokens else None)
+    model = load(args, say, mtp=True if args.num_draft_tokens else None)
     p = plan(model, args.text, *sampling, args.num_draft_tokens, args.spec_policy, stop=args.stop,
              tokenizer=dsjax.load_tokenizer(args.model), token_healing=args.token_healing, **settings)
     stream = len(args.text) == 1 and not (args.json or args.ids)
@@ -153,7 +75,7 @@ def _generate(args, say, cache):
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    _compiling(say, cache)
+    compiling(say, cache)
     engine = p.engine(model)
     results = p.run(engine, on_token)
     if stream:
@@ -165,8 +87,8 @@ def _cmd_chat(args, say) -> int:
     import dsjax
     from dsjax.chat import Chat
 
-    cache = _setup_cache(args)
-    model = _load(args, say)
+    cache = setup_cache(args)
+    model = load(args, say)
     chat = Chat(model, dsjax.load_tokenizer(args.model), thinking=args.thinking, reasoning_effort=args.reasoning_effort,
                 system=args.system, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_p=args.top_p, seed=args.seed)
@@ -185,7 +107,7 @@ def _cmd_chat(args, say) -> int:
             continue
         turn += 1
         if turn == 1:
-            _compiling(say, cache)
+            compiling(say, cache)
 
         def on_delta(kind, text):
             if kind == "content":
@@ -215,7 +137,7 @@ def _cmd_info(args, say) -> int:
     from dsjax.pallas_kernels.dispatch import resolve_kernels
     from dsjax.tokenizer import tokenizer_path
 
-    cache = _setup_cache(args)
+    cache = setup_cache(args)
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
     info = {"dsjax": dsjax.__version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -236,7 +158,7 @@ def _cmd_convert(args, say) -> int:
     from dsjax.checkpoint import orbax_io
     from dsjax.checkpoint.loader import checkpoint_format
 
-    _setup_cache(args)
+    setup_cache(args)
     say(f"reading {args.src} ...")
     t = time.perf_counter()
     model = dsjax.load_model(args.src, dtype=args.dtype, quantized=args.quantized, mesh=args.mesh or None,
@@ -254,83 +176,13 @@ def _cmd_convert(args, say) -> int:
     return 0
 
 
-def _cmd_serve(args, say) -> int:
-    from dsjax.engine.prefix_cache import auto_options, options_from_mib
-    from dsjax.serving.protocol import Limits
-    from dsjax.serving.server import build, run
-
-    if args.port < 0 or args.port > 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if not args.drain_timeout >= 0:
-        raise UsageError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
-    api_key = args.api_key or os.environ.get("DSJAX_API_KEY") or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        say(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it "
-            f"(--api-key KEY or $DSJAX_API_KEY)")
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                    max_tokens=args.max_tokens, max_waiting=args.max_queue,
-                    request_timeout=args.request_timeout or None)
-    auto_prefix = args.prefix_cache_mb is None  # the default: sized once the model is loaded
-    prefix_cache = options_from_mib(0 if auto_prefix else args.prefix_cache_mb,  # bad flags before the load
-                                    0 if auto_prefix else args.prefix_host_mb)
-    cache = _setup_cache(args)
-    model = _load(args, say, mtp=True if args.num_draft_tokens else None)
-    name = args.served_model_name or Path(args.model).name
-    if auto_prefix:
-        prefix_cache, line = auto_options(model, max_slots=args.max_slots, capacity=args.capacity,
-                                          prefill_chunk=args.prefill_chunk, host_bytes=int(args.prefix_host_mb * 2**20))
-        say(line)
-    _compiling(say, cache)
-    t = time.perf_counter()
-    with _compile_counter() as counts:
-        served = build(model, name=name, max_slots=args.max_slots, capacity=args.capacity,
-                       prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
-                       num_draft_tokens=args.num_draft_tokens, batch_invariant=args.batch_invariant or None,
-                       max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
-                       default_thinking={"on": True, "off": False}.get(args.thinking_default),
-                       max_thinking_tokens=args.max_thinking_tokens, warmup=not args.no_warmup,
-                       scoring=args.max_logprobs > 0,  # a server with logprobs serves evaluations: echo
-                       prefix_cache=prefix_cache,
-                       on_warmup=lambda i, n, what: say(f"compiling {i}/{n}: {what} ..."))
-    say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
-        f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "
-        f"/v1/completions, /v1/responses; Anthropic /v1/messages; /v1/models, /health, /metrics")
-    stopped_by: list[int] = []
-
-    def stop(signum: int) -> None:  # the first SIGINT / SIGTERM: drain, then close
-        stopped_by.append(signum)
-        say(f"{signal.Signals(signum).name}: draining {served.loop.in_flight} requests (up to "
-            f"{args.drain_timeout:g} s; again to stop now)")
-        ended = served.shutdown(args.drain_timeout)
-        say(f"stopped {ended} requests at the drain timeout" if ended else "drained")
-
-    on_interrupt(stop)
-    run(served, args.host, args.port, log_level="warning" if args.quiet else "info")
-    return 128 + stopped_by[0] if stopped_by else 0
-
-
-def add_prefix_cache_args(parser, auto: bool = False) -> None:
-    """--prefix-cache-mb / --prefix-host-mb (dsjax serve, with an automatic default; dsjax batch)."""
-    parser.add_argument("--prefix-cache-mb", type=float, default=None if auto else 0, metavar="MIB",
-                        help="keep prompts' cache blocks across requests in up to MIB of device memory (0: off"
-                        + ("; default: half the memory left after the weights and slots" if auto else "")
-                        + "). A block is --prefill-chunk "
-                        "tokens, which must be a multiple of the largest compression ratio (128 for V4)")
-    parser.add_argument("--prefix-host-mb", type=float, default=0, metavar="MIB", help="host-memory tier for the "
-                        "blocks the device budget evicts (0: they are dropped)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
-    common.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
-    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    common.add_argument("--compile-cache", metavar="DIR", default=None,
-                        help="keep compiled programs in DIR (default: $DSJAX_COMPILE_CACHE, else "
-                             "~/.cache/dsjax/jax; a cache dir set in JAX is kept)")
-    common.add_argument("--no-compile-cache", action="store_true", help="do not read or write compiled programs")
+    from dsjax.serving.command import add_parser as add_serve_parser  # dsjax serve
 
-    p = _Parser(prog="dsjax", description="DeepSeek-V4 inference in JAX")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    common = common_flags()
+
+    p = CommandParser(prog="dsjax", description="DeepSeek-V4 inference in JAX")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     def model_args(c, default_new: int):
         c.add_argument("--model", default=DEFAULT_MODEL,
@@ -390,49 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after each turn, one JSON line on stderr: the prompt ids sent and the reply")
     c.set_defaults(func=_cmd_chat)
 
-    s = sub.add_parser("serve", parents=[common], help="serve a model over the OpenAI and Anthropic APIs "
-                       "(also: python -m dsjax.serving)")
-    s.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"checkpoint directory, bundled model or named config (default: {DEFAULT_MODEL})")
-    s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the --model's "
-                   "last path component)")
-    s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto (default): float32 on CPU, bfloat16 on GPU / TPU")
-    s.add_argument("--weight-dtype", default=None, choices=["bfloat16"], help=WEIGHT_DTYPE_HELP)
-    s.add_argument("--seed", type=int, default=0, help="init seed for named configs (random weights)")
-    s.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
-    s.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"])
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key); "
-                   "default: $DSJAX_API_KEY, else none")
-    s.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
-    s.add_argument("--capacity", type=int, default=4096, help="tokens per request (prompt + output)")
-    s.add_argument("--prefill-chunk", type=int, default=256)
-    s.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (more: higher "
-                   "throughput, burstier streams)")
-    add_prefix_cache_args(s, auto=True)
-    s.add_argument("--num-draft-tokens", type=int, default=0, help="speculative decoding with the MTP layer")
-    s.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent of "
-                   "its batch (docs/batch-invariance.md; slower decode)")
-    s.add_argument("--max-logprobs", type=int, default=0, help="top logprobs a request may ask for (0: logprobs "
-                   "refused)")
-    s.add_argument("--thinking-default", choices=["on", "off", "auto"], default="auto",
-                   help="thinking mode of requests that do not say (auto: off for the built-in code model, which "
-                   "has no chat of its own; on, the recipe's default, for any other)")
-    s.add_argument("--max-thinking-tokens", type=int, default=None, help="structured output and tools in thinking "
-                   "mode: close the reasoning after N tokens so the constrained answer gets its turn (default: half "
-                   "of a request's max_tokens; a request's thinking.budget_tokens overrides it)")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
-    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may run (0: no limit)")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGINT / SIGTERM: seconds requests in "
-                   "flight may finish (new ones get 503) before they are stopped with a final event; a second "
-                   "signal stops at once")
-    s.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: capacity - 1")
-    s.add_argument("--max-tokens", type=int, default=None, help="cap on a request's max_tokens (default: capacity)")
-    s.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
-    s.set_defaults(func=_cmd_serve)
+    add_serve_parser(sub, common)
 
     i = sub.add_parser("info", parents=[common], help="backend, devices, versions, kernels, compile cache")
     i.add_argument("--json", action="store_true")
@@ -469,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--kv-seqs", type=int, default=64, help="KV budget: sequences (default 64)")
     from dsjax.batch.command import add_parsers  # dsjax batch, dsjax verify
 
-    add_parsers(sub, common, load=_load, setup_cache=_setup_cache, compiling=_compiling,
+    add_parsers(sub, common, load=load, setup_cache=setup_cache, compiling=compiling,
                 prefix_cache_args=add_prefix_cache_args)
     return p
 
@@ -477,6 +287,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     return run_command(build_parser, sys.argv[1:] if argv is None else list(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

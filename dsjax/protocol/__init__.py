@@ -3,7 +3,7 @@ the Chat Completions, Responses and Anthropic Messages APIs: request -> conversa
 prompt ids (its V4 encoding), and generated ids -> events (reasoning, DSML tool calls, JSON
 output, stop sequences, finish reasons, usage). Nothing here renders a chat template or
 parses model output; the legacy Completions API (a raw prompt, no conversation) is the one
-shape written here, over `dsjax.generate.TextRun` (stop strings, logprobs).
+shape written here, over `dsjax.output.TextRun` (stop strings, logprobs).
 
     job = prepare(CHAT, body, ctx)                 # APIError(status, message) on bad input
     job.choices[i]: prompt ids, SamplingParams, output constraint, a Translator
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsjax.serving.field_table import check_fields
-from dsjax.serving.completions import CompletionTranslator, prepare_completions
-from dsjax.serving.fields import (API, CHAT, COMPLETIONS, MESSAGES, MODEL_VERSIONS, RESPONSES, APIError, Choice,
+from dsjax.protocol.field_table import check_fields
+from dsjax.protocol.completions import CompletionTranslator, prepare_completions
+from dsjax.protocol.fields import (API, CHAT, COMPLETIONS, MESSAGES, MODEL_VERSIONS, RESPONSES, APIError, Choice,
                                   Context, Job, Limits, field_error)
-from dsjax.serving.recipe_apis import RecipeTranslator, callers_constraint, convert, count_tokens, prepare_recipe
-from dsjax.serving.tokens import detokenize, tokenize, tokenizer_info
+from dsjax.protocol.recipe_apis import RecipeTranslator, callers_constraint, convert, count_tokens, prepare_recipe
+from dsjax.protocol.tokens import detokenize, tokenize, tokenizer_info
 
 __all__ = ["API", "CHAT", "COMPLETIONS", "MESSAGES", "MODEL_VERSIONS", "RESPONSES", "APIError", "Choice", "Context",
            "CompletionTranslator", "Job", "Limits", "RecipeTranslator", "callers_constraint", "convert",

@@ -1,14 +1,20 @@
-"""How a `dsjax` command runs (dsjax/cli.py holds the commands and their arguments).
+"""What every `dsjax` command shares, wherever it is defined (dsjax/cli/, serving/command.py,
+batch/command.py): how it runs, its parser, the flags all commands take, loading a model with
+them, the compile cache. It lies below the front ends, so `python -m dsjax.serving` runs
+`dsjax serve` without importing the CLI.
 
 Every command runs in a worker thread while the main thread waits for it, so Ctrl-C is
 answered at once - even in the middle of an XLA compile - with one line and exit status 130
 (the process ends with os._exit: tearing JAX down under a running compile crashes). Errors a
 user can fix print one line `dsjax: error: ...` and exit 2; anything else prints one line and
-where the full report went, and exits 1 (`--debug`: the traceback instead).
+where the full report went, and exits 1 (`--debug`: the traceback instead). Imports of dsjax
+and JAX are deferred into the helpers: `dsjax --help` answers at once.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -16,6 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
+from pathlib import Path
 
 EXIT_INTERNAL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -136,3 +143,105 @@ def run_command(build_parser, argv: list[str]) -> int:
         print(f"dsjax: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               f"(full report: {path}; rerun with --debug to see it here)", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+# --------------------------------------------------------------------------- parsers and helpers
+class CommandParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage block and exit 2 itself
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def common_flags() -> CommandParser:
+    """The flags every command takes (a parent parser)."""
+    common = CommandParser(add_help=False)
+    common.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    common.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="keep compiled programs in DIR (default: $DSJAX_COMPILE_CACHE, else "
+                             "~/.cache/dsjax/jax; a cache dir set in JAX is kept)")
+    common.add_argument("--no-compile-cache", action="store_true", help="do not read or write compiled programs")
+    return common
+
+
+def add_prefix_cache_args(parser, auto: bool = False) -> None:
+    """--prefix-cache-mb / --prefix-host-mb (dsjax serve, with an automatic default; dsjax batch)."""
+    parser.add_argument("--prefix-cache-mb", type=float, default=None if auto else 0, metavar="MIB",
+                        help="keep prompts' cache blocks across requests in up to MIB of device memory (0: off"
+                        + ("; default: half the memory left after the weights and slots" if auto else "")
+                        + "). A block is --prefill-chunk "
+                        "tokens, which must be a multiple of the largest compression ratio (128 for V4)")
+    parser.add_argument("--prefix-host-mb", type=float, default=0, metavar="MIB", help="host-memory tier for the "
+                        "blocks the device budget evicts (0: they are dropped)")
+
+
+@contextlib.contextmanager
+def compile_counter():
+    """Counts of programs built (compiled or read from the persistent cache) and read from the cache meanwhile."""
+    import jax
+
+    counts = {"programs": 0, "cached": 0}
+
+    def on_duration(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            counts["programs"] += 1
+
+    def on_event(event, **kw):
+        if event == "/jax/compilation_cache/cache_hits":
+            counts["cached"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)
+
+
+def setup_cache(args):
+    from dsjax.compile_cache import setup_compile_cache
+
+    return setup_compile_cache("off" if args.no_compile_cache else args.compile_cache)
+
+
+WEIGHT_DTYPE_HELP = ("bfloat16: the projection matrices stored in bf16 under float32 activations (half the bytes a "
+                     "CPU decode step reads; dsjax.store_weights). Default: as --dtype")
+
+
+def load(args, say, **kw):
+    """load_model with the command's flags, saying what it loads."""
+    import dsjax
+    from dsjax.api import resolve_dtype
+    from dsjax.weights import bundled_path
+
+    dtype = resolve_dtype(args.dtype).name
+    narrow = getattr(args, "weight_dtype", None)
+    if narrow is not None and dtype != "float32":
+        raise ValueError(f"--weight-dtype {narrow} stores weights under float32 activations; --dtype is {dtype}")
+    if Path(args.model).exists():
+        what = f"{args.model} ({dtype})"
+    elif bundled_path(args.model) is not None:
+        what = f"{args.model} (trained weights shipped with dsjax, {dtype})"
+    else:
+        what = f"{args.model} (random weights, seed {args.seed}, {dtype})"
+    say(f"loading {what} ...")
+    t = time.perf_counter()
+    model = dsjax.load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh or None,
+                             kernels=args.kernels, progress=not args.quiet and Path(args.model).is_dir(), **kw)
+    say(f"loaded in {time.perf_counter() - t:.1f} s")
+    if narrow is not None:
+        model = dsjax.store_weights(model, narrow)
+        say(f"projection weights stored as {narrow}, activations float32")
+    return model
+
+
+def compiling(say, cache) -> None:
+    from dsjax.layers import cpu_kernels
+
+    if cpu_kernels.needs_build():
+        say("building the CPU vocabulary-head kernel (once on this machine) ...")
+        say(f"CPU head kernel: {cpu_kernels.status()}")
+    if cache.enabled:
+        say(f"compiling (programs compiled before are read from the cache in {cache.directory}) ...")
+    else:
+        say("compiling (compile cache off) ...")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 
-from dsjax.serving.fields import APIError, CHAT, Context, field_error
-from dsjax.serving.recipe_apis import prepare_recipe
+from dsjax.protocol.fields import APIError, CHAT, Context, field_error
+from dsjax.protocol.recipe_apis import prepare_recipe
 
 
 # --------------------------------------------------------------------------- /tokenize, /detokenize, /tokenizer_info

@@ -13,9 +13,9 @@ from typing import Any
 import deepseek_recipe as recipe
 
 from dsjax.engine import TokenEvent
-from dsjax.serving.fields import (API, CHAT, MESSAGES, RESPONSES, APIError, check_limits, check_logprobs,
-                                  check_no_images, check_prompt_length, Choice, Context, field_error, Job, new_id,
-                                  number_field, request_temperature, sample_seed, samples, sampling, wide_integer)
+from dsjax.protocol.fields import (API, CHAT, MESSAGES, RESPONSES, APIError, check_limits, check_logprobs,
+                                   check_no_images, check_prompt_length, Choice, Context, field_error, Job, new_id,
+                                   number_field, request_temperature, sample_seed, samples, sampling, wide_integer)
 
 
 # --------------------------------------------------------------------------- recipe APIs

@@ -1,5 +1,5 @@
 """The legacy Completions API (a raw prompt, no conversation): the one shape written here,
-over `dsjax.generate.TextRun` (stop strings, logprobs), with `echo` and prompt logprobs."""
+over `dsjax.output.TextRun` (stop strings, logprobs), with `echo` and prompt logprobs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 
 from dsjax.engine import TokenEvent
-from dsjax.generate import TextRun
-from dsjax.serving.fields import (COMPLETIONS, APIError, check_limits, check_logprobs, check_prompt_length,
+from dsjax.output import TextRun
+from dsjax.protocol.fields import (COMPLETIONS, APIError, check_limits, check_logprobs, check_prompt_length,
                                   Choice, Context, field_error, Job, new_id, number_field,
                                   sample_seed, samples, sampling)
 

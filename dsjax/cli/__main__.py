@@ -1,0 +1,7 @@
+"""`python -m dsjax.cli ...` is the `dsjax` command."""
+
+import sys
+
+from dsjax.cli import main
+
+sys.exit(main())
