@@ -231,19 +231,20 @@ class DraftSampler:
     policy): no confidences."""
 
     s: SamplingState
+    row_sampled: jax.Array  # [B] bool: s.temperature > 0, formed once (a draft loop carries it)
     sampled: bool = struct.field(pytree_node=False)
     confidence: bool = struct.field(pytree_node=False)
 
     def pick(self, logits: jax.Array, position: jax.Array) -> jax.Array:
         if not self.sampled:
             return argmax_first(logits)
-        return jnp.where(self.s.temperature > 0, draw(processed_probs(logits, self.s), self.s.seed, position, DRAFT),
+        return jnp.where(self.row_sampled, draw(processed_probs(logits, self.s), self.s.seed, position, DRAFT),
                          argmax_first(logits))
 
     def choose(self, logits: jax.Array, position: jax.Array):
         """-> (draft j [B], q [B, V'] or None, confidence [B] or None): q(d); for greedy rows (q
         one-hot) the drafter's softmax at d."""
-        row_sampled, q, conf = self.s.temperature > 0, None, None
+        row_sampled, q, conf = self.row_sampled, None, None
         if self.sampled:
             q = self.probs(logits)
             j = jnp.where(row_sampled, draw(q, self.s.seed, position, DRAFT), argmax_first(logits))
@@ -271,7 +272,7 @@ def commit_and_draft(drafter: Drafter, params, weights, state, features, next_to
     to draft only when it holds (prefill: on a prompt's last chunk), else `old` is returned.
     vocab: draft only among its ids (None: the full vocabulary)."""
     state, context = drafter.commit(weights, params, state, features, next_tokens, start, n_valid, cfg, opts)
-    sampler = DraftSampler(s, sampled, confidence)
+    sampler = DraftSampler(s, s.temperature > 0, sampled, confidence)
 
     def chain() -> Drafts:
         tokens, q, conf = drafter.draft(weights, params, state, context, cfg, opts, k=old.tokens.shape[1],
