@@ -5,6 +5,9 @@ only, with no circles, so each layer can be read and tested without the ones abo
         -> engine -> checkpoint, model -> layers -> pallas_kernels, sharding.rules, memory
         -> params -> config
 
+The engine meets the model through one door, `dsjax.model.interface` (forward, cache, head,
+drafters): of `dsjax.model` and `dsjax.layers` it imports that module and nothing else.
+
 The front ends (serving, batch) stand on the library, not on each other: what they share
 (the OpenAI / Anthropic translation, the output processor, how a command runs) lies below
 them, and only the CLI, the top, imports the front ends it launches.
@@ -39,6 +42,8 @@ RANKS = {
 FRONT_ENDS = ("dsjax.serving", "dsjax.batch")
 # Below the model, a mechanism file sees only these.
 LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.pallas_kernels", "dsjax.layers")
+# The engine's one door into the model and the layers below it.
+MODEL_INTERFACE = "dsjax.model.interface"
 # Function-level imports of dsjax hide upward edges; only the CLI and the command helpers defer
 # their imports (start-up time).
 LAZY_ALLOWED = ("dsjax.cli", "dsjax.command")
@@ -113,6 +118,14 @@ def test_forbidden_edges(below, above):
     bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m.startswith(below)
            for t, _ in edges if t == above or t.startswith(above + ".")]
     assert not bad, "\n".join(bad)
+
+
+def test_engine_imports_only_the_model_interface():
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m == "dsjax.engine" or m.startswith("dsjax.engine.")
+           for t, _ in edges if t != MODEL_INTERFACE
+           and any(t == p or t.startswith(p + ".") for p in ("dsjax.model", "dsjax.layers"))]
+    assert MODEL_INTERFACE in MODULES
+    assert not bad, f"the engine reaches past {MODEL_INTERFACE} (add what it needs there):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)

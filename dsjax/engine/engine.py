@@ -45,9 +45,6 @@ import numpy as np
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
-from dsjax.model.cache import batch_axes
-from dsjax.model.decoder import INVARIANT_ROWS, head_dtype, step_head_params
-from dsjax.model.v41 import reference_key_rule
 from dsjax.engine.constrained_step import ConstrainedDecode
 from dsjax.engine.prefill import Prefill
 from dsjax.engine.prefix_cache import PrefixCacheOptions, PrefixCaching
@@ -56,7 +53,7 @@ from dsjax.engine.programs import StepOutput, decode_step, init_state, spec_deco
 from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_request, context_bucket,
                                    context_buckets, first_tokens_mask, stop_ids)
 from dsjax.engine.sampler import SamplingParams
-from dsjax.layers import cpu_kernels
+from dsjax.model.interface import INVARIANT_ROWS, batch_axes, reference_key_rule, step_head_params, worth_screening
 from dsjax.engine.speculative import Schedule, calibration_centres
 from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
 from dsjax.sharding.distributed import to_host
@@ -122,7 +119,7 @@ class Engine(Prefill, ConstrainedDecode):
     `prefix_metrics()` counts hits, tokens saved and tier traffic. A V4.1 model under the
     reference's published-key rule (the default) cuts prompts on that grid too
     (`aligned_chunks`): a chunk starting at s > 0 equals one-token decodes only up to position
-    2 s + 1 (`dsjax.model.v41.reference_key_rule`), and a full chunk after a narrower first one
+    2 s + 1 (`dsjax.model.interface.reference_key_rule`), and a full chunk after a narrower first one
     would pass it.
 
     `step_params`: the weights the prefill and decode programs run with: the model's, but for
@@ -193,7 +190,7 @@ class Engine(Prefill, ConstrainedDecode):
             self.step_params = step_head_params(model.params, model.dtype,
                                                 one_row=self.rows == 1 and not num_draft_tokens,
                                                 screen=greedy_screen and not num_draft_tokens and not max_logprobs
-                                                and cpu_kernels.worth_screening(head_dtype(model.params), self.rows))
+                                                and worth_screening(model.params, self.rows))
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
         cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
                                         num_draft_tokens=num_draft_tokens)

@@ -10,7 +10,7 @@ from dsjax.config import ModelConfig
 from dsjax.engine.requests import max_capacity
 from dsjax.engine.sampler import is_int
 from dsjax.memory import free_memory
-from dsjax.model.cache import cache_bytes
+from dsjax.model.interface import sequence_cache_bytes
 
 
 def check_engine_args(cfg: ModelConfig, *, max_slots, capacity, prefill_chunk, decode_steps, max_logprobs,
@@ -44,7 +44,7 @@ def check_cache_fits(model, max_slots: int, capacity: int, device_memory_bytes: 
     """Refuse, before it is allocated, a cache of `max_slots` x `capacity` tokens (and the
     slots' token histories) that one device's share of does not fit in what the device has
     free (`device_memory_bytes`, default: what it reports)."""
-    per_slot = cache_bytes(model.config, capacity, model.dtype)["bytes_per_sequence"] + capacity * 4  # + history
+    per_slot = sequence_cache_bytes(model.config, capacity, model.dtype) + capacity * 4  # + history
     if model.mesh is None:
         shards, device, sharing = 1, jax.devices()[0], 1
     else:

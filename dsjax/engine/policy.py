@@ -26,7 +26,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig
 from dsjax.engine.speculative import CALIBRATION_BINS, Schedule, calibration_centres
-from dsjax.model.cache import min_ring
+from dsjax.model.interface import min_ring
 
 SPEC_POLICIES = ("confidence", "fixed")
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per bin at the bin's centre: the raw confidence until drafts are judged

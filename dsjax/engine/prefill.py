@@ -17,7 +17,7 @@ from dsjax.engine.constraints import mask_words
 from dsjax.engine.programs import (StepOutput, prefill_rows, prefill_step, spec_prefill_rows, spec_prefill_step,
                                    start_decoding)
 from dsjax.engine.requests import Request, admission, chunk_length, chunk_lengths
-from dsjax.model.decoder import INVARIANT_ROWS
+from dsjax.model.interface import INVARIANT_ROWS
 
 
 class Prefill:

@@ -4,7 +4,7 @@ A prompt is cut into blocks of `block` tokens on the absolute grid (block = the 
 prefill chunk, a multiple of every compression ratio, so no compression group straddles
 two blocks). Block j of a prompt is keyed by a hash chain over its tokens and every block
 before (`block_keys`); with speculation also over the token after it, which the drafter's
-ring at the block's end has read. A cached block (`dsjax.model.cache.Block`) holds the
+ring at the block's end has read. A cached block (`dsjax.model.interface.CacheBlock`) holds the
 compressed entries and index keys its tokens completed, per layer, and the fixed-size state
 at its end (window, compressor rings, Engram history, the drafter's ring).
 
@@ -46,8 +46,7 @@ from dsjax.engine.limits import check_prefix_cache
 from dsjax.engine.programs import restore_block, save_block
 from dsjax.engine.requests import admission
 from dsjax.memory import free_memory
-from dsjax.model.cache import block_layout, cache_bytes
-from dsjax.model.v41 import decodes_equal_prefill
+from dsjax.model.interface import block_layout, decodes_equal_prefill, sequence_cache_bytes
 
 ROOT = b""
 
@@ -92,7 +91,7 @@ def auto_options(model, *, max_slots: int, capacity: int, prefill_chunk: int,
         check_prefix_cache(model.config, prefill_chunk, model.mesh)
     except ValueError as e:
         return None, f"prefix cache off: {e}"
-    slots = max_slots * (cache_bytes(model.config, capacity, model.dtype)["bytes_per_sequence"] + capacity * 4)
+    slots = max_slots * (sequence_cache_bytes(model.config, capacity, model.dtype) + capacity * 4)
     budget = int(max(free_memory(jax.devices()[0]) - slots, 0) * AUTO_SHARE)
     if budget < 2**20:
         return None, "prefix cache off: no device memory left after the weights and slots"

@@ -30,12 +30,9 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import SamplingState, sample_tokens, top_logprobs
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
 from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
-from dsjax.model.cache import Block, Cache, init_cache, over_tiles, put_block, put_rows, take_block, take_rows
-from dsjax.layers import cpu_kernels
-from dsjax.layers.quantized import PackedHead
-from dsjax.layers.linear import linear
-from dsjax.model.decoder import INVARIANT_ROWS, screens
-from dsjax.model.forward_pass import forward
+from dsjax.model.interface import (INVARIANT_ROWS, Cache, CacheBlock, PackedHead, forward, greedy_tokens, head_product,
+                                   init_cache, over_tiles, put_block, put_rows, screens, step_head, take_block,
+                                   take_rows)
 from dsjax.sharding.rules import current_mesh, per_row, rows
 
 # XLA:CPU vectorises the loops it emits itself (its matrix-vector products and fusions; library
@@ -78,9 +75,9 @@ def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions:
     plain = (s.temperature == 0) & (s.repetition_penalty == 1) & (s.presence_penalty == 0) & (
         s.frequency_penalty == 0) & jnp.all(s.bias_values == 0, axis=-1)
     undecided = jnp.full(h.shape[:1], -1, jnp.int32)
-    tokens = jax.lax.cond(jnp.all(plain | ~rows), lambda: cpu_kernels.greedy_tokens(h, head)[0], lambda: undecided)
+    tokens = jax.lax.cond(jnp.all(plain | ~rows), lambda: greedy_tokens(h, head), lambda: undecided)
     return jax.lax.cond(jnp.all((tokens >= 0) | ~rows), lambda: jnp.maximum(tokens, 0),
-                        lambda: sample_tokens(linear(h, head, out_dtype=jnp.float32), s, positions))
+                        lambda: sample_tokens(head_product(h, head), s, positions))
 
 
 @jax.named_scope("sampler")  # a profile's op group (benchmarks/decode_trace.py)
@@ -140,7 +137,7 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
                                 n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True,
                                 hidden=screened)
         if screened:  # (one device: per_row is the function itself)
-            tokens = screened_tokens(logits[:, 0], params.lm_head, slots.sampling, cache.length, active)
+            tokens = screened_tokens(logits[:, 0], step_head(params), slots.sampling, cache.length, active)
             slots, out = emit_sampled(slots, tokens, cache.length, active)
         else:
             emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
@@ -344,13 +341,13 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
 
 
 @functools.partial(program, static_argnames=("block", "layout"))
-def save_block(cache: Cache, drafter, row, j, *, block: int, layout: tuple[int, ...]) -> Block:
+def save_block(cache: Cache, drafter, row, j, *, block: int, layout: tuple[int, ...]) -> CacheBlock:
     """Block j of cache row `row` (with its drafter ring, or None), copied out at its end."""
     return take_block(cache, drafter, row, j, block=block, layout=layout)
 
 
 @functools.partial(program, static_argnames=("block", "layout"), donate_argnames=("cache", "slots", "drafter"))
-def restore_block(cache: Cache, slots: Slots, drafter, blk: Block, tokens: jax.Array, row, j, admission: Admission, *,
+def restore_block(cache: Cache, slots: Slots, drafter, blk: CacheBlock, tokens: jax.Array, row, j, admission: Admission, *,
                   block: int, layout: tuple[int, ...]):
     """Put cached block j (tokens [1, block]) into row `row` as if its prompt chunk had run
     there: the tokens are booked (`take_prompt_chunk`; block 0's admission resets the row to

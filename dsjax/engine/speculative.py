@@ -1,6 +1,7 @@
-"""Speculative decoding with the MTP drafter (DeepSeek-V4.1: the DSpark head): k drafts per
-request verified in ONE jitted target forward over k+1 positions, lossless acceptance, and
-rollback of every cache row the rejected positions wrote.
+"""Speculative decoding with the model's drafter (`dsjax.model.interface.Drafter`: V4's MTP
+layer, V4.1's DSpark head): k drafts per request verified in ONE jitted target forward over
+k+1 positions, lossless acceptance, and rollback of every cache row the rejected positions
+wrote.
 
 Per step, for each slot at cache length L with pending token x_L (not yet in the cache):
 
@@ -15,9 +16,10 @@ Rollback: before the forward, the rows the k+1 positions will overwrite are save
 layer the window-ring slots, the compressor / indexer ring slots, and the compressed entry
 each position would complete (k+1 rows each, never a whole cache); afterwards the rows of
 rejected positions are put back. So after any accept / reject sequence the cache equals
-the one plain decoding of the kept tokens builds. The MTP ring only ever receives true
-positions (the target's streams of the kept positions), and drafting k tokens runs the
-MTP layer recurrently on a scratch copy of its ring, so it needs no rollback.
+the one plain decoding of the kept tokens builds (`save_written`, `roll_back`). The drafter
+only ever commits true positions (the target's features of the kept positions), so its state
+needs no rollback; this file draws its drafts (`DraftSampler`) and never branches on which
+drafter it has.
 
 p and q are the request's *processed* distributions (temperature, top-k, top-p, min-p),
 so the output distribution is exactly the target's. Penalties, whose statistics would
@@ -31,11 +33,11 @@ scattered into the full vocabulary (zero outside D): still the distribution the 
 drawn from, so the acceptance test above stays exact. The target verifies with its full
 head as before; only the drafts change (greedy outputs are plain decoding's whatever D is).
 
-DeepSeek-V4.1 (`dspark_commit_and_draft`): the committed positions' taps feed the DSpark
-stages' key rings, and one DSpark call drafts the block after the next token, each draft
-drawn (as above, with the request's keys) from the processed Markov-corrected logits given
-the drafts before it; its confidence head gives the confidence policy sigma(c_k). The
-rollback also puts back the Engram id history (`kept_history`).
+DeepSeek-V4.1 (`dsjax.model.dspark.DSparkDrafter`): the committed positions' taps feed the
+DSpark stages' key rings, and one DSpark call drafts the block after the next token, each
+draft drawn (as above, with the request's keys) from the processed Markov-corrected logits
+given the drafts before it; its confidence head gives the confidence policy sigma(c_k). The
+rollback also puts back the Engram id history.
 """
 
 from __future__ import annotations
@@ -50,14 +52,8 @@ from flax import struct
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import SamplingState, argmax_first, categorical, processed_logits, request_key
 from dsjax.engine.slots import emit_tokens
-from dsjax.layers.attention import AttentionState
-from dsjax.model.cache import Cache, batch_axes, restore_rows, save_rows
-from dsjax.model.decoder import (DEFAULT_OPTIONS, ModelParams, decoder_streams, head_logits, last_valid, lm_head_weight,
-                                 logits_of, rows_logits)
-from dsjax.layers.engram import kept_history
-from dsjax.model.dspark import DSparkRing, dspark_draft, dspark_seed, empty_ring
-from dsjax.model.mtp import MTPParams, mtp_forward, mtp_head, mtp_state_shapes
-from dsjax.model.v41 import DSparkParams, reference_key_rule, v41_forward_rows
+from dsjax.model.interface import (DEFAULT_OPTIONS, Cache, Drafter, batch_axes, drafter_for, head_rows,
+                                   reference_key_rule, roll_back, save_written)
 from dsjax.sharding.rules import per_row
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
@@ -99,10 +95,10 @@ class DraftVocab:
     head: jax.Array  # [|D|, D_model]: lm_head_weight rows of ids
 
 
-def draft_vocab(params: ModelParams, ids) -> DraftVocab:
+def draft_vocab(params, ids) -> DraftVocab:
     """The head rows of token ids [|D|] (checked ones, `dsjax.engine.policy.check_draft_vocab`)."""
     ids = jnp.asarray(ids, jnp.int32)
-    return DraftVocab(ids, jnp.take(lm_head_weight(params), ids, axis=0))
+    return DraftVocab(ids, head_rows(params, ids))
 
 
 def processed_probs(logits: jax.Array, s: SamplingState) -> jax.Array:
@@ -185,10 +181,10 @@ def accept_greedy(logits: jax.Array, drafts: jax.Array, limit: jax.Array):
 # ----------------------------------------------------------------------------- drafting
 @struct.dataclass
 class Speculation:
-    """Per slot: the MTP layer's window ring, the pending drafts and how many of them the
-    next verify step checks."""
+    """Per slot: the drafter's state (`Drafter.init_state`: the MTP layer's window ring, V4.1's
+    DSpark stages' rings), the pending drafts and how many of them the next verify step checks."""
 
-    mtp: AttentionState | DSparkRing  # V4.1: the DSpark stages' rings
+    mtp: object  # the drafter's state (the name kept from when the MTP layer was the only drafter)
     drafts: Drafts
     limit: jax.Array  # [B] int32
 
@@ -197,11 +193,7 @@ def init_speculation(cfg: ModelConfig, batch: int, n_drafts: int, dtype) -> Spec
     f32 = jnp.float32
     drafts = Drafts(jnp.zeros((batch, n_drafts), jnp.int32), jnp.zeros((batch, n_drafts, cfg.vocab_size), f32),
                     jnp.zeros((batch, n_drafts), f32))
-    if cfg.v41 is not None:
-        ring = empty_ring(cfg, batch, dtype)
-    else:
-        ring = jax.tree.map(lambda sh: jnp.zeros(sh.shape, sh.dtype), mtp_state_shapes(cfg, batch, dtype))
-    return Speculation(ring, drafts, jnp.zeros((batch,), jnp.int32))
+    return Speculation(drafter_for(cfg).init_state(cfg, batch, dtype), drafts, jnp.zeros((batch,), jnp.int32))
 
 
 def calibrated(confidence: jax.Array, acceptance: jax.Array) -> jax.Array:
@@ -231,123 +223,66 @@ def choose_limits(confidence: jax.Array, costs: jax.Array | None, acceptance: ja
     return jnp.argmax(expected / costs[None, :], axis=1).astype(jnp.int32)
 
 
-def commit_and_draft(params: ModelParams, mtp: MTPParams, mtp_state: AttentionState, streams: jax.Array,
-                     next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, s: SamplingState,
-                     old: Drafts, cfg: ModelConfig, *, sampled: bool, confidence: bool, draft=True,
-                     vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
-    """Commit true positions start .. start+n_valid-1 to the MTP ring (target streams
-    [B, C, N, D] and the tokens after them [B, C]), then draft as many tokens as `old` holds
-    from the last one by reusing the MTP layer on its own output streams (on a scratch copy
-    of the ring, so the ring only ever holds true positions and needs no rollback).
-    sampled=False (every row greedy): draft by argmax and leave old.q untouched;
-    confidence=False (fixed policy): no confidences (old's kept). draft: a traced bool to
-    draft only when it holds (prefill: on a prompt's last chunk), else `old` is returned.
-    vocab: draft only among its ids (None: the full vocabulary)."""
-    out, mtp_state = mtp_forward(mtp, params, streams, next_tokens, cfg, mtp_state, start=start, n_valid=n_valid,
-                                 opts=opts)
-    h = last_valid(out, n_valid)  # [B, 1, N, D]
-    pos = start + jnp.maximum(n_valid - 1, 0)  # the position the MTP step just ran at; it predicts pos + 2
-    row_sampled = s.temperature > 0
+@struct.dataclass
+class DraftSampler:
+    """How drafts are drawn (`dsjax.model.interface.DraftSampling`): from each request's
+    processed distribution with its (seed, position, DRAFT) key, greedy rows by argmax.
+    sampled=False (every row greedy): no distributions formed; confidence=False (fixed
+    policy): no confidences."""
 
-    def draft_one(h, pos):
-        """One draft from the MTP output streams h at pos (predicting pos + 2). With a draft
-        vocabulary, logits / q / the draw are over D (index j) and d = D[j]; q leaves here
-        scattered into the full vocabulary."""
-        if vocab is None:
-            head, weight = lambda: mtp_head(mtp, params, h, cfg)[:, 0], lm_head_weight(params)  # [B, V]
-            full_id = lambda j: j  # noqa: E731
-        else:
-            head, weight = lambda: head_logits(mtp.hc_head, mtp.norm, vocab.head, h, cfg)[:, 0], vocab.head  # [B, |D|]
-            full_id = lambda j: vocab.ids[j]  # noqa: E731
-        logits = rows_logits(head, weight, n_valid, h.dtype)  # a 16-bit head read in place in the draft loop too
-        out = {}
-        if sampled:
-            q = processed_probs(logits, s)
-            j = jnp.where(row_sampled, draw(q, s.seed, pos + 2, DRAFT), argmax_first(logits))
-            out["q"] = q if vocab is None else jnp.zeros((q.shape[0], cfg.vocab_size), q.dtype).at[:, vocab.ids].set(q)
+    s: SamplingState
+    row_sampled: jax.Array  # [B] bool: s.temperature > 0, formed once (a draft loop carries it)
+    sampled: bool = struct.field(pytree_node=False)
+    confidence: bool = struct.field(pytree_node=False)
+
+    def pick(self, logits: jax.Array, position: jax.Array) -> jax.Array:
+        if not self.sampled:
+            return argmax_first(logits)
+        return jnp.where(self.row_sampled, draw(processed_probs(logits, self.s), self.s.seed, position, DRAFT),
+                         argmax_first(logits))
+
+    def choose(self, logits: jax.Array, position: jax.Array):
+        """-> (draft j [B], q [B, V'] or None, confidence [B] or None): q(d); for greedy rows (q
+        one-hot) the drafter's softmax at d."""
+        row_sampled, q, conf = self.row_sampled, None, None
+        if self.sampled:
+            q = self.probs(logits)
+            j = jnp.where(row_sampled, draw(q, self.s.seed, position, DRAFT), argmax_first(logits))
         else:
             j = argmax_first(logits)
-        if confidence:  # q(d); for greedy rows (q one-hot) the drafter's softmax (over D) at d
+        if self.confidence:
             at_j = jnp.take_along_axis(logits, j[:, None], axis=1)[:, 0]
             conf = jnp.exp(at_j - jax.nn.logsumexp(logits, axis=-1))
-            if sampled:
+            if self.sampled:
                 conf = jnp.where(row_sampled, jnp.take_along_axis(q, j[:, None], axis=1)[:, 0], conf)
-            out["confidence"] = conf
-        return full_id(j), out
+        return j, q, conf
 
-    def one(carry, _):  # the layer again, on its own output streams and the draft it just made
-        h, scratch, pos, d = carry
-        h, scratch = mtp_forward(mtp, params, h, d[:, None], cfg, scratch, start=pos + 1, n_valid=jnp.ones_like(pos),
-                                 opts=opts)
-        d, out = draft_one(h, pos + 1)
-        return (h, scratch, pos + 1, d), (d, out)
+    def probs(self, logits: jax.Array) -> jax.Array:
+        return processed_probs(logits, self.s)
+
+
+def commit_and_draft(drafter: Drafter, params, weights, state, features, next_tokens: jax.Array, start: jax.Array,
+                     n_valid: jax.Array, s: SamplingState, old: Drafts, cfg: ModelConfig, *, sampled: bool,
+                     confidence: bool, draft=True, vocab: DraftVocab | None = None,
+                     opts: RuntimeOptions = DEFAULT_OPTIONS):
+    """Commit true positions start .. start+n_valid-1 to the drafter's state (the target's
+    features of them and the tokens after them [B, C]), then draft as many tokens as `old`
+    holds after the last one (`Drafter`). sampled=False (every row greedy): drafts by argmax,
+    old.q kept; confidence=False (fixed policy): old's confidences kept. draft: a traced bool
+    to draft only when it holds (prefill: on a prompt's last chunk), else `old` is returned.
+    vocab: draft only among its ids (None: the full vocabulary)."""
+    state, context = drafter.commit(weights, params, state, features, next_tokens, start, n_valid, cfg, opts)
+    sampler = DraftSampler(s, s.temperature > 0, sampled, confidence)
 
     def chain() -> Drafts:
-        first, first_out = draft_one(h, pos)
-        _, (rest, rest_out) = jax.lax.scan(one, (h, mtp_state, pos, first), None, length=old.tokens.shape[1] - 1)
-        stack = lambda a, b: jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1)  # noqa: E731  [B, K, ...]
-        return Drafts(stack(first, rest), stack(first_out["q"], rest_out["q"]) if sampled else old.q,
-                      stack(first_out["confidence"], rest_out["confidence"]) if confidence else old.confidence)
+        tokens, q, conf = drafter.draft(weights, params, state, context, cfg, opts, k=old.tokens.shape[1],
+                                        sampler=sampler, vocab=vocab)
+        return Drafts(tokens, old.q if q is None else q, old.confidence if conf is None else conf)
 
-    return mtp_state, chain() if draft is True else jax.lax.cond(jnp.any(draft), chain, lambda: old)
+    return state, chain() if draft is True else jax.lax.cond(jnp.any(draft), chain, lambda: old)
 
 
-def at(x: jax.Array, i: jax.Array) -> jax.Array:
-    """x [B, C, ...] at position i [B] of each row -> [B, ...] (take_along_axis: row-local on a
-    mesh, where indexing by an arange of rows would gather across the batch shards)."""
-    return jnp.take_along_axis(x, i.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
-
-
-def dspark_commit_and_draft(params, ds: DSparkParams, ring: DSparkRing, hidden: jax.Array, next_tokens: jax.Array,
-                            start: jax.Array, n_valid: jax.Array, s: SamplingState, old: Drafts, cfg: ModelConfig, *,
-                            sampled: bool, confidence: bool, draft=True, vocab: DraftVocab | None = None,
-                            opts: RuntimeOptions = DEFAULT_OPTIONS):
-    """`commit_and_draft` for DeepSeek-V4.1's DSpark head: write the main-stream keys of the
-    true positions start .. start+n_valid-1 (their taps hidden [B, C, T * D]) into the stages'
-    rings, then draft from the last one the block after its next token. Each draft is corrected
-    by the one before; greedy rows take the argmax, sampled ones (sampled=True) draw from the
-    request's processed distribution of the corrected logits, which is then q. confidence:
-    sigma of the confidence head. vocab must be None (DSpark scores the full vocabulary)."""
-    del vocab
-    c = hidden.shape[1]
-    i = jnp.arange(c)
-    ring = dspark_seed(ds, hidden, start[:, None] + i, ring, cfg, i[None] < n_valid[:, None], opts=opts)
-    last = jnp.maximum(n_valid - 1, 0)
-    t = start + last  # the last committed position: the drafts are for t + 2 ..
-    row_sampled = s.temperature > 0
-
-    def pick(logits, j):
-        if not sampled:
-            return argmax_first(logits)
-        return jnp.where(row_sampled, draw(processed_probs(logits, s), s.seed, t + 2 + j, DRAFT), argmax_first(logits))
-
-    def chain() -> Drafts:  # the ring it returns is `ring` again (rho_t is written above), unless n_valid is 0
-        _, tokens, logits, conf = dspark_draft(ds, params, at(next_tokens, last), at(hidden, last), t, ring, cfg,
-                                               pick=pick, opts=opts)
-        k = old.tokens.shape[1]
-        return Drafts(tokens[:, :k], processed_probs(logits[:, :k], s) if sampled else old.q,
-                      jax.nn.sigmoid(conf[:, :k]) if confidence else old.confidence)
-
-    return ring, chain() if draft is True else jax.lax.cond(jnp.any(draft), chain, lambda: old)
-
-
-def target_chunk(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *, opts: RuntimeOptions,
-                 n_valid: jax.Array, ctx_bucket: int, last_only: bool = False):
-    """The target over a chunk tokens [B, C] -> (logits fp32 [B, C, V] (last_only: [B, 1, V]
-    at each row's last valid position), what its drafter reads (V4: the streams [B, C, N, D];
-    V4.1: DSpark's taps [B, C, T * D]), cache)."""
-    if cfg.v41 is None:
-        streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
-        return logits_of(params, last_valid(streams, n_valid) if last_only else streams, cfg), streams, cache
-    logits, cache, hidden = v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, taps=True)
-    return logits, hidden, cache
-
-
-def _drafter(cfg: ModelConfig):
-    return commit_and_draft if cfg.v41 is None else dspark_commit_and_draft
-
-
-def update_speculation(spec: Speculation, mtp_state: AttentionState, drafts: Drafts, rows: jax.Array,
+def update_speculation(spec: Speculation, mtp_state, drafts: Drafts, rows: jax.Array,
                        schedule: Schedule | None) -> Speculation:
     """The new ring and drafts for `rows` [B] (bool); the other rows keep theirs."""
     def keep(new, old, axis=0):
@@ -377,12 +312,12 @@ class Verified:
     logits: jax.Array  # [B, k+1, V] fp32: the target's, tokens[:, i] was chosen from logits[:, i]
 
 
-def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, slots, *, k: int,
+def verify(params, mtp, cache: Cache, spec: Speculation, slots, *, k: int,
            cfg: ModelConfig, ctx_bucket: int, schedule: Schedule | None, sampled: bool = True,
            vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
     """One speculative step for every active slot: feed [pending token, first k drafts] in
     one target forward, accept (at most each row's limit), roll the caches back to the
-    kept positions, commit them to the MTP ring and draft anew. sampled=False: a batch of
+    kept positions, commit them to the drafter and draft anew. sampled=False: a batch of
     greedy rows only (no distributions formed: argmax on the logits). vocab: the drafter's
     reduced vocabulary for the next drafts (None: full); verification always uses the full head.
     -> (cache, spec, slots, Verified)."""
@@ -390,9 +325,10 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
     drafts = spec.drafts
     tokens = jnp.concatenate([slots.last_token[:, None], drafts.tokens[:, :k]], axis=1)  # [B, k+1]
     positions = start[:, None] + jnp.arange(k + 1)
-    saved, history = save_rows(cache, positions, cfg), cache.history
-    logits, streams, cache = target_chunk(params, tokens, cfg, cache, opts=opts, n_valid=jnp.where(active, k + 1, 0),
-                                          ctx_bucket=ctx_bucket)
+    drafter = drafter_for(cfg)
+    saved = save_written(cache, positions, cfg)
+    logits, features, cache = drafter.target_chunk(params, tokens, cfg, cache, opts=opts,
+                                                   n_valid=jnp.where(active, k + 1, 0), ctx_bucket=ctx_bucket)
     limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
     if reference_key_rule(cfg, opts):  # exact at positions t <= 2 start + 1 only: a row keeps at most
         limit = jnp.minimum(limit, start + 1)  # start + 1 drafts (a short prompt's first steps)
@@ -403,37 +339,34 @@ def verify(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation,
         a, nxt = accept_greedy(logits, drafts.tokens[:, :k], limit)
     i = jnp.arange(k + 1)
     produced = jnp.where(i < a[:, None], jnp.pad(drafts.tokens[:, :k], ((0, 0), (0, 1))), nxt[:, None])
-    cache = restore_rows(cache, saved, positions, (i > a[:, None]) & active[:, None], cfg)
     kept = jnp.where(active, a + 1, 0)
-    cache = cache.replace(length=start + kept)
-    tables = getattr(params, "engram_tables", None)
-    if tables is not None:  # the Engram ids of the kept positions only
-        cache = cache.replace(history=kept_history(tables.token_map, history, tokens, kept))
+    cache = roll_back(params, cache, saved, positions, (i > a[:, None]) & active[:, None], tokens, kept, cfg)
     slots, count, finished = emit_tokens(slots, produced, a + 1, start)
-    mtp_state, new = _drafter(cfg)(params, mtp, spec.mtp, streams, produced, start, kept, slots.sampling, drafts, cfg,
-                                   sampled=sampled, confidence=schedule is not None, vocab=vocab, opts=opts)
+    mtp_state, new = commit_and_draft(drafter, params, mtp, spec.mtp, features, produced, start, kept, slots.sampling,
+                                      drafts, cfg, sampled=sampled, confidence=schedule is not None, vocab=vocab,
+                                      opts=opts)
     spec = update_speculation(spec, mtp_state, new, active, schedule)
     return cache, spec, slots, Verified(produced, count, finished, limit, a, logits)
 
 
-def prefill_chunk(params: ModelParams, mtp: MTPParams, cache: Cache, spec: Speculation, tokens: jax.Array,
+def prefill_chunk(params, mtp, cache: Cache, spec: Speculation, tokens: jax.Array,
                   next_tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array, emit, *, cfg: ModelConfig,
                   ctx_bucket: int, schedule: Schedule | None, sampled: bool = True,
                   vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
-    """A prompt chunk tokens [B, C] through the target and the MTP ring. next_tokens [B, C]:
+    """A prompt chunk tokens [B, C] through the target and the drafter's state. next_tokens [B, C]:
     the token after each (from the prompt; after its end, the sampled first token).
     `emit(logits [B, V], length [B], is_last [B]) -> (first token [B], sampling state, aux)`
     samples the first token of rows whose prompt ends here; their drafts follow it.
     -> (cache, spec, aux)."""
-    start = cache.length
-    logits, streams, cache = target_chunk(params, tokens, cfg, cache, opts=opts, n_valid=n_valid,
-                                          ctx_bucket=ctx_bucket, last_only=True)
+    start, drafter = cache.length, drafter_for(cfg)
+    logits, features, cache = drafter.target_chunk(params, tokens, cfg, cache, opts=opts, n_valid=n_valid,
+                                                   ctx_bucket=ctx_bucket, last_only=True)
     last = jnp.maximum(n_valid - 1, 0)
     logits = logits[:, 0]
     first, sampling, aux = emit(logits, cache.length, is_last)
     at_last = (jnp.arange(tokens.shape[1])[None] == last[:, None]) & is_last[:, None]  # row-local: no gather
     next_tokens = jnp.where(at_last, first[:, None], next_tokens)
-    mtp_state, drafts = _drafter(cfg)(params, mtp, spec.mtp, streams, next_tokens, start, n_valid, sampling,
-                                      spec.drafts, cfg, sampled=sampled, confidence=schedule is not None,
-                                      draft=is_last, vocab=vocab, opts=opts)
+    mtp_state, drafts = commit_and_draft(drafter, params, mtp, spec.mtp, features, next_tokens, start, n_valid,
+                                         sampling, spec.drafts, cfg, sampled=sampled, confidence=schedule is not None,
+                                         draft=is_last, vocab=vocab, opts=opts)
     return cache, update_speculation(spec, mtp_state, drafts, n_valid > 0, schedule), aux

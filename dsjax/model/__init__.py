@@ -1,11 +1,12 @@
 """The model: parameter declarations, the one forward (with or without a cache), the
 cache, and the MTP drafter.
 
+    interface.py     the engine's one door into the model: forward, cache, head, `Drafter`
     decoder.py       ModelParams / Block specs, the V4 decoder
     forward_pass.py  `forward(params, tokens, cfg, cache=None, ...)`: V4's decoder or V4.1's backbone
     v41.py / dspark.py  DeepSeek-V4.1's parameters and backbone; its DSpark drafter
     cache.py    Cache pytree, shapes / bytes, the rows a chunk writes (speculative rollback)
-    mtp.py      MTPParams, the drafter's forward and head
+    mtp.py      MTPParams, the drafter's forward and head; `MTPDrafter`
     stored.py   each generation's stored weight format; spec trees as resident mode keeps them
 """
 

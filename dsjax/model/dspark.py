@@ -33,8 +33,9 @@ from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.layers.shared_attention import SharedAttention, attend_and_project, project_q_kv, round_trip
+from dsjax.model.cache import Cache
 from dsjax.model.decoder import DEFAULT_OPTIONS, embed_streams
-from dsjax.model.v41 import DSparkParams, ModelParamsV41, block_apply_lag, dspark_config, first_pi
+from dsjax.model.v41 import DSparkParams, ModelParamsV41, block_apply_lag, dspark_config, first_pi, v41_forward_rows
 from dsjax.sharding.rules import lookup
 
 
@@ -194,3 +195,52 @@ def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main
     drafts, logits, e = markov_correct(ds, logits, anchor, temperature, key, pick)
     confidence = linear_f32(jnp.concatenate([h, e.astype(h.dtype)], axis=-1), ds.confidence)[..., 0]
     return ring, drafts, logits, confidence
+
+
+def _at(x: jax.Array, i: jax.Array) -> jax.Array:
+    """x [B, C, ...] at position i [B] of each row -> [B, ...] (take_along_axis: row-local on a
+    mesh, where indexing by an arange of rows would gather across the batch shards)."""
+    return jnp.take_along_axis(x, i.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
+class DSparkDrafter:
+    """DeepSeek-V4.1's DSpark head as the engine's drafter (`dsjax.model.interface.Drafter`):
+    its state is the stages' key rings, the target hands it its taps [B, C, T * D]. `commit`
+    writes the main-stream keys of true positions only (a prompt chunk, a verify step's kept
+    positions), so the rings need no rollback; `draft` drafts the block after the next token
+    in one call."""
+
+    def init_state(self, cfg: ModelConfig, batch: int, dtype) -> DSparkRing:
+        return empty_ring(cfg, batch, dtype)
+
+    def target_chunk(self, params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
+                     opts: RuntimeOptions, n_valid: jax.Array, ctx_bucket: int, last_only: bool = False):
+        """-> (logits fp32 [B, C, V] (last_only: [B, 1, V]), DSpark's taps [B, C, T * D], cache)."""
+        logits, cache, hidden = v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only,
+                                                 taps=True)
+        return logits, hidden, cache
+
+    def commit(self, ds: DSparkParams, params: ModelParamsV41, ring: DSparkRing, hidden: jax.Array,
+               next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
+               opts: RuntimeOptions = DEFAULT_OPTIONS):
+        """The keys of positions start .. start+n_valid-1 (taps hidden [B, C, T * D]) into the
+        rings -> (rings, what `draft` starts from: the last position's next token and taps)."""
+        i = jnp.arange(hidden.shape[1])
+        ring = dspark_seed(ds, hidden, start[:, None] + i, ring, cfg, i[None] < n_valid[:, None], opts=opts)
+        last = jnp.maximum(n_valid - 1, 0)
+        return ring, (next_tokens, hidden, last, start + last)  # t = start + last: the drafts are for t + 2 ..
+
+    def draft(self, ds: DSparkParams, params: ModelParamsV41, ring: DSparkRing, context, cfg: ModelConfig,
+              opts: RuntimeOptions = DEFAULT_OPTIONS, *, k: int, sampler, vocab=None):
+        """The first k of one DSpark block -> (tokens [B, k], q [B, k, V] or None, confidence [B, k]
+        or None): each draft corrected by the one before and drawn by `sampler.pick`; q the
+        sampler's distributions of the corrected logits, the confidence sigma(c_k) of the
+        confidence head. vocab must be None (DSpark scores the full vocabulary)."""
+        del vocab
+        next_tokens, hidden, last, t = context
+        pick = lambda logits, j: sampler.pick(logits, t + 2 + j)  # noqa: E731
+        # the ring dspark_draft returns is `ring` again (rho_t is written by `commit`), unless n_valid is 0
+        _, tokens, logits, conf = dspark_draft(ds, params, _at(next_tokens, last), _at(hidden, last), t, ring, cfg,
+                                               pick=pick, opts=opts)
+        return (tokens[:, :k], sampler.probs(logits[:, :k]) if sampler.sampled else None,
+                jax.nn.sigmoid(conf[:, :k]) if sampler.confidence else None)

@@ -23,8 +23,10 @@ from dsjax.layers.attention import AttentionState, attention_state_shapes
 from dsjax.layers.hyper_connection import HyperHead, hyper_head_specs
 from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
+from dsjax.model.cache import Cache
 from dsjax.model.decoder import (DEFAULT_OPTIONS, Block, ModelParams, attention_call, block_apply, block_specs,
-                                 head_logits, lm_head_weight, norm_spec)
+                                 decoder_streams, head_logits, last_valid, lm_head_weight, logits_of, norm_spec,
+                                 rows_logits)
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import lookup
 
@@ -85,3 +87,68 @@ def mtp_forward(mtp: MTPParams, main: ModelParams, streams: jax.Array, next_toke
 def mtp_state_shapes(cfg: ModelConfig, batch: int, dtype) -> AttentionState:
     """The MTP layer's cache: one window ring."""
     return attention_state_shapes(cfg, cfg.mtp_layer, batch, cfg.sliding_window, dtype)
+
+
+class MTPDrafter:
+    """The MTP layer as the engine's drafter (`dsjax.model.interface.Drafter`). Its state is the
+    layer's window ring; the target hands it the final streams of the positions it ran. It
+    commits true positions only (the streams of a prompt chunk or of a verify step's kept
+    positions), and drafts k tokens by running the layer recurrently on its own output streams
+    over a scratch copy of the ring, so nothing it holds needs rolling back."""
+
+    def init_state(self, cfg: ModelConfig, batch: int, dtype) -> AttentionState:
+        return jax.tree.map(lambda sh: jnp.zeros(sh.shape, sh.dtype), mtp_state_shapes(cfg, batch, dtype))
+
+    def target_chunk(self, params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
+                     opts: RuntimeOptions, n_valid: jax.Array, ctx_bucket: int, last_only: bool = False):
+        """-> (logits fp32 [B, C, V] (last_only: [B, 1, V]), the final streams [B, C, N, D], cache)."""
+        streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
+        return logits_of(params, last_valid(streams, n_valid) if last_only else streams, cfg), streams, cache
+
+    def commit(self, mtp: MTPParams, params: ModelParams, state: AttentionState, streams: jax.Array,
+               next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
+               opts: RuntimeOptions = DEFAULT_OPTIONS):
+        """Positions start .. start+n_valid-1 (streams [B, C, N, D], the tokens after them [B, C])
+        into the ring -> (ring, what `draft` starts from: the last output streams and position)."""
+        out, state = mtp_forward(mtp, params, streams, next_tokens, cfg, state, start=start, n_valid=n_valid,
+                                 opts=opts)
+        h = last_valid(out, n_valid)  # [B, 1, N, D]
+        pos = start + jnp.maximum(n_valid - 1, 0)  # the position the MTP step just ran at; it predicts pos + 2
+        return state, (h, pos, n_valid)
+
+    def draft(self, mtp: MTPParams, params: ModelParams, state: AttentionState, context, cfg: ModelConfig,
+              opts: RuntimeOptions = DEFAULT_OPTIONS, *, k: int, sampler, vocab=None):
+        """k drafts from `commit`'s context -> (tokens [B, k], q [B, k, V] or None, confidence
+        [B, k] or None), each drawn by `sampler.choose`. vocab (ids [|D|], head rows [|D|, D]):
+        score only those ids; q leaves scattered into the full vocabulary."""
+        h, pos, n_valid = context
+
+        def draft_one(h, pos):
+            if vocab is None:
+                head, weight = lambda: mtp_head(mtp, params, h, cfg)[:, 0], lm_head_weight(params)  # [B, V]
+                full_id = lambda j: j  # noqa: E731
+            else:
+                head, weight = lambda: head_logits(mtp.hc_head, mtp.norm, vocab.head, h, cfg)[:, 0], vocab.head
+                full_id = lambda j: vocab.ids[j]  # noqa: E731
+            logits = rows_logits(head, weight, n_valid, h.dtype)  # a 16-bit head read in place in the draft loop too
+            j, q, conf = sampler.choose(logits, pos + 2)
+            out = {}
+            if q is not None:  # with a draft vocabulary, scattered into the full one
+                out["q"] = q if vocab is None else \
+                    jnp.zeros((q.shape[0], cfg.vocab_size), q.dtype).at[:, vocab.ids].set(q)
+            if conf is not None:
+                out["confidence"] = conf
+            return full_id(j), out
+
+        def one(carry, _):  # the layer again, on its own output streams and the draft it just made
+            h, scratch, pos, d = carry
+            h, scratch = mtp_forward(mtp, params, h, d[:, None], cfg, scratch, start=pos + 1,
+                                     n_valid=jnp.ones_like(pos), opts=opts)
+            d, out = draft_one(h, pos + 1)
+            return (h, scratch, pos + 1, d), (d, out)
+
+        first, first_out = draft_one(h, pos)
+        _, (rest, rest_out) = jax.lax.scan(one, (h, state, pos, first), None, length=k - 1)
+        stack = lambda a, b: jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1)  # noqa: E731  [B, K, ...]
+        return (stack(first, rest), stack(first_out["q"], rest_out["q"]) if "q" in first_out else None,
+                stack(first_out["confidence"], rest_out["confidence"]) if "confidence" in first_out else None)

@@ -1,0 +1,164 @@
+"""The engine's one door into the model (and into the layers it needs): what an inference
+engine runs a DeepSeek-V4 / V4.1 model with, and nothing of how the model computes it.
+`dsjax.engine` imports this module and no other of `dsjax.model` / `dsjax.layers`
+(tests/test_layering.py holds it to that). Modelled on tpu-inference's `ModelInterface`
+(model_fn, compute_logits_fn, ...) and jax-llm-examples' single `forward`:
+
+    forward            the one jitted forward: a whole sequence or a cached chunk -> logits, cache
+    cache              init_cache, the rows a verify step writes (save / roll back), prefix blocks
+                       (take / put), sizes; batch-major tree helpers (rows, tiles, batch axes)
+    head               the step programs' head (`step_head_params`), the greedy screen, its product
+    drafters           `Drafter` (MTP: model/mtp.py, DSpark: model/dspark.py), `drafter_for(cfg)`
+    rules              what the model asks of the engine's scheduling (published-key rule, ...)
+
+The types re-exported (`Cache`, `CacheBlock`, `PackedHead`) are annotations and pytrees the
+engine passes along; it reads no field of the model's parameter dataclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.layers import cpu_kernels
+from dsjax.layers.engram import kept_history
+from dsjax.layers.linear import linear
+from dsjax.layers.quantized import PackedHead
+from dsjax.model.cache import Block as CacheBlock
+from dsjax.model.cache import (Cache, batch_axes, block_layout, cache_bytes, init_cache, min_ring, over_tiles,
+                               put_block, put_rows, restore_rows, save_rows, take_block, take_rows)
+from dsjax.model.decoder import DEFAULT_OPTIONS, INVARIANT_ROWS, head_dtype, lm_head_weight, screens, step_head_params
+from dsjax.model.dspark import DSparkDrafter
+from dsjax.model.forward_pass import forward
+from dsjax.model.mtp import MTPDrafter
+from dsjax.model.v41 import decodes_equal_prefill, reference_key_rule
+
+__all__ = [
+    # forward
+    "forward", "DEFAULT_OPTIONS", "INVARIANT_ROWS",
+    # cache
+    "Cache", "CacheBlock", "init_cache", "sequence_cache_bytes", "min_ring", "save_written", "roll_back",
+    "block_layout", "take_block", "put_block", "batch_axes", "take_rows", "put_rows", "over_tiles",
+    # head
+    "PackedHead", "step_head_params", "screens", "worth_screening", "step_head", "greedy_tokens", "head_product",
+    "head_rows",
+    # drafters
+    "Drafter", "DraftSampling", "drafter_for",
+    # rules
+    "reference_key_rule", "decodes_equal_prefill",
+]
+
+
+# ----------------------------------------------------------------------------- cache
+def sequence_cache_bytes(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> int:
+    """Bytes of one sequence's cache at `capacity` tokens (`cache_bytes`' bytes_per_sequence)."""
+    return cache_bytes(cfg, capacity, dtype)["bytes_per_sequence"]
+
+
+def save_written(cache: Cache, positions: jax.Array, cfg: ModelConfig):
+    """What a chunk at positions [B, n] will overwrite (each layer's rows, the Engram id history),
+    for `roll_back` after a verify step."""
+    return save_rows(cache, positions, cfg), cache.history, cache.length
+
+
+def roll_back(params, cache: Cache, saved, positions: jax.Array, rejected: jax.Array, tokens: jax.Array,
+              kept: jax.Array, cfg: ModelConfig) -> Cache:
+    """The cache after a verify step over tokens [B, n] at positions [B, n] kept the first kept
+    [B] of them: the rows the `rejected` [B, n] positions wrote put back (`save_written`'s), the
+    length start + kept, the Engram history (V4.1) of the kept tokens only. Equal to the cache
+    plain decoding of the kept tokens builds."""
+    rows, history, start = saved
+    cache = restore_rows(cache, rows, positions, rejected, cfg)
+    cache = cache.replace(length=start + kept)
+    tables = getattr(params, "engram_tables", None)
+    if tables is not None:  # the Engram ids of the kept positions only
+        cache = cache.replace(history=kept_history(tables.token_map, history, tokens, kept))
+    return cache
+
+
+# ----------------------------------------------------------------------------- head
+def worth_screening(params, rows: int) -> bool:
+    """Whether an engine of `rows` slots screens this model's head for greedy rows (`cpu_kernels`)."""
+    return cpu_kernels.worth_screening(head_dtype(params), rows)
+
+
+def step_head(params) -> PackedHead:
+    """The vocabulary head of `step_head_params`' params (packed, with its greedy screen when
+    `screens(params)`)."""
+    return params.lm_head
+
+
+def greedy_tokens(h: jax.Array, head: PackedHead) -> jax.Array:
+    """Each row's first maximum of h [B, D] @ head.T read through the screen, -1 where a row
+    needs all its logits (`cpu_kernels.greedy_tokens`)."""
+    return cpu_kernels.greedy_tokens(h, head)[0]
+
+
+def head_product(h: jax.Array, head) -> jax.Array:
+    """The logits fp32 [B, V] of the head's input rows h [B, D]."""
+    return linear(h, head, out_dtype=jnp.float32)
+
+
+def head_rows(params, ids: jax.Array) -> jax.Array:
+    """The vocabulary head's rows of token ids [n] -> [n, D] (a reduced draft vocabulary)."""
+    return jnp.take(lm_head_weight(params), ids, axis=0)
+
+
+# ----------------------------------------------------------------------------- drafters
+class DraftSampling(Protocol):
+    """How a drafter's tokens are drawn: the engine's (the requests' processed distributions,
+    keys of (seed, position)). `position` is the position of the token being drafted."""
+
+    sampled: bool  # some row samples: drafts come with the distributions q they were drawn from
+    confidence: bool  # the policy reads the drafter's confidence in each draft
+
+    def pick(self, logits: jax.Array, position: jax.Array) -> jax.Array:
+        """A draft [B] (an index into logits' last axis) from logits [B, V']."""
+
+    def choose(self, logits: jax.Array, position: jax.Array) -> tuple[jax.Array, Any, Any]:
+        """`pick`, with q [B, V'] (sampled) and the confidence q(d) [B] (confidence), else None."""
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        """The processed distributions of logits [B, ..., V]."""
+
+
+class Drafter(Protocol):
+    """What speculative decoding needs of a drafter. `weights` are its parameters (`Model.mtp`),
+    `params` the target's, `state` its batch-major state (rows along `batch_axes`). A step:
+
+        logits, features, cache = target_chunk(...)          the target, and what the drafter reads
+        state, context = commit(..., features, ...)          true positions only: a prompt chunk, or
+                                                             the positions a verify step kept
+        tokens, q, confidence = draft(..., context, k=...)   k drafts after the last committed one
+
+    Since only kept positions are committed, a drafter's state needs no rollback; the target's
+    cache has its own (`save_written`, `roll_back`)."""
+
+    def init_state(self, cfg: ModelConfig, batch: int, dtype) -> Any: ...
+
+    def target_chunk(self, params, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *, opts: RuntimeOptions,
+                     n_valid: jax.Array, ctx_bucket: int, last_only: bool = False) -> tuple[jax.Array, Any, Cache]:
+        """The target over a chunk tokens [B, C] -> (logits fp32 [B, C, V] (last_only: [B, 1, V]
+        at each row's last valid position), the drafter's features of each position, cache)."""
+
+    def commit(self, weights, params, state, features, next_tokens: jax.Array, start: jax.Array,
+               n_valid: jax.Array, cfg: ModelConfig, opts: RuntimeOptions = DEFAULT_OPTIONS) -> tuple[Any, Any]:
+        """Positions start .. start+n_valid-1 (features, and the token after each [B, C]) into the
+        state -> (state, the context drafting starts from)."""
+
+    def draft(self, weights, params, state, context, cfg: ModelConfig, opts: RuntimeOptions = DEFAULT_OPTIONS, *,
+              k: int, sampler: DraftSampling, vocab=None) -> tuple[jax.Array, Any, Any]:
+        """k drafts -> (tokens [B, k], q [B, k, V] when sampler.sampled else None, confidence
+        [B, k] when sampler.confidence else None). vocab (ids, head rows): a reduced draft
+        vocabulary, where the drafter supports one."""
+
+
+MTP, DSPARK = MTPDrafter(), DSparkDrafter()
+
+
+def drafter_for(cfg: ModelConfig) -> Drafter:
+    """The model's drafter: DeepSeek-V4's MTP layer, V4.1's DSpark head."""
+    return MTP if cfg.v41 is None else DSPARK
