@@ -147,6 +147,15 @@ def test_no_function_level_imports():
     assert not lazy, "function-level dsjax imports (a definition in the wrong file?):\n" + "\n".join(lazy)
 
 
+MAX_LINES = 500  # a file longer than this is split by mechanism (docs/architecture.md)
+
+
+def test_no_file_over_500_lines():
+    long = {str(f.relative_to(PACKAGE.parent)): n for f in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them by mechanism): {long}"
+
+
 def test_no_import_cycles():
     """Depth-first search for a cycle over every edge, function-level ones included."""
     state, stack = {}, []

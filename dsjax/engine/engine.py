@@ -36,13 +36,12 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-from typing import Any, Callable, ContextManager, Iterator, Protocol
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.constraints import Constraint, mask_words
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.engine.constrained_step import ConstrainedDecode
@@ -53,26 +52,12 @@ from dsjax.engine.programs import StepOutput, decode_step, init_state, spec_deco
 from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_request, context_bucket,
                                    context_buckets, first_tokens_mask, stop_ids)
 from dsjax.engine.sampler import SamplingParams
-from dsjax.model.interface import INVARIANT_ROWS, batch_axes, reference_key_rule, step_head_params, worth_screening
+from dsjax.model.interface import (INVARIANT_ROWS, Model, batch_axes, reference_key_rule, step_head_params,
+                                   worth_screening)
 from dsjax.engine.speculative import Schedule, calibration_centres
 from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
 from dsjax.sharding.distributed import to_host
 from dsjax.sharding.rules import batch_sharding
-
-
-class Model(Protocol):
-    """What the engine needs of a model (`dsjax.Model` is one)."""
-
-    config: ModelConfig
-    params: Any
-    dtype: Any
-    mesh: jax.sharding.Mesh | None
-    mtp: Any
-    draft_vocab: Any  # token ids the MTP drafter proposes from, or None (all)
-    options: RuntimeOptions
-
-    def mesh_context(self) -> ContextManager: ...
-    def batch_shards(self) -> int: ...
 
 
 class Engine(Prefill, ConstrainedDecode):

@@ -17,7 +17,7 @@ engine passes along; it reads no field of the model's parameter dataclasses.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ContextManager, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +108,21 @@ def head_rows(params, ids: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- drafters
+class Model(Protocol):
+    """What the engine needs of a loaded model (`dsjax.Model` is one)."""
+
+    config: ModelConfig
+    params: Any
+    dtype: Any
+    mesh: jax.sharding.Mesh | None
+    mtp: Any
+    draft_vocab: Any  # token ids the MTP drafter proposes from, or None (all)
+    options: RuntimeOptions
+
+    def mesh_context(self) -> ContextManager: ...
+    def batch_shards(self) -> int: ...
+
+
 class DraftSampling(Protocol):
     """How a drafter's tokens are drawn: the engine's (the requests' processed distributions,
     keys of (seed, position)). `position` is the position of the token being drafted."""
