@@ -10,7 +10,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from dsjax.checkpoint import write_safetensors
+from dsjax.checkpoint import SafetensorsFile, write_safetensors
 from dsjax.checkpoint.names import canonical_name
 
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -156,3 +156,18 @@ def _to_hf_names(hf_model, original: dict[str, np.ndarray]) -> dict[str, np.ndar
         else:
             out[name] = original[canon]
     return out
+
+
+def edit_tensors(directory, tensor, fn) -> str:
+    """Rewrite the shard of a checkpoint directory that holds `tensor`: fn(tensors) edits its
+    {name: array} in place (pop, replace); the index follows. -> the shard's file name."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    fname = index[tensor]
+    f = SafetensorsFile(directory / fname)
+    tensors = {n: np.array(f.read(n)) for n in f.tensors}
+    f.close()
+    fn(tensors)
+    write_safetensors(directory / fname, tensors)
+    index = {k: v for k, v in index.items() if v != fname or k in tensors}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return fname

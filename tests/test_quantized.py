@@ -12,7 +12,8 @@ import torch
 import dsjax
 import hf_oracle
 import quantized_checkpoint
-from dsjax.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
+from dsjax.checkpoint import CheckpointError, SafetensorsFile
+from quantized_checkpoint import edit_tensors
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
 from dsjax.model import layer_block
 
@@ -133,21 +134,8 @@ def copy(quantized, tmp_path):
     return tmp_path / "ckpt"
 
 
-def _edit(directory, tensor, fn):
-    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
-    fname = index[tensor]
-    f = SafetensorsFile(directory / fname)
-    tensors = {n: np.array(f.read(n)) for n in f.tensors}
-    f.close()
-    fn(tensors)
-    write_safetensors(directory / fname, tensors)
-    index = {k: v for k, v in index.items() if v != fname or k in tensors}
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
-    return fname
-
-
 def test_fp8_weight_without_scale(copy):
-    fname = _edit(copy, "layers.2.attn.wo_b.scale", lambda t: t.pop("layers.2.attn.wo_b.scale"))
+    fname = edit_tensors(copy, "layers.2.attn.wo_b.scale", lambda t: t.pop("layers.2.attn.wo_b.scale"))
     with pytest.raises(CheckpointError, match=rf"layers\.2\.attn\.wo_b\.weight' in .*: F8_E4M3 weight without its scale"):
         dsjax.load_model(copy, dtype="float32")
     assert fname
@@ -157,7 +145,7 @@ def test_misshaped_scale(copy):
     def edit(t):
         t["layers.1.attn.wq_a.scale"] = np.concatenate([t["layers.1.attn.wq_a.scale"]] * 2)
 
-    fname = _edit(copy, "layers.1.attn.wq_a.scale", edit)
+    fname = edit_tensors(copy, "layers.1.attn.wq_a.scale", edit)
     with pytest.raises(CheckpointError, match=rf"layers\.1\.attn\.wq_a\.scale' in {fname}: shape \[2, 2\], "
                                               rf"expected \[1, 2\]"):
         dsjax.load_model(copy, dtype="float32")
@@ -169,7 +157,7 @@ def test_misshaped_mxfp4_weight(copy):
     def edit(t):
         t[name] = t[name][:, :-1]
 
-    fname = _edit(copy, name, edit)
+    fname = edit_tensors(copy, name, edit)
     with pytest.raises(CheckpointError, match=rf"{name}' in {fname}: shape \[64, 15\], expected \[64, 16\]"):
         dsjax.load_model(copy, dtype="float32")
 
@@ -181,7 +169,7 @@ def test_non_finite_values(copy):
         t[name] = t[name].copy()
         t[name][1] = np.nan
 
-    fname = _edit(copy, name, edit)
+    fname = edit_tensors(copy, name, edit)
     dsjax.load_model(copy, dtype="float32", check_finite=False)  # the scan can be skipped
     with pytest.raises(CheckpointError, match=rf"{name}' in {fname}: non-finite"):
         dsjax.load_model(copy, dtype="float32", check_finite=True)

@@ -15,7 +15,8 @@ import pytest
 
 import dsjax
 import v41_checkpoint
-from dsjax.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
+from dsjax.checkpoint import CheckpointError
+from quantized_checkpoint import edit_tensors
 from dsjax.config import load_config
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
 from dsjax.layers.moe import moe_forward
@@ -116,22 +117,9 @@ def copy(checkpoint, tmp_path):
     return tmp_path / "ckpt"
 
 
-def _edit(directory, tensor, fn):
-    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
-    fname = index[tensor]
-    f = SafetensorsFile(directory / fname)
-    tensors = {n: np.array(f.read(n)) for n in f.tensors}
-    f.close()
-    fn(tensors)
-    write_safetensors(directory / fname, tensors)
-    index = {k: v for k, v in index.items() if v != fname or k in tensors}
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
-    return fname
-
-
 def test_missing_scale_is_refused(copy):
     name = "mtp.0.main_proj.scale"
-    _edit(copy, name, lambda t: t.pop(name))
+    edit_tensors(copy, name, lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=r"'mtp\.0\.main_proj\.weight' in model-\S+: F8_E4M3 weight without its "
                                               r"scale tensor 'mtp\.0\.main_proj\.scale'"):
         dsjax.load_model(copy, dtype="float32", quantized="resident")
@@ -143,7 +131,7 @@ def test_misshaped_scale_is_refused(copy):
     def edit(t):
         t[name] = np.concatenate([t[name]] * 2, axis=1)
 
-    fname = _edit(copy, name, edit)
+    fname = edit_tensors(copy, name, edit)
     for mode in ("dequantize", "resident"):
         with pytest.raises(CheckpointError, match=rf"'{name}' in {fname}: shape \[2, 2\], expected \[2, 1\]"):
             dsjax.load_model(copy, dtype="float32", quantized=mode)
@@ -155,7 +143,7 @@ def test_misshaped_mxfp4_expert_is_refused(copy):
     def edit(t):
         t[name] = t[name][:-1]
 
-    fname = _edit(copy, name, edit)
+    fname = edit_tensors(copy, name, edit)
     with pytest.raises(CheckpointError, match=rf"'{name}' in {fname}: shape \[63, 1\], expected \[64, 1\]"):
         dsjax.load_model(copy, dtype="float32", quantized="resident")
 
@@ -175,7 +163,7 @@ def test_another_block_size_is_refused(copy):
 
 def test_engram_table_without_scale_is_refused(copy):
     name = "layers.1.engram.embed.scale"
-    _edit(copy, name, lambda t: t.pop(name))
+    edit_tensors(copy, name, lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=r"no Engram table 'layers\.1\.engram\.embed\.weight / \.scale'"):
         dsjax.load_model(copy, dtype="float32", quantized="resident")
 
