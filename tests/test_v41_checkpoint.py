@@ -18,7 +18,7 @@ from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
 from dsjax.config import RuntimeOptions, load_config
 from dsjax.layers.engram import dequant_rows, ngram_row_ids
 from dsjax.model.v41 import DSparkParams, dspark_specs, v41_logits, v41_model_specs, v41_streams
-from dsjax.params import init_params, spec_leaves
+from dsjax.params import spec_leaves
 
 FP8_SCALED = v41_checkpoint.FP8
 
@@ -52,9 +52,7 @@ def test_tensor_names_match_the_release():
 def checkpoint(tmp_path_factory):
     cfg = load_config("tiny-v41")
     rng = np.random.default_rng(0)
-    params = init_params(v41_model_specs(cfg, jnp.float32), seed=1)
-    params = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), params)
-    dspark = init_params(dspark_specs(cfg, jnp.float32), seed=2)
+    params, dspark = v41_checkpoint.random_weights(cfg, rng, perturb_dspark=False)
     directory = tmp_path_factory.mktemp("v41-ckpt")
     deq, deq_dspark, tables = v41_checkpoint.write(directory, cfg, params, dspark, rng)
     return cfg, directory, deq, deq_dspark, tables

@@ -21,8 +21,6 @@ from dsjax.config import load_config
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
 from dsjax.layers.moe import moe_forward
 from dsjax.model.dspark import dspark_draft, empty_ring
-from dsjax.model.v41 import dspark_specs, v41_model_specs
-from dsjax.params import init_params
 
 IDS = np.array([[11, 402, 7, 7, 93, 5000, 3, 61, 12], [3, 129279, 44, 12, 8, 61, 7, 7, 1]], np.int32)
 
@@ -31,10 +29,7 @@ IDS = np.array([[11, 402, 7, 7, 93, 5000, 3, 61, 12], [3, 129279, 44, 12, 8, 61,
 def checkpoint(tmp_path_factory):
     cfg = load_config("tiny-v41")
     rng = np.random.default_rng(3)
-    params = init_params(v41_model_specs(cfg, jnp.float32), seed=1)
-    params = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), params)
-    dspark = init_params(dspark_specs(cfg, jnp.float32), seed=2)
-    dspark = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), dspark)
+    params, dspark = v41_checkpoint.random_weights(cfg, rng)
     directory = tmp_path_factory.mktemp("v41-resident")
     v41_checkpoint.write(directory, cfg, params, dspark, rng)
     return directory

@@ -119,6 +119,22 @@ def engram_table(rows: int, head_dim: int, rng) -> tuple[np.ndarray, np.ndarray,
             deq.reshape(rows, head_dim))
 
 
+def random_weights(cfg, rng, perturb_dspark: bool = True):
+    """Seeded backbone and DSpark params in fp32 with N(0, 0.05) noise added (so no weight is a
+    plain initializer's), as the V4.1 checkpoint tests write them. -> (params, dspark)."""
+    import jax.numpy as jnp
+
+    from dsjax.model.v41 import dspark_specs, v41_model_specs
+    from dsjax.params import init_params
+
+    def noisy(tree):
+        return jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), tree)
+
+    params = noisy(init_params(v41_model_specs(cfg, jnp.float32), seed=1))
+    dspark = init_params(dspark_specs(cfg, jnp.float32), seed=2)
+    return params, noisy(dspark) if perturb_dspark else dspark
+
+
 def write(directory: Path, cfg, params, dspark, rng, shards: int = 3):
     """Write params (+ the DSpark head) and Engram tables -> (dequantized params, dequantized
     DSpark params, {Engram layer: dequantized table})."""

@@ -63,6 +63,13 @@ _COMMON_OPENAI = {
     "service_tier": _m("one tier here: every request is served alike", "default"),
 }
 
+_OPENAI_METADATA = {  # Chat Completions and Responses alike
+    "metadata": _m("tags for the caller's own records", {"team": "eval"}),
+    "safety_identifier": _m("an end-user id for the caller's own records", "u-1"),
+    "prompt_cache_key": _m("a routing hint; the prefix cache needs none (it matches prompts itself)", "k-1"),
+}
+_SEED_EXTENSION = _h("dsjax's extension, as on Chat Completions: the same seed, the same tokens", SAMPLING)
+
 TABLE: dict[str, dict[str, Field]] = {
     CHAT.name: {
         **_COMMON_OPENAI,
@@ -78,9 +85,7 @@ TABLE: dict[str, dict[str, Field]] = {
         "parallel_tool_calls": _h("false: at most one call", S + "test_tool_call_round_trip_with_strict_tools"),
         "thinking": _h("DeepSeek's {type: enabled | disabled}; default --thinking-default", S + "test_thinking_splits_reasoning_from_content"),
         "reasoning_effort": _h(CONVERSION + " (thinking mode and its effort)", F + "test_reasoning_effort_reaches_the_prompt"),
-        "metadata": _m("tags for the caller's own records", {"team": "eval"}),
-        "safety_identifier": _m("an end-user id for the caller's own records", "u-1"),
-        "prompt_cache_key": _m("a routing hint; the prefix cache needs none (it matches prompts itself)", "k-1"),
+        **_OPENAI_METADATA,
         "prediction": _m("a latency hint (predicted output); the tokens are the same without it",
                          {"type": "content", "content": "x"}),
         "store": _r("this server stores no completions", True, (None, False)),
@@ -110,7 +115,7 @@ TABLE: dict[str, dict[str, Field]] = {
         "model": _COMMON_OPENAI["model"],
         "stream": _h("server-sent events (response.* events)", S + "test_responses_api"),
         "temperature": _COMMON_OPENAI["temperature"], "top_p": _COMMON_OPENAI["top_p"],
-        "seed": _h("dsjax's extension, as on Chat Completions: the same seed, the same tokens", SAMPLING),
+        "seed": _SEED_EXTENSION,
         "input": _h(CONVERSION, S + "test_responses_api"),
         "instructions": _h(CONVERSION + " (a system message)", F + "test_instructions_and_system_reach_the_prompt"),
         "max_output_tokens": _h("the most tokens to generate", S + "test_responses_api"),
@@ -121,9 +126,7 @@ TABLE: dict[str, dict[str, Field]] = {
         "text": _h("format: json_schema / json_object, compiled from the caller's schema", S + "test_the_grammar_is_compiled_from_the_callers_schema"),
         "top_logprobs": _r("logprobs are served on Chat Completions and Completions", 2, (None, 0)),
         "user": _COMMON_OPENAI["user"], "service_tier": _COMMON_OPENAI["service_tier"],
-        "metadata": _m("tags for the caller's own records", {"team": "eval"}),
-        "safety_identifier": _m("an end-user id for the caller's own records", "u-1"),
-        "prompt_cache_key": _m("a routing hint; the prefix cache needs none", "k-1"),
+        **_OPENAI_METADATA,
         "truncation": _r("the context is never truncated (a long input is a 400)", "auto", (None, "disabled")),
         "previous_response_id": _r("this server stores no responses (send the conversation in `input`)", "resp_1"),
         "conversation": _r("this server stores no conversations (send them in `input`)", "conv_1"),
@@ -142,7 +145,7 @@ TABLE: dict[str, dict[str, Field]] = {
         "stream": _h("server-sent events (message_* events)", S + "test_anthropic_messages"),
         "temperature": _COMMON_OPENAI["temperature"], "top_p": _COMMON_OPENAI["top_p"],
         "top_k": _h("top-k sampling", SAMPLING),
-        "seed": _h("dsjax's extension, as on Chat Completions: the same seed, the same tokens", SAMPLING),
+        "seed": _SEED_EXTENSION,
         "stop_sequences": _h("stop strings, cut from the text (stop_reason stop_sequence)", F + "test_stop_strings_end_the_answer"),
         "thinking": _h("enabled / disabled; budget_tokens bounds reasoning before a constrained answer", S + "test_reasoning_budget_leaves_the_answer_tokens"),
         "tools": _h(CONVERSION + "; tool_use blocks parsed back", S + "test_anthropic_tool_choice_any_calls_a_tool"),

@@ -22,10 +22,15 @@ from dsjax.protocol.fields import (API, CHAT, MESSAGES, RESPONSES, APIError, che
 class RecipeTranslator:
     """Engine TokenEvents -> one API's events, by deepseek-recipe's StreamProcessor. The EOS
     that ends a turn is not text: it goes in as an empty text chunk counting one token, so
-    usage counts every token the engine generated."""
+    usage counts every token the engine generated.
 
-    def __init__(self, api: "API", generator, conv, ctx: Context, prompt_tokens: int):
-        self.api, self.ctx, self.prompt_tokens = api, ctx, prompt_tokens
+    index: choice k of a Chat Completions request with n > 1. The recipe writes every chunk as
+    choice 0 with its own usage; then each streamed chunk gets its index and loses its usage
+    (kept in `usage`), which the request reports once, summed (`merged_usage`)."""
+
+    def __init__(self, api: "API", generator, conv, ctx: Context, prompt_tokens: int, index: int | None = None):
+        self.api, self.ctx, self.prompt_tokens, self.index = api, ctx, prompt_tokens, index
+        self.usage = None
         self.processor = recipe.StreamProcessor(generator, conv.parsing_options, ctx.tokenizer.recipe)
         self.want_logprobs = bool(conv.inference_options.logprobs)
         self.events: list = []  # kept for the non-streaming accumulation
@@ -41,7 +46,15 @@ class RecipeTranslator:
         if self.keep:
             self.events.extend(events)
             return []
-        return [(self.api.response_cls.sse_event_name(e), e.to_json()) for e in events]
+        out = [(self.api.response_cls.sse_event_name(e), e.to_json()) for e in events]
+        return out if self.index is None else [(name, self._indexed(data)) for name, data in out]
+
+    def _indexed(self, data: str) -> str:
+        chunk = json.loads(data)
+        for c in chunk.get("choices") or []:
+            c["index"] = self.index
+        self.usage = chunk.pop("usage", None) or self.usage
+        return json.dumps({**chunk, "usage": None})
 
     def start(self, cached_tokens: int = 0):
         """The API's opening events; cached_tokens: prompt tokens the prefix cache held (known
@@ -78,48 +91,10 @@ class RecipeTranslator:
             self.processor.close()
 
 
-class SampleTranslator:
-    """Choice k of a Chat Completions request with n > 1: the recipe writes every chunk as
-    choice 0 with its own usage; here each chunk gets its index and loses its usage, which
-    the request reports once, summed (`merged_usage`)."""
-
-    def __init__(self, inner: RecipeTranslator, index: int):
-        self.inner, self.index, self.usage = inner, index, None
-
-    def __getattr__(self, name):  # stopped, tokens, events, keep, close: the recipe translator's
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        if name == "keep":
-            self.inner.keep = value
-        else:
-            super().__setattr__(name, value)
-
-    def _indexed(self, out):
-        events = []
-        for name, data in out:
-            chunk = json.loads(data)
-            for c in chunk.get("choices") or []:
-                c["index"] = self.index
-            self.usage = chunk.pop("usage", None) or self.usage
-            events.append((name, json.dumps({**chunk, "usage": None})))
-        return events
-
-    def start(self, cached_tokens: int = 0):
-        return self._indexed(self.inner.start(cached_tokens))
-
-    def push(self, events):
-        return self._indexed(self.inner.push(events))
-
-    def finish(self, reason):
-        return self._indexed(self.inner.finish(reason))
-
-
 def merged_usage(usages: list[dict]) -> dict:
     """One request's usage from its choices': the prompt's counts once, the generated summed."""
     out = dict(usages[0])
-    for key in ("completion_tokens", "total_tokens"):
-        out[key] = sum(u.get(key) or 0 for u in usages)
+    out["completion_tokens"] = sum(u.get("completion_tokens") or 0 for u in usages)
     out["total_tokens"] = out["completion_tokens"] + (out.get("prompt_tokens") or 0)
     details = [u.get("completion_tokens_details") for u in usages]
     if all(isinstance(d, dict) for d in details):
@@ -288,9 +263,7 @@ def prepare_recipe(api: API, body: dict, ctx: Context) -> Job:
             generator = api.request_cls.chunk_generator(conv, response_id, model)
         if extra is not None:
             generator = generator.with_echo(extra[0]).with_namespace_tool_map(extra[1])
-        translator = RecipeTranslator(api, generator, conv, ctx, len(prompt))
-        if n > 1:
-            translator = SampleTranslator(translator, k)
+        translator = RecipeTranslator(api, generator, conv, ctx, len(prompt), k if n > 1 else None)
         translator.keep = not conv.stream
         params = sampling(ctx, temperature=request_temperature(body, opts), top_p=opts.top_p, max_tokens=max_tokens,
                           seed=sample_seed(seed, k), logprobs=n_logprobs, body=body)
