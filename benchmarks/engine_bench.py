@@ -34,7 +34,7 @@ from roofline import decode_step_bytes, memory_bandwidth, screened_step_bytes  #
 import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
-from dsjax.layers import cpu_kernels
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.model import model_specs
 from dsjax.params import init_params
 

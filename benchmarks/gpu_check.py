@@ -31,7 +31,7 @@ import numpy as np
 from results_io import timed, write_result
 
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
-from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention, stored_matmul
+from dsjax.kernels import grouped_matmul, index_scores, sink_attention, stored_matmul
 
 FAMILIES = ("sink_attention", "grouped_matmul", "index_scores", "stored_matmul")
 

@@ -1,5 +1,5 @@
 """The vocabulary head on XLA:CPU: XLA's products against the CPU head kernel
-(`dsjax.layers.cpu_kernels`), at a few row counts, fp32 and bf16 weights, through
+(`dsjax.kernels.cpu`), at a few row counts, fp32 and bf16 weights, through
 `dsjax.layers.linear.linear` in programs compiled as the engine's are, interleaved round by
 round (this machine's memory bandwidth drifts). XLA's forms are what an engine runs without
 the kernel: the head as stored (one row: a matrix-vector loop, 2..16 rows: a fused
@@ -25,7 +25,7 @@ from results_io import interleaved_reads, write_result  # noqa: E402
 from roofline import memory_bandwidth  # noqa: E402
 
 from dsjax.engine.programs import program  # noqa: E402
-from dsjax.layers import cpu_kernels  # noqa: E402
+from dsjax.kernels import cpu as cpu_kernels  # noqa: E402
 from dsjax.layers.linear import linear  # noqa: E402
 from dsjax.layers.quantized import ColumnMajor  # noqa: E402
 

@@ -21,7 +21,7 @@ import numpy as np
 from results_io import timed, write_result
 
 from dsjax.layers.indexer import select_topk_indices
-from dsjax.pallas_kernels import index_scores, sink_attention
+from dsjax.kernels import index_scores, sink_attention
 
 H, D, H_I, D_I, TOPK, WINDOW, RATIO = 64, 512, 64, 128, 512, 128, 4
 

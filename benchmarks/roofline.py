@@ -93,7 +93,7 @@ def decode_step_bytes(cfg: ModelConfig, *, batch: int, context: int, dtype=jnp.f
 
 def screened_step_bytes(need: dict, cfg: ModelConfig) -> dict:
     """`decode_step_bytes` of an fp32 step whose greedy screen reads the head as its bf16 copy
-    and its rows' norms (`dsjax.layers.cpu_kernels.greedy_tokens`; the few candidate tiles it
+    and its rows' norms (`dsjax.kernels.cpu.greedy_tokens`; the few candidate tiles it
     reads in fp32 are left out)."""
     head = need["by_group"]["lm_head"] / 2 + 4 * cfg.vocab_size
     return {"total": need["total"] - need["by_group"]["lm_head"] + head,

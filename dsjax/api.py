@@ -27,7 +27,7 @@ from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
 from dsjax.model.stored import stored_format
 from dsjax.model.v41 import (V41_FP8_BLOCK, V41_FP8_LINEARS, DSparkParams, ModelParamsV41, dspark_specs,
                              engram_table_values, v41_model_specs)
-from dsjax.pallas_kernels.dispatch import resolve_kernels
+from dsjax.kernels.dispatch import resolve_kernels
 from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_params, spec_leaves
 from dsjax.sharding.distributed import to_host
@@ -152,7 +152,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     draft_vocab.json ({"ids": [...], "source": ...}: the token ids the drafter proposes
     from, see `Engine(draft_vocab=)`) becomes `Model.draft_vocab`.
 
-    kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: Mosaic GPU kernels on a
+    kernels: "reference" (pure jnp), "pallas" (dsjax/kernels: Mosaic GPU kernels on a
     GPU, generic Pallas elsewhere; on CPU interpreted, slow, for checking), "mosaic_gpu" (the
     Mosaic GPU kernels even off the GPU, in GPU interpret mode), or "auto" (the Mosaic GPU
     kernels on a Hopper-or-newer NVIDIA GPU, the reference elsewhere: the generic Pallas kernels take whole key /

@@ -236,7 +236,7 @@ def load(args, say, **kw):
 
 
 def compiling(say, cache) -> None:
-    from dsjax.layers import cpu_kernels
+    from dsjax.kernels import cpu as cpu_kernels
 
     if cpu_kernels.needs_build():
         say("building the CPU vocabulary-head kernel (once on this machine) ...")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dsjax.layers import candidate_selection as cs
-from dsjax.pallas_kernels import sink_attention
+from dsjax.kernels import sink_attention
 from dsjax.sharding.rules import make_mesh
 
 BF16 = ml_dtypes.bfloat16
@@ -342,7 +342,7 @@ def _as_dispatch_args(q, kv, idx, sink):
 
 @pytest.mark.parametrize("case", ["prefill", "decode", "long"])
 def test_sink_attention_rounds_p_as_the_vendor_kernel(case):
-    """§2.9 through the attention the model calls (pallas_kernels/sink_attention.py, round_p as
+    """§2.9 through the attention the model calls (kernels/sink_attention.py, round_p as
     V4.1's round trips set it), against the kernel's port (blocks of 64 indices, bf16 p against
     the running max, fp32 sum) and the float64 softmax. prefill / decode: lists of <= 64
     indices (one block: the running max is the row's max), with the generic Pallas kernel

@@ -18,7 +18,7 @@ import pytest
 
 import dsjax
 from dsjax import cli
-from dsjax.layers import cpu_kernels
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.tokenizer import bundled_tokenizer_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,8 +15,9 @@ from dsjax.engine.programs import decode_step
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
-from dsjax.layers import cpu_kernels
-from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight, PackedHead
+from dsjax.kernels import cpu as cpu_kernels
+from dsjax.kernels.cpu import PackedHead
+from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
 from dsjax.model.decoder import one_row_head
 from hlo_checks import widened_outside

@@ -14,8 +14,9 @@ from dsjax.engine.engine import Engine
 from dsjax.engine.programs import decode_step
 from dsjax.engine.requests import Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
-from dsjax.layers import cpu_kernels
-from dsjax.layers.quantized import ColumnMajor, PackedHead
+from dsjax.kernels import cpu as cpu_kernels
+from dsjax.kernels.cpu import PackedHead
+from dsjax.layers.quantized import ColumnMajor
 from dsjax.model import forward, model_specs
 from dsjax.model.decoder import LayerByLayer, layer_block, one_row_params
 from dsjax.params import init_params

@@ -9,8 +9,8 @@ import pytest
 
 import dsjax
 from dsjax.layers.attention import entry_intervals, ring_positions, window_intervals
-from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
-from dsjax.pallas_kernels.dispatch import kernel_choice, mosaic_gpu_available, resolve_kernels
+from dsjax.kernels import grouped_matmul, index_scores, sink_attention
+from dsjax.kernels.dispatch import kernel_choice, mosaic_gpu_available, resolve_kernels
 
 
 def _attention_case(rng, b, s, h, d, window, n_entries, ratio, start, per_query_k, dtype):

@@ -2,7 +2,7 @@
 only, with no circles, so each layer can be read and tested without the ones above it.
 
     cli -> serving / batch / train -> command -> generate, scoring, protocol -> output -> api
-        -> engine -> checkpoint, model -> layers -> pallas_kernels, sharding.rules, memory
+        -> engine -> checkpoint, model -> layers -> kernels, sharding.rules, memory
         -> params -> config
 
 The engine meets the model through one door, `dsjax.model.interface` (forward, cache, head,
@@ -25,7 +25,7 @@ RANKS = {
     "dsjax.config": 0, "dsjax.tokenizer": 0, "dsjax.compile_cache": 0,  # host-side text; process setup
     "dsjax.weights": 0,  # where bundled checkpoints live (paths only)
     "dsjax.params": 1,
-    "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.pallas_kernels": 2, "dsjax.memory": 2,
+    "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.kernels": 2, "dsjax.memory": 2,
     "dsjax.layers": 3,
     "dsjax.model": 4,
     "dsjax.checkpoint": 5, "dsjax.param_count": 5,
@@ -41,7 +41,7 @@ RANKS = {
 # Front ends: none imports another (equal ranks would allow it; the CLI, above them, may).
 FRONT_ENDS = ("dsjax.serving", "dsjax.batch")
 # Below the model, a mechanism file sees only these.
-LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.pallas_kernels", "dsjax.layers")
+LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.kernels", "dsjax.layers")
 # The engine's one door into the model and the layers below it.
 MODEL_INTERFACE = "dsjax.model.interface"
 # Function-level imports of dsjax hide upward edges; only the CLI and the command helpers defer
@@ -113,7 +113,7 @@ def test_layers_import_only_what_lies_below():
 
 
 @pytest.mark.parametrize("below, above", [("dsjax.model", "dsjax.engine"), ("dsjax.engine", "dsjax.api"),
-                                          ("dsjax.pallas_kernels", "dsjax.layers")])
+                                          ("dsjax.kernels", "dsjax.layers")])
 def test_forbidden_edges(below, above):
     bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m.startswith(below)
            for t, _ in edges if t == above or t.startswith(above + ".")]

@@ -15,7 +15,7 @@ from dsjax.layers.linear import gemm_only
 from dsjax.layers.moe import routed_experts
 from dsjax.layers.quantized import Fp4Weight
 from dsjax.model import layer_block
-from dsjax.pallas_kernels import grouped_matmul
+from dsjax.kernels import grouped_matmul
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from test_kernels import CASES, GROUPS, INDEX_CASES, _attention_case, index_case, rising_max_case
 
-from dsjax.pallas_kernels import grouped_matmul, index_scores, sink_attention
-from dsjax.pallas_kernels.mgpu import lower_for_cuda
+from dsjax.kernels import grouped_matmul, index_scores, sink_attention
+from dsjax.kernels.mgpu import lower_for_cuda
 
 BF16_ULP = 2.0 ** -8
 

@@ -1,5 +1,5 @@
 """The Mosaic GPU kernels that read the checkpoint's stored FP8 / MXFP4 bytes
-(dsjax/pallas_kernels/stored_matmul.py), checked without a GPU as test_mosaic_gpu.py checks the
+(dsjax/kernels/stored_matmul.py), checked without a GPU as test_mosaic_gpu.py checks the
 others: in GPU interpret mode against the dequantize path on the same stored weights, and
 lowered for sm90 at V4-Flash / V4.1-Flash shapes. (The model's logits through them:
 tests/test_quantized.py.)
@@ -22,8 +22,8 @@ import pytest
 from test_mosaic_gpu import _unwaited_wgmma
 
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
-from dsjax.pallas_kernels import grouped_matmul, stored_matmul
-from dsjax.pallas_kernels.mgpu import lower_for_cuda
+from dsjax.kernels import grouped_matmul, stored_matmul
+from dsjax.kernels.mgpu import lower_for_cuda
 
 BF16_ULP = 2.0 ** -8
 S = jax.ShapeDtypeStruct

@@ -133,8 +133,8 @@ def _cmd_info(args, say) -> int:
 
     import dsjax
     from dsjax.config import named_configs
-    from dsjax.layers import cpu_kernels
-    from dsjax.pallas_kernels.dispatch import resolve_kernels
+    from dsjax.kernels import cpu as cpu_kernels
+    from dsjax.kernels.dispatch import resolve_kernels
     from dsjax.tokenizer import tokenizer_path
 
     cache = setup_cache(args)

@@ -15,7 +15,7 @@ QUANTIZED = ("dequantize", "resident")
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
-    """kernels: "reference" (pure jnp), "pallas" (dsjax/pallas_kernels: the Mosaic GPU
+    """kernels: "reference" (pure jnp), "pallas" (dsjax/kernels: the Mosaic GPU
     kernels on Hopper+, the generic Pallas kernels elsewhere, interpreted on CPU) or
     "mosaic_gpu" (the Mosaic GPU kernels; GPU interpret mode off the GPU).
     moe_capacity_factor: cap expert-parallel send buffers at ceil(tokens * k / ep * factor)

@@ -8,7 +8,7 @@
     o_h = inverse_rope_t(sum_s p_s kv_s)
     out = W_ob concat_g(W_oa[g] concat(o_h, h in group g))
 
-`attend` routes both paths through the dispatch of dsjax/pallas_kernels/sink_attention.py,
+`attend` routes both paths through the dispatch of dsjax/kernels/sink_attention.py,
 which also holds the reference math (its reference or a kernel, per the `kernels` option).
 """
 
@@ -27,7 +27,7 @@ from dsjax.layers.linear import linear, merge_last_two
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
-from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
+from dsjax.kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape, spec
 

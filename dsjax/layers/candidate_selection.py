@@ -1,6 +1,6 @@
 """V4.1 selection: indexer scores, L20's candidate blocks and the top-k entry lists (spec
 deepseek-v41.md §2.6-2.8). The sparse attention that reads them (§2.9) is
-dsjax/pallas_kernels/sink_attention.py with `round_p`.
+dsjax/kernels/sink_attention.py with `round_p`.
 
 Scores (§2.6), in the reference's bf16 buffers. With q^I [H, d], keys k_j [d], ω [H]:
 

@@ -20,7 +20,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.compressor import Compressor, compressor_specs
 from dsjax.layers.linear import linear
 from dsjax.layers.rope import apply_rope
-from dsjax.pallas_kernels.index_scores import index_scores as index_scores_kernel
+from dsjax.kernels.index_scores import index_scores as index_scores_kernel
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape, spec
 
@@ -57,7 +57,7 @@ def index_weights(p: Indexer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, cfg: ModelConfig,
                  kernels: str = "reference") -> jax.Array:
     """q [B, S, H, d], keys [B, T, d], weights [B, S, H] -> scores [B, S, T] fp32, through
-    dsjax/pallas_kernels/index_scores.py (its reference or a kernel, per `kernels`)."""
+    dsjax/kernels/index_scores.py (its reference or a kernel, per `kernels`)."""
     return index_scores_kernel(q, keys, weights, scale=cfg.index_head_dim ** -0.5, impl=kernels)
 
 

@@ -29,11 +29,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsjax.layers import cpu_kernels
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.qdq import qdq_fp8
-from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight, PackedHead, dense
-from dsjax.pallas_kernels.dispatch import kernel_choice, resolve_kernels
-from dsjax.pallas_kernels.stored_matmul import mgpu_fp8_linear
+from dsjax.kernels.cpu import PackedHead
+from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight, dense
+from dsjax.kernels.dispatch import kernel_choice, resolve_kernels
+from dsjax.kernels.stored_matmul import mgpu_fp8_linear
 from dsjax.sharding.rules import current_mesh, reshape
 
 FEW_ROWS = 16  # up to this many rows a large weight is read once for all of them (multiply-reduce / tiles)

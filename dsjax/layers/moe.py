@@ -8,7 +8,7 @@ table), clamped SwiGLU experts, one shared expert; on a mesh, expert parallelism
     out = sum_j w_j expert_{idx_j}(x) + shared(x)
 
 `routed_experts` is the dropless reference: assignments sorted by expert through the grouped
-matmul (dsjax/pallas_kernels/grouped_matmul.py `grouped_ffn`: ragged_dot, the CPU tile loop
+matmul (dsjax/kernels/grouped_matmul.py `grouped_ffn`: ragged_dot, the CPU tile loop
 or a kernel), or for a handful of tokens (decode) a gather of the chosen experts' weights; on
 XLA:CPU up to 16 assignments take a matrix-vector product each, reading the expert in place
 (`expert_ffn_each`). All are exact; the expert-parallel path is checked against them.
@@ -46,9 +46,9 @@ from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import cpu_forms, linear, linear_f32
 from dsjax.layers.quantized import dense, stored_form, take
 from dsjax.layers.qdq import qdq_fp8
-from dsjax.pallas_kernels.dispatch import kernel_choice
-from dsjax.pallas_kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
-from dsjax.pallas_kernels.stored_matmul import mgpu_stored_grouped_ffn
+from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
+from dsjax.kernels.stored_matmul import mgpu_stored_grouped_ffn
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import RULES, current_mesh, present_axes, reshape, spec
 
@@ -190,7 +190,7 @@ def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
 def stored_kernel(p: MoE, kernels: str) -> bool:
     """Whether the routed experts run the Mosaic GPU kernel that reads their stored bytes: kept
     as stored (MXFP4, or FP8 per expert), all three in one format, and `kernels` resolving to
-    Mosaic GPU (dsjax/pallas_kernels/dispatch.py). Otherwise they are dequantized first."""
+    Mosaic GPU (dsjax/kernels/dispatch.py). Otherwise they are dequantized first."""
     forms = [stored_form(w) for w in (p.w1, p.w3, p.w2)]
     return (forms[0] is not None and all(f is not None and f[:2] == forms[0][:2] for f in forms)
             and kernel_choice(kernels)[0] == "mosaic_gpu")
@@ -326,7 +326,7 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
                 rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
     """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
     run expert-parallel (`routed_experts_sharded`; `capacity_factor` caps its send buffers).
-    `kernels` picks the grouped matmul's implementation (dsjax/pallas_kernels/dispatch.py).
+    `kernels` picks the grouped matmul's implementation (dsjax/kernels/dispatch.py).
     layer: the routed-expert weights w1 / w3 / w2 are stacked over a scanned layer run and
     this is layer `layer` of them (the other weights are this layer's own).
     rows (batch-invariant mode): the grouped path at any token count, in tiles of this many

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dsjax.kernels.cpu import PackedHead
 from dsjax.params import LAYERS, ParamSpec, is_spec, name_key, path_str
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
@@ -119,34 +120,6 @@ class ColumnMajor:
         return self.t.T.astype(dtype)
 
 
-@struct.dataclass
-class PackedHead:
-    """A vocabulary head [V, D] (fp32 or bf16) kept in tiles [ceil(V / 32), D, 32] of 32
-    vocabulary rows, each k's 32 weights contiguous: the layout the XLA:CPU vocabulary-head
-    kernel reads in one sequential stream (`dsjax.layers.cpu_kernels`; an engine on one CPU
-    device keeps its head so, `dsjax.model.decoder.cpu_head_params`). Rows past V are zeros.
-    `dense()` is the [V, D] head back. An fp32 head may also carry a bf16 copy of its tiles
-    and its rows' norms (`screen`, `norms`), from which the kernel finds greedy tokens
-    reading half the bytes (`cpu_kernels.greedy_tokens`)."""
-
-    tiles: jax.Array  # [ceil(V / 32), D, 32]
-    vocab: int = struct.field(pytree_node=False)
-    screen: jax.Array | None = None  # [ceil(V / 32), D, 32] bf16: the tiles rounded to nearest
-    norms: jax.Array | None = None  # [ceil(V / 32) * 32] fp32: ||w_j||_2 rounded up (0 past V)
-
-    @property
-    def shape(self):
-        return (self.vocab, self.tiles.shape[1])
-
-    @property
-    def dtype(self):
-        return self.tiles.dtype
-
-    def dense(self, dtype) -> jax.Array:
-        w = jnp.transpose(self.tiles, (0, 2, 1)).reshape(-1, self.tiles.shape[1])
-        return w[:self.vocab].astype(dtype)
-
-
 def dense(w, dtype) -> jax.Array:
     """A weight as a plain array of `dtype`: dequantized if stored quantized."""
     return (w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight, ColumnMajor, PackedHead))
@@ -155,7 +128,7 @@ def dense(w, dtype) -> jax.Array:
 
 def stored_form(w):
     """A weight kept as the checkpoint stores it -> (format, FP8 block, (bytes, E8M0 exponents)),
-    what the Mosaic GPU kernels that read stored bytes take (dsjax/pallas_kernels/stored_matmul.py);
+    what the Mosaic GPU kernels that read stored bytes take (dsjax/kernels/stored_matmul.py);
     None for any other weight."""
     if isinstance(w, Fp4Weight):
         return "mxfp4", None, (w.packed, w.scale_exp)

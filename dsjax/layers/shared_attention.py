@@ -30,7 +30,7 @@ from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.qdq import qdq_fp4_e4m3, qdq_fp4_e8m0, qdq_fp8
 from dsjax.layers.rope import apply_rope, rope_cos_sin
-from dsjax.pallas_kernels.sink_attention import sink_attention as attention_kernel
+from dsjax.kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import batch_major, reshape
 
@@ -232,7 +232,7 @@ def attend_and_project(p: SharedAttention, q, keys, lo, hi, positions, shared: S
                        cfg: ModelConfig, kernels: str, round_trips: bool) -> jax.Array:
     """Sink attention over the window keys and (compressed layers) the top-k latents, then the
     inverse RoPE and the grouped output (§2.9-2.10). round_trips: p rounded to bf16 against
-    the max before PV, as the vendor kernel does (dsjax/pallas_kernels/sink_attention.py)."""
+    the max before PV, as the vendor kernel does (dsjax/kernels/sink_attention.py)."""
     kv_pq = mask_pq = None
     if shared is not None:
         kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)  # [B, S, k, hd]

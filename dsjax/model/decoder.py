@@ -27,9 +27,10 @@ from dsjax.config import LayerRun, LayerSpec, ModelConfig, RuntimeOptions
 from dsjax.layers.attention import Attention, attention_extend, attention_forward, attention_specs
 from dsjax.layers.hyper_connection import (HyperConnection, HyperHead, collapse, expand, hc_mixes,
                                            head_collapse, hyper_connection_specs, hyper_head_specs)
-from dsjax.layers import cpu_kernels
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.linear import few_rows, linear, whole_weights
-from dsjax.layers.quantized import ColumnMajor, PackedHead
+from dsjax.kernels.cpu import PackedHead
+from dsjax.layers.quantized import ColumnMajor
 from dsjax.layers.moe import MoE, moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
 from dsjax.model.cache import Cache
@@ -174,7 +175,7 @@ def one_row_head(params: ModelParams, dtype) -> ModelParams:
 
 def cpu_head_params(params, dtype, *, screen: bool = False):
     """The params an engine on one XLA:CPU device (not batch-invariant: the caller says so)
-    runs with when the vocabulary-head kernel is built (`dsjax.layers.cpu_kernels`): an fp32
+    runs with when the vocabulary-head kernel is built (`dsjax.kernels.cpu`): an fp32
     model's plain fp32 or bf16 head (its own, or the tied embedding's copy: the lookup keeps
     `embed`) packed in tiles (`PackedHead`), which the kernel reads for any row count, faster
     than any form of XLA's product from 2 rows up (docs/cpu-decode.md); at one row XLA's

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.layers import cpu_kernels
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.engram import kept_history
 from dsjax.layers.linear import linear
-from dsjax.layers.quantized import PackedHead
+from dsjax.kernels.cpu import PackedHead
 from dsjax.model.cache import Block as CacheBlock
 from dsjax.model.cache import (Cache, batch_axes, block_layout, cache_bytes, init_cache, min_ring, over_tiles,
                                put_block, put_rows, restore_rows, save_rows, take_block, take_rows)

@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.pallas_kernels.dispatch import kernel_choice
-from dsjax.pallas_kernels.mgpu import (accumulate, interpret_params, layout, matmul_nt, operand_transforms, pad_axis,
+from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.mgpu import (accumulate, interpret_params, layout, matmul_nt, operand_transforms, pad_axis,
                                        round_up, store_tile)
 
 NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free for fully masked rows

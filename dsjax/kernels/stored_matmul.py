@@ -49,9 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.pallas_kernels.grouped_matmul import gather_tiles, scatter_tiles, tile_table
-from dsjax.pallas_kernels.mgpu import interpret_params, layout, operand_transforms, pad_axis, round_up, store_tile
-from dsjax.pallas_kernels.mgpu import wgmma_nt
+from dsjax.kernels.grouped_matmul import gather_tiles, scatter_tiles, tile_table
+from dsjax.kernels.mgpu import interpret_params, layout, operand_transforms, pad_axis, round_up, store_tile
+from dsjax.kernels.mgpu import wgmma_nt
 
 GROUP = 32  # K elements of one MXFP4 scale group: a weight tile's K
 SMS = 132  # streaming multiprocessors of an H100 SXM / H200: one wave of programs

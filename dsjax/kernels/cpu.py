@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax.layers.quantized import PackedHead
+from flax import struct
 
 TILE = 32  # vocabulary rows a tile (csrc/cpu_kernels.cc kTile)
 HEAD = "dsjax_vocab_head"
@@ -180,6 +180,34 @@ def available() -> bool:
 def describe() -> str:
     """For `dsjax info`: the kernel's state on this backend."""
     return status() if jax.default_backend() == "cpu" else f"not used (backend {jax.default_backend()})"
+
+
+@struct.dataclass
+class PackedHead:
+    """A vocabulary head [V, D] (fp32 or bf16) kept in tiles [ceil(V / 32), D, 32] of 32
+    vocabulary rows, each k's 32 weights contiguous: the layout the XLA:CPU vocabulary-head
+    kernel reads in one sequential stream (this module; an engine on one CPU
+    device keeps its head so, `dsjax.model.decoder.cpu_head_params`). Rows past V are zeros.
+    `dense()` is the [V, D] head back. An fp32 head may also carry a bf16 copy of its tiles
+    and its rows' norms (`screen`, `norms`), from which the kernel finds greedy tokens
+    reading half the bytes (`greedy_tokens`)."""
+
+    tiles: jax.Array  # [ceil(V / 32), D, 32]
+    vocab: int = struct.field(pytree_node=False)
+    screen: jax.Array | None = None  # [ceil(V / 32), D, 32] bf16: the tiles rounded to nearest
+    norms: jax.Array | None = None  # [ceil(V / 32) * 32] fp32: ||w_j||_2 rounded up (0 past V)
+
+    @property
+    def shape(self):
+        return (self.vocab, self.tiles.shape[1])
+
+    @property
+    def dtype(self):
+        return self.tiles.dtype
+
+    def dense(self, dtype) -> jax.Array:
+        w = jnp.transpose(self.tiles, (0, 2, 1)).reshape(-1, self.tiles.shape[1])
+        return w[:self.vocab].astype(dtype)
 
 
 def pack_head(w, *, screen: bool = False) -> PackedHead:

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.pallas_kernels.dispatch import kernel_choice
-from dsjax.pallas_kernels.mgpu import (interpret_params, layout, matmul_nt, operand_transforms, pad_axis, round_up,
+from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.mgpu import (interpret_params, layout, matmul_nt, operand_transforms, pad_axis, round_up,
                                        store_tile)
 
 KEYS = 64  # keys per Mosaic GPU program: the wgmma M

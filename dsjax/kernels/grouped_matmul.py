@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.pallas_kernels.dispatch import kernel_choice
-from dsjax.pallas_kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up, store_tile, wgmma_nt
+from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up, store_tile, wgmma_nt
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
