@@ -105,7 +105,7 @@ def step_split(engine: Engine, rounds: int, steps: int = 4) -> dict:
             c, s = jax.block_until_ready((jax.tree.map(jnp.copy, engine.cache), jax.tree.map(jnp.copy, engine.slots)))
             t = time.perf_counter()
             for _ in range(steps):
-                c, s, out = run(engine.step_params, c, s, engine._none_cancelled)  # noqa: SLF001
+                c, s, out = run(engine.step_params, c, s, engine.runner.none_cancelled)
             jax.block_until_ready((c, out))
             program_times.append((time.perf_counter() - t) / steps)
             del c, s, out
