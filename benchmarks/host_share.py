@@ -15,7 +15,7 @@ difference of two noisy timings (the fastest of `--rounds` rounds each): read th
 size, not their last digit. Also checked: steady decode makes no host-to-device transfer
 (a step runs under `jax.transfer_guard_host_to_device("disallow_explicit")`): the decode
 program's inputs are the device-resident cache, slots and the "none cancelled" rows
-(`Engine._take_cancelled` builds a new array only on the step after a cancel).
+(`Runner.decode` builds a new array only on the step after a cancel).
 
 `decoding_engine` and `step_split` are what gpu_engine.py measures the GPU's host share
 with; `synthetic=True` gives the rows a context without prefilling it (see there).

@@ -163,7 +163,7 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
     assert sum(m["calibration"]["accepted"]) == m["drafts_accepted"]
     measured = _engine(small_vocab, num_draft_tokens=2)  # the same step shapes: no new compiles
-    measured._measure_costs()
+    measured.runner.measure_costs(measured.scheduler.bucket(1))
     assert len(measured.verify_costs) == 3 and measured.verify_costs[0] == 1.0
     assert all(c > 0 for c in measured.verify_costs) and measured.costs.shape == (3,)
 

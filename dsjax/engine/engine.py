@@ -223,7 +223,7 @@ class Engine:
         if constraint is not None:
             constraint.claimed = True
         req = self.requests[request_id] = Request(request_id, prompt, params, stops, on_token, constraint, first_mask)
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return request_id
 
     def validate(self, prompt: list[int], params: SamplingParams, constraint: Constraint | None = None) -> tuple[int, ...]:
@@ -275,10 +275,12 @@ class Engine:
         slot active), so serving never stops to compile. constrained: also the programs of
         structured output (the split decode step per bucket, its sampling half, starting a
         slot). scoring: also the prefill programs that score the prompt (requests with
-        prompt_logprobs; one per prefill shape, else compiled on first use). progress(i, total, what): called before each program (1-based i), e.g. to
-        print a line per program. Returns the number of programs compiled: 7 for the
-        README's engine (capacity 4096, prefill_chunk 256), 12 with constrained=True."""
-        if self.scheduler.busy():
+        prompt_logprobs; one per prefill shape, else compiled on first use). The runner
+        executes the no-op plans the scheduler lists (`Scheduler.warmup_plans`).
+        progress(i, total, what): called before each plan (1-based i), e.g. to print a line
+        per program. Returns the number of programs compiled: 7 for the README's engine
+        (capacity 4096, prefill_chunk 256), 12 with constrained=True."""
+        if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
         if constrained and self.num_draft_tokens:
             raise ValueError("constrained=True: structured output is not supported with speculative decoding")

@@ -154,6 +154,7 @@ class Scheduler:
         return [i for i, owner in enumerate(self.slot_owner[: self.max_slots]) if owner is None]
 
     def busy(self) -> bool:
+        """Requests wait or hold a slot."""
         return bool(self.waiting or any(o is not None for o in self.slot_owner))
 
     # ------------------------------------------------------------------ shapes
