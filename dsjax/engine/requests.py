@@ -54,7 +54,7 @@ class Request:
     state: str = "waiting"  # waiting | prefilling | decoding | finished | cancelled
     slot: int | None = None
     prefilled: int = 0
-    admitted: bool = False  # its first prefill chunk (which resets the slot) has been dispatched
+    admitted: bool = False  # its first prefill chunk (or restored block), which resets the slot, is planned
     dispatched: int = 0  # tokens the device will have cached (upper bound while decoding)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
