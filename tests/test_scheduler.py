@@ -212,7 +212,8 @@ def test_warmup_plans_count_every_program():
     assert len(spec.warmup_plans()) == 26 and len(set(decodes)) == 18
     prefix, _ = _prefix_scheduler()  # capacity 256, chunk 16: widths 16 at bucket 256, and the round trip
     assert [(i.what, i.programs) for i in prefix.warmup_plans()] == [
-        ("prefill 16 tokens, context 256", 1), ("decode, context 256", 1), ("prefix cache: save and restore a block", 2)]
+        ("prefill 16 tokens, context 256", 1), ("decode, context 256", 1),
+        ("prefix cache: save and restore a block", 2)]
 
 
 def test_masks_without_constrained_rows_allow_every_token():

@@ -296,8 +296,9 @@ class BlockSave:
 
 @dataclasses.dataclass
 class Restore:
-    """Put the cached `blocks` (pool entries, a prompt's chain from block 0) into row `slot`,
-    the first admitting `request`: the runner does the copies."""
+    """Put the cached `blocks` (pool entries, a prompt's chain from block 0: handles whose
+    arrays the scheduler never reads) into row `slot`, the first admitting `request`: the
+    runner does the copies."""
 
     slot: int
     request: object

@@ -68,6 +68,10 @@ class Request:
     block_keys: list | None = None  # the prefix cache's chain keys of its prompt's blocks
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])  # read back chunk by chunk
 
+    def __repr__(self) -> str:  # short, so that a printed StepPlan stays readable
+        return (f"Request({self.request_id!r}, {self.state}, slot={self.slot}, prompt={len(self.prompt)}, "
+                f"prefilled={self.prefilled}, tokens={len(self.tokens)})")
+
     def take_scores(self, host, row: int, start: int, n: int) -> None:
         """The prompt logprobs of one prefill chunk (host copy of a `DeviceOutput`, row `row`): its
         positions start..start+n-1 each score the prompt token after them (the last position of
