@@ -30,7 +30,8 @@ from dsjax.engine.engine import Engine  # noqa: E402
 from dsjax.engine.programs import decode_step  # noqa: E402
 from dsjax.engine.sampler import SamplingParams  # noqa: E402
 from dsjax.model import model_specs  # noqa: E402
-from dsjax.model.decoder import LayerByLayer, one_row_params  # noqa: E402
+from dsjax.model.block import LayerByLayer  # noqa: E402
+from dsjax.model.v4.decoder import one_row_params  # noqa: E402
 from dsjax.params import init_params  # noqa: E402
 
 PROMPT = 40

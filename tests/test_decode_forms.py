@@ -19,7 +19,7 @@ from dsjax.kernels import cpu as cpu_kernels
 from dsjax.kernels.cpu import PackedHead
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
-from dsjax.model.decoder import one_row_head
+from dsjax.model.head import one_row_head
 from hlo_checks import widened_outside
 
 

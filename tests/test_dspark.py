@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from dsjax.config import RuntimeOptions, load_config
-from dsjax.model.dspark import dspark_draft, dspark_seed, dspark_state_shapes, empty_ring, sample_tokens
-from dsjax.model.v41 import dspark_specs, v41_model_specs, v41_streams
+from dsjax.model.v41.dspark import dspark_draft, dspark_seed, dspark_state_shapes, empty_ring, sample_tokens
+from dsjax.model.v41.backbone import v41_streams
+from dsjax.model.v41.params import dspark_specs, v41_model_specs
 from dsjax.params import init_params
 
 import dspark_oracle  # tests/ is on sys.path (conftest.py)

@@ -24,7 +24,7 @@ from dsjax.config.io import to_hf_dict
 from dsjax.engine.speculative import (CALIBRATION_BINS, DRAFT, Drafts, Schedule, accept, calibration_centres,
                                       choose_limits, draft_vocab, draw, init_speculation, prefill_chunk, verify)
 from dsjax.model import decoder_streams, model_specs, mtp_forward, mtp_head, mtp_specs
-from dsjax.model.cache import init_cache, min_ring
+from dsjax.model.cache_layout import init_cache, min_ring
 from dsjax.params import init_params
 from dsjax.train.export import most_frequent
 from hlo_checks import widened_outside

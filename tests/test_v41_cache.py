@@ -25,8 +25,10 @@ import pytest
 from dsjax.config import RuntimeOptions, load_config
 from dsjax.layers.qdq import qdq_fp4_e4m3, qdq_fp4_e8m0, qdq_fp8
 from dsjax.model import layer_slot
-from dsjax.model.cache import init_cache, take_rows
-from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams_cached
+from dsjax.model.cache import take_rows
+from dsjax.model.cache_layout import init_cache
+from dsjax.model.v41.backbone import v41_logits, v41_streams_cached
+from dsjax.model.v41.params import v41_model_specs
 from dsjax.params import init_params
 
 import v41_oracle  # tests/ is on sys.path (conftest.py)

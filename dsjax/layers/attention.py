@@ -169,6 +169,19 @@ class AttentionState:
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
+    def written_rows(self, ratio: int, positions: jax.Array) -> "AttentionState":
+        """Per field, the row index [B, n] an extend over `positions` may write: ring slots
+        (position % ring size) and the compressed entry each position would complete
+        (position // ratio). Speculative rollback saves and restores these rows."""
+        def comp_rows(comp: CompressorState | None):
+            if comp is None:
+                return None
+            ring = positions % comp.ring_kv.shape[1]
+            return CompressorState(entries=positions // ratio, ring_kv=ring, ring_gate=ring)
+
+        return AttentionState(window=positions % self.window.shape[1], compressor=comp_rows(self.compressor),
+                              indexer=comp_rows(self.indexer))
+
 
 def attention_state_shapes(cfg: ModelConfig, layer: LayerSpec, batch: int, capacity: int, dtype) -> AttentionState:
     comp = idx = None

@@ -294,6 +294,17 @@ class SharedAttentionState:
     tail_kv: jax.Array | None = None  # [B, TAIL_SLOTS, hd] fp32   KV sources with r > 1
     tail_gate: jax.Array | None = None  # [B, TAIL_SLOTS, hd] fp32
 
+    def written_rows(self, ratio: int, positions: jax.Array) -> "SharedAttentionState":
+        """Per field, the row index [B, n] an extend over `positions` may write: window and tail
+        slots, a KV source's latent / index-key entry (position // ratio). Speculative rollback
+        saves and restores these rows."""
+        def rows(leaf, idx):
+            return None if leaf is None else idx
+        entry = positions // max(ratio, 1)
+        tail = None if self.tail_kv is None else positions % self.tail_kv.shape[-2]
+        return SharedAttentionState(window=positions % self.window.shape[-2], entries=rows(self.entries, entry),
+                                    index_keys=rows(self.index_keys, entry), tail_kv=tail, tail_gate=tail)
+
 
 TAIL_SLOTS = 8  # a multiple of every ratio > 1 (2) and >= DSpark's verification width (block + 1 = 6)
 
@@ -368,7 +379,7 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
     one-token decode of the reference does; rows of a chunk starting at 0 (the reference's
     prefill) and rows whose keys are not cached yet (t / 2 > start) use their own: a chunk
     starting at s > 0 equals one-token decodes up to position 2 s + 1 only
-    (`dsjax.model.v41.reference_key_rule`; the engine keeps its chunks within that).
+    (`dsjax.model.v41.family.reference_key_rule`; the engine keeps its chunks within that).
     -> (out [B, C, D], state, shared)."""
     b, c, _ = x.shape
     w, r = cfg.sliding_window, layer.compress_ratio
