@@ -1,6 +1,6 @@
 """A one-slot CPU engine with its scanned layer runs as stored (stacked [repeats, ...],
 sliced in the layer scan: what it runs with) and layer by layer (`LayerByLayer`, see
-`dsjax.model.decoder.one_row_params`), both with the transposed head. Two engines of the
+`dsjax.model.v4.decoder.one_row_params`), both with the transposed head. Two engines of the
 same model in one process step in turn, `--steps` steps a round (this machine's memory
 bandwidth drifts); their sampled tokens must agree. Also the decode program's compile time
 each way.

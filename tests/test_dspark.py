@@ -1,4 +1,4 @@
-"""DSpark's draft head (dsjax/model/dspark.py) against the float64 numpy oracle in
+"""DSpark's draft head (dsjax/model/v41/dspark.py) against the float64 numpy oracle in
 tests/dspark_oracle.py, written from spec §6: seeding the rings from a prefill's main_hidden,
 a greedy draft (drafts, Markov-corrected logits, confidences), the ring after the window
 slid, and a second draft after two committed positions were fed.

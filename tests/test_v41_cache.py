@@ -158,7 +158,7 @@ def _oracle_row(weights, tokens, b, prefill, end):
 
 def test_quirk_chunk_matches_one_token_decodes(model):
     """§2.11: a chunk after a prefill reproduces one-token decodes per row, §2.7 included, up to
-    position 2 s + 1 for a chunk starting at s (`dsjax.model.v41.reference_key_rule`: past it,
+    position 2 s + 1 for a chunk starting at s (`dsjax.model.interface.reference_key_rule`: past it,
     the layer-10 keys an even position scores are written by the chunk itself, later in the
     layer order; engines keep their chunks within it). Row 0: prefill 5, chunk 5..11; row 1:
     prefill 6, chunk 6..13, both the longest such chunk; at t = 10 and 12 five or six ratio-2

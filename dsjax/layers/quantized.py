@@ -104,7 +104,7 @@ class ColumnMajor:
     XLA:CPU reads a one-row product x @ w.T fastest when `in` is short (a vector-matrix loop
     streaming whole rows of t, where the row form reduces each short row of w on its own).
     The engine keeps its vocabulary head so for a one-row CPU decode
-    (`dsjax.model.decoder.one_row_head`); `dense()` is the transpose back, which XLA folds
+    (`dsjax.model.head.one_row_head`); `dense()` is the transpose back, which XLA folds
     into the product that reads it."""
 
     t: jax.Array  # [in, out]

@@ -1,12 +1,14 @@
-"""The decode cache: per layer, a window ring and (CSA / HCA) compressed entries with the
-raw projections of the incomplete window; never per-token KV older than the window.
+"""The decode cache: per layer, a window ring and (CSA / HCA, V4.1's KV sources) compressed
+entries with what the incomplete group still needs; never per-token KV older than the window.
 
 Shapes are static: `capacity` tokens per sequence, `batch` sequences (the engine's slots).
 Layout follows the config's layer plan (`cfg.layer_runs`): per run, per period position,
-one AttentionState whose leaves have a leading [repeats] axis, so the batch axis of a
-layer state is axis 1 (`batch_axes`; `take_rows` / `put_rows` slice rows by it).
-Also here: which cache rows a chunk of positions writes, and saving / restoring exactly
-those rows (`save_rows` / `restore_rows`), which speculative rollback needs.
+one layer state of the generation (V4's `AttentionState`, V4.1's `SharedAttentionState`;
+which, and their shapes: `ModelFamily.cache_shapes`, dsjax/model/cache_layout.py) whose
+leaves have a leading [repeats] axis, so the batch axis of a layer state is axis 1
+(`batch_axes`; `take_rows` / `put_rows` slice rows by it). Also here: saving / restoring
+exactly the rows a chunk of positions writes (`save_rows` / `restore_rows`, from each
+state's `written_rows`), which speculative rollback needs, and prefix blocks.
 """
 
 from __future__ import annotations

@@ -23,15 +23,8 @@ class V4Family:
     drafter_takes_vocab = True  # the MTP drafter can score a reduced draft vocabulary
     stored_format = StoredFormat((128, 128), FP8_LINEARS)  # spec deepseek-v4.md, "Weight names"
     forward_rows = staticmethod(forward_rows)
-
-    @staticmethod
-    def param_specs(cfg: ModelConfig, dtype=jnp.bfloat16):
-        return model_specs(cfg, dtype)
-
-    @staticmethod
-    def drafter_specs(cfg: ModelConfig, dtype=jnp.bfloat16):
-        """The MTP layer's specs (whether or not the config declares one: `load_model(mtp=True)`)."""
-        return mtp_specs(cfg, dtype)
+    param_specs = staticmethod(model_specs)
+    drafter_specs = staticmethod(mtp_specs)  # whether or not the config declares one: `load_model(mtp=True)`
 
     @staticmethod
     def has_drafter(cfg: ModelConfig) -> bool:

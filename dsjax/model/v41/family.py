@@ -45,15 +45,8 @@ class V41Family:
     forward_rows = staticmethod(forward_rows)
     reference_key_rule = staticmethod(reference_key_rule)
     host_table_values = staticmethod(engram_table_values)
-
-    @staticmethod
-    def param_specs(cfg: ModelConfig, dtype=jnp.bfloat16):
-        return v41_model_specs(cfg, dtype)
-
-    @staticmethod
-    def drafter_specs(cfg: ModelConfig, dtype=jnp.bfloat16):
-        """The DSpark head's specs, None when the config declares none."""
-        return dspark_specs(cfg, dtype)
+    param_specs = staticmethod(v41_model_specs)
+    drafter_specs = staticmethod(dspark_specs)  # None when the config declares no DSpark head
 
     @staticmethod
     def has_drafter(cfg: ModelConfig) -> bool:
