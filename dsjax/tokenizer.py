@@ -101,12 +101,13 @@ class TextStream:
 class Tokenizer:
     """One `tokenizer.json`: `encode(text) -> ids` (no BOS added), `decode(ids) -> text`,
     `stream()`, and the `bos_id` / `eos_id` its `tokenizer_config.json` names.
-    v41: name id 128799 `<｜System｜>`, as DeepSeek-V4.1 does (`with_system_token`), so the
-    recipe's V4.1 prompts with a system header (thinking mode, system messages) encode."""
+    v41: name id 128799 `<｜System｜>`, as DeepSeek-V4.1 does (`with_system_token`; recorded as
+    `system_token`), so the recipe's V4.1 prompts with a system header (thinking mode, system
+    messages) encode."""
 
     def __init__(self, path: str | Path, *, v41: bool = False):
         self.path = Path(path)
-        self.system_token = v41  # names <｜System｜> (V4.1)
+        self.system_token = v41
         try:
             text = self.path.read_text(encoding="utf-8")
             self._json = with_system_token(text) if v41 else text

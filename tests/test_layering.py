@@ -151,6 +151,23 @@ def test_no_function_level_imports():
     assert not lazy, "function-level dsjax imports (a definition in the wrong file?):\n" + "\n".join(lazy)
 
 
+# The model generations: sibling packages on the shared model modules (block, head, cache) and
+# the layers; the modules that choose between them (family, forward, cache layout, stored
+# format, the interface, the package namespace) lie above them.
+GENERATIONS = ("dsjax.model.v4", "dsjax.model.v41")
+ABOVE_GENERATIONS = ("dsjax.model", "dsjax.model.family", "dsjax.model.forward_pass", "dsjax.model.cache_layout",
+                     "dsjax.model.stored", "dsjax.model.interface")
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_a_generation_imports_neither_its_sibling_nor_what_chooses_it(generation):
+    others = [g for g in GENERATIONS if g != generation]
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m == generation or m.startswith(generation + ".")
+           for t, _ in edges if t in ABOVE_GENERATIONS or any(t == o or t.startswith(o + ".") for o in others)]
+    assert all(m in MODULES for m in ABOVE_GENERATIONS)
+    assert not bad, "a model package reaches sideways or up (move what they share to dsjax/model/):\n" + "\n".join(bad)
+
+
 # Where the V4.1 config (`ModelConfig.v41`) may be read: its package, and the config that parses it.
 V41_READERS = ("dsjax/model/v41/", "dsjax/config/")
 
