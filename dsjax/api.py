@@ -74,8 +74,8 @@ class Model:
     draft_vocab: np.ndarray | None = None  # [|D|] int32: the ids the drafter proposes from (draft_vocab.json)
 
     def __repr__(self) -> str:  # the dataclass default would print every weight array
-        counts = count_params(self.config, self.dtype)
-        drafter = family_of(self.config).drafter_name
+        counts, family = count_params(self.config, self.dtype), family_of(self.config)
+        drafter = family.drafter_name
         mtp = f" (+ {drafter} drafter: {_amount(counts['total_with_mtp'] - counts['total'])})" if self.mtp is not None \
             else ""
         if self.mtp is not None and self.draft_vocab is not None:
@@ -83,7 +83,7 @@ class Model:
         mesh = "one device" if self.mesh is None else ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         tables = getattr(self.params, "engram_tables", None)
         engram = "" if tables is None else (f"\n  engram      {len(tables.tables)} host tables, "
-                                            f"{_amount(family_of(self.config).host_table_values(self.config))} values ({tables.source})")
+                                            f"{_amount(family.host_table_values(self.config))} values ({tables.source})")
         return (f"dsjax.Model {self.config.name!r}\n"
                 f"  dtype       {jnp.dtype(self.dtype).name}\n"
                 f"  parameters  {_amount(counts['total'])}, {_amount(counts['active'])} active per token{mtp}\n"
