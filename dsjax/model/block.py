@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.layers.attention import AttentionProjections
 from dsjax.layers.hyper_connection import HyperConnection, collapse, expand, hc_mixes
 from dsjax.layers.moe import MoE, moe_forward
 from dsjax.layers.norms import rms_norm
@@ -35,7 +36,7 @@ INVARIANT_ROWS = 8  # rows per batch-invariant tile (see `dsjax.model.forward`)
 class Block:
     attn_hc: HyperConnection
     attn_norm: jax.Array  # [D] fp32
-    attn: object  # the generation's attention (V4: `Attention`; V4.1: `SharedAttention`)
+    attn: AttentionProjections  # the generation's attention (V4: `Attention`; V4.1: `SharedAttention`)
     ffn_hc: HyperConnection
     ffn_norm: jax.Array  # [D] fp32
     moe: MoE
