@@ -67,7 +67,8 @@ class MoE:
     router_bias_vl: jax.Array | None = None  # [E] fp32, V4.1: the selection bias of image-span tokens
 
 
-def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
+def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype, *, image_bias: bool = False) -> MoE:
+    """image_bias: a second selection bias for image-span tokens (DeepSeek-V4.1's `gate.bias_vl`)."""
     e, i, d, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
     si = cfg.shared_intermediate_size
     is_hash = layer.mlp == HASH_MOE
@@ -82,7 +83,7 @@ def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
         router_bias=None if is_hash else ParamSpec((e,), jnp.float32, (None,), init="zeros"),
         tid2eid=ParamSpec((cfg.vocab_size, k), jnp.int32, (None, None), init="expert_table", high=e)
         if is_hash else None,
-        router_bias_vl=ParamSpec((e,), jnp.float32, (None,), init="zeros") if cfg.v41 is not None else None,
+        router_bias_vl=ParamSpec((e,), jnp.float32, (None,), init="zeros") if image_bias else None,
     )
 
 
