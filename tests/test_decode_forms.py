@@ -16,7 +16,6 @@ from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
 from dsjax.kernels import cpu as cpu_kernels
-from dsjax.kernels.cpu import PackedHead
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
 from dsjax.model.head import one_row_head

@@ -185,7 +185,7 @@ def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main
     o_1..o_K [B, K] int32, Markov-corrected logits before temperature [B, K, V] fp32,
     confidence logits c_k [B, K] fp32)."""
     ds_cfg = cfg.v41.dspark
-    b, k = anchor.shape[0], ds_cfg.block_size
+    k = ds_cfg.block_size
     ring = dspark_seed(ds, main_hidden_t[:, None], t[:, None], ring, cfg, opts=opts)
     ids = jnp.where(jnp.arange(k) == 0, anchor[:, None], ds_cfg.noise_token_id).astype(jnp.int32)  # [B, K]
     positions = t[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)
