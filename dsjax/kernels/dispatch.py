@@ -3,9 +3,12 @@
     impl          here                              runs
     "reference"   anywhere                          the kernel file's pure-jnp reference
     "pallas"      Hopper+ NVIDIA GPU                the Mosaic GPU kernel (compiled)
+                  TPU                               the Mosaic TPU kernel (compiled)
                   elsewhere                         the generic Pallas kernel (interpreted on CPU)
     "mosaic_gpu"  Hopper+ NVIDIA GPU                the Mosaic GPU kernel (compiled)
                   elsewhere                         the Mosaic GPU kernel in GPU interpret mode
+    "mosaic_tpu"  TPU                               the Mosaic TPU kernel (compiled)
+                  elsewhere                         the Mosaic TPU kernel in TPU interpret mode
 
 `resolve_kernels` turns the user's choice, which may also be "auto", into one of these.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from dsjax.config import KERNELS  # the allowed values, declared once with the run options
+from dsjax.kernels.tpu_blocks import tpu_available
 
 
 def mosaic_gpu_available() -> bool:
@@ -26,11 +30,14 @@ def mosaic_gpu_available() -> bool:
 
 def kernel_choice(impl: str) -> tuple[str, bool]:
     """impl -> (which implementation: "reference" | "pallas" (the generic kernel) |
-    "mosaic_gpu", run it in interpret mode?), per the table above."""
+    "mosaic_gpu" | "mosaic_tpu", run it in interpret mode?), per the table above."""
     if impl == "reference":
         return "reference", False
     if impl not in KERNELS:
         raise ValueError(f"kernel impl must be one of {KERNELS}, got {impl!r}")
+    tpu = tpu_available()
+    if impl == "mosaic_tpu" or (impl == "pallas" and tpu):
+        return "mosaic_tpu", not tpu
     hopper = mosaic_gpu_available()
     if impl == "mosaic_gpu" or hopper:
         return "mosaic_gpu", not hopper
@@ -38,12 +45,12 @@ def kernel_choice(impl: str) -> tuple[str, bool]:
 
 
 def resolve_kernels(kernels: str) -> str:
-    """The user's kernel choice -> one of KERNELS. "auto": the Mosaic GPU kernels (through
-    "pallas") on a Hopper-or-newer NVIDIA GPU, the reference elsewhere: the generic Pallas
-    kernels take whole key / expert-weight arrays as blocks, which V4-sized layers cannot
-    fit in a TPU's VMEM."""
+    """The user's kernel choice -> one of KERNELS. "auto": the Mosaic GPU or Mosaic TPU
+    kernels (through "pallas") on a Hopper-or-newer NVIDIA GPU or a TPU, the reference
+    elsewhere (the generic Pallas kernels take whole key / expert-weight arrays as blocks:
+    for checking, not for speed)."""
     if kernels == "auto":
-        return "pallas" if mosaic_gpu_available() else "reference"
+        return "pallas" if mosaic_gpu_available() or tpu_available() else "reference"
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
     return kernels

@@ -1,0 +1,169 @@
+"""The routed experts' grouped FFN (clamped SwiGLU) as Mosaic TPU kernels, megablox-style
+(grouped_matmul.py holds the reference and the one dispatch; this is what
+kernels="mosaic_tpu" runs there).
+
+Rows come sorted by expert with ragged group sizes (empty groups allowed) and stay in that
+order: no tile gather or scatter. The rows are cut into (tm)-row tiles; a tile may hold the
+rows of several experts, so the kernels walk a list of *visits*, one per (row tile, expert)
+pair that share rows (`group_visits`; at most tiles + E - 1, known statically), in row order.
+A visit multiplies the whole tile by its expert's weights and keeps only its expert's rows
+(a masked store into the output tile, which stays in VMEM across the tile's consecutive
+visits and is zeroed on the first). The visit list, the visits' experts and tiles and the
+groups' row bounds arrive by scalar prefetch (`pltpu.PrefetchScalarGridSpec`) and pick the
+blocks each grid step copies; the visits past the used ones repeat the last one (no new
+copy) and compute nothing.
+
+Two kernels, each over a grid (output column block, visit, contraction block) with the
+contraction innermost and an fp32 accumulator in VMEM scratch:
+  1. gate and up [tm, tn] = x W1[e]^T, x W3[e]^T over D in (tk) blocks; on the last block
+     the clamped SwiGLU, h [M, I] out in x's dtype;
+  2. y [tm, tn] = h W2[e]^T over I, out in fp32.
+Operands are x's dtype (bf16 on the MXU), accumulation fp32; the weights are read as
+[E, out, in] blocks, the layout the checkpoint stores. Rows past sum(group_sizes) come out 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dsjax.kernels.mgpu import pad_axis, round_up
+from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, vmem_budget
+
+NT = (((1,), (1,)), ((), ()))  # x [tm, tk] . w [tn, tk] -> [tm, tn]
+
+
+def group_visits(group_sizes: jax.Array, m: int, tm: int):
+    """-> (expert per visit, row tile per visit, first row per group, end row per group,
+    [number of used visits]) for tiles(m) + E - 1 visits, int32. The visits are the (tile,
+    expert) pairs that share rows, in row order; the unused ones repeat the last used one."""
+    e = group_sizes.shape[0]
+    tiles = -(-m // tm)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    first, last = starts // tm, (ends - 1) // tm
+    per_group = jnp.where(group_sizes > 0, last - first + 1, 0)
+    visit_end = jnp.cumsum(per_group)
+    used = visit_end[-1]
+    v = jnp.arange(tiles + e - 1)
+    v = jnp.minimum(v, jnp.maximum(used - 1, 0))  # unused visits: the last used one again
+    expert = jnp.minimum(jnp.searchsorted(visit_end, v, side="right"), e - 1)
+    tile = jnp.clip(first[expert] + v - (visit_end[expert] - per_group[expert]), 0, tiles - 1)
+    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+    return i32(expert), i32(tile), i32(starts), i32(ends), i32(used)[None]
+
+
+def _kernel(expert_ref, tile_ref, start_ref, end_ref, used_ref, x_ref, *refs, tm: int, n_k: int, limit,
+            round_products: bool):
+    swiglu = limit is not None
+    if swiglu:
+        w1_ref, w3_ref, o_ref, gate_acc, up_acc = refs
+        accs, weights = (gate_acc, up_acc), (w1_ref, w3_ref)
+    else:
+        w2_ref, o_ref, acc = refs
+        accs, weights = (acc,), (w2_ref,)
+    v, k = pl.program_id(1), pl.program_id(2)
+    active = v < used_ref[0]
+
+    @pl.when(k == 0)
+    def _():
+        for a in accs:
+            a[...] = jnp.zeros(a.shape, jnp.float32)
+
+    @pl.when(active)
+    def _():
+        x = x_ref[...]
+        for a, w in zip(accs, weights):
+            a[...] += jax.lax.dot_general(x, w[0], NT, preferred_element_type=jnp.float32)
+
+    @pl.when(k == n_k - 1)
+    def _():
+        @pl.when((v == 0) | (tile_ref[v] != tile_ref[jnp.maximum(v - 1, 0)]))
+        def _():  # the tile's first visit: rows no expert of it owns stay 0
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+        @pl.when(active)
+        def _():
+            e = expert_ref[v]
+            row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+            mine = (row >= start_ref[e]) & (row < end_ref[e])
+            if swiglu:
+                gate, up = gate_acc[...], up_acc[...]
+                if round_products:  # DeepSeek-V4.1: the products are Lin4 outputs, bf16
+                    gate, up = (a.astype(jnp.bfloat16).astype(jnp.float32) for a in (gate, up))
+                gate = jnp.minimum(gate, limit)
+                y = gate * jax.nn.sigmoid(gate) * jnp.clip(up, -limit, limit)
+            else:
+                y = acc[...]
+            o_ref[...] = jnp.where(mine, y.astype(o_ref.dtype), o_ref[...])
+
+
+def _plan(m, k_dim, n_dim, dtype, out_dtype, n_weights, *, tm=None, tk=None, tn=None, gen=None):
+    """Static tiles, padded sizes and every block / scratch shape of one of the two kernels."""
+    table = blocks("grouped_ffn", gen)
+    tm = min(tm or table["tm"], round_up(m, 8))
+    tk, tn = min(tk or table["tk"], round_up(k_dim, 128)), min(tn or table["tn"], round_up(n_dim, 128))
+    mp, kp, np_ = round_up(m, tm), round_up(k_dim, tk), round_up(n_dim, tn)
+    ins = [((tm, tk), dtype)] + [((1, tn, tk), dtype)] * n_weights
+    scratch = [((tm, tn), jnp.float32)] * n_weights
+    return dict(tm=tm, tk=tk, tn=tn, mp=mp, kp=kp, np=np_, ins=ins, out=((tm, tn), out_dtype), scratch=scratch,
+                values=[((tm, tn), jnp.float32)] * n_weights)  # the products before they join the accumulators
+
+
+def vmem(m, d, inter, dtype=jnp.bfloat16, gen=None) -> int:
+    """VMEM bytes of the larger of `tpu_grouped_ffn`'s two kernels at these shapes."""
+    plans = [_plan(m, d, inter, dtype, dtype, 2, gen=gen), _plan(m, inter, d, dtype, jnp.float32, 1, gen=gen)]
+    return max(vmem_budget(p["ins"] + [p["out"]], p["scratch"], p["values"]) for p in plans)
+
+
+def _gmm(x, w, meta, n_experts, *, limit, out_dtype, tiles, interpret, round_products=False):
+    """One kernel: x [M, K] rows sorted by expert, w: one or two [E, N, K] -> [M, N]."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    m, k_dim = x.shape
+    p = _plan(m, k_dim, w[0].shape[1], x.dtype, out_dtype, len(w), **tiles)
+    tm, tk, tn = p["tm"], p["tk"], p["tn"]
+    xs = pad_axis(pad_axis(x, 0, p["mp"]), 1, p["kp"])
+    ws = [pad_axis(pad_axis(a.astype(x.dtype), 1, p["np"]), 2, p["kp"]) for a in w]
+    expert, tile = meta[0], meta[1]
+    grid = (p["np"] // tn, expert.shape[0], p["kp"] // tk)
+    kernel = functools.partial(_kernel, tm=tm, n_k=grid[2], limit=limit, round_products=round_products)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(meta), grid=grid,
+            in_specs=[pl.BlockSpec((tm, tk), lambda n, v, k, e, t, *_: (t[v], k))]
+            + [pl.BlockSpec((1, tn, tk), lambda n, v, k, e, t, *_: (e[v], n, k))] * len(ws),
+            out_specs=pl.BlockSpec((tm, tn), lambda n, v, k, e, t, *_: (t[v], n)),
+            scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in p["scratch"]]),
+        out_shape=jax.ShapeDtypeStruct((p["mp"], p["np"]), out_dtype),
+        # the visits of one tile write the same output block: in order on one core
+        compiler_params=compiler_params("parallel", "arbitrary", "arbitrary"),
+        interpret=interpret_params(interpret),
+    )(*meta, xs, *ws)
+    return out[:m, :w[0].shape[1]]
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "tm", "tk", "tn", "interpret", "down"))
+def tpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, tm: int | None = None, tk: int | None = None,
+                    tn: int | None = None, interpret=False, scale=None, down=None):
+    """Same contract as `grouped_matmul.reference`: x_sorted [M, D] rows sorted by expert,
+    group_sizes [E], w1 / w3 [E, I, D], w2 [E, D, I] -> [M, D] fp32. Tiles default to this
+    TPU generation's (tpu_blocks.BLOCKS); D and I are padded to them with zeros (which add
+    nothing). With `down` (`grouped_matmul.hidden`, DeepSeek-V4.1's Lin4) the first kernel
+    rounds gate and up to bf16 and writes h in fp32, and `down(h, scale)` runs between the two
+    kernels, in `hidden`'s order."""
+    m = x_sorted.shape[0]
+    n_experts = group_sizes.shape[0]
+    tiles = dict(tm=tm, tk=tk, tn=tn)
+    row_tm = _plan(m, 1, 1, x_sorted.dtype, x_sorted.dtype, 1, **tiles)["tm"]  # both kernels' row tile
+    meta = group_visits(group_sizes.astype(jnp.int32), m, row_tm)
+    h = _gmm(x_sorted, [w1, w3], meta, n_experts, limit=limit, tiles=tiles, interpret=interpret,
+             out_dtype=x_sorted.dtype if down is None else jnp.float32, round_products=down is not None)
+    if down is not None:
+        h = down(h, scale).astype(x_sorted.dtype)
+    y = _gmm(h, [w2], meta, n_experts, limit=None, out_dtype=jnp.float32, tiles=tiles, interpret=interpret)
+    return jnp.where((jnp.arange(m) < jnp.sum(group_sizes))[:, None], y, 0.0)  # rows no visit reaches
