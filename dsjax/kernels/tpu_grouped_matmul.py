@@ -101,11 +101,18 @@ def _kernel(expert_ref, tile_ref, start_ref, end_ref, used_ref, x_ref, *refs, tm
             o_ref[...] = jnp.where(mine, y.astype(o_ref.dtype), o_ref[...])
 
 
+def fit(block: int, dim: int) -> int:
+    """The widest multiple of 128 lanes up to `block` that divides `dim` (rounded up to 128):
+    no padded copy of the weights at a model's widths (V4.1-Flash's I = 2304 takes 768)."""
+    lanes = round_up(dim, 128) // 128
+    return 128 * max(c for c in range(1, max(block // 128, 1) + 1) if lanes % c == 0)
+
+
 def _plan(m, k_dim, n_dim, dtype, out_dtype, n_weights, *, tm=None, tk=None, tn=None, gen=None):
     """Static tiles, padded sizes and every block / scratch shape of one of the two kernels."""
     table = blocks("grouped_ffn", gen)
     tm = min(tm or table["tm"], round_up(m, 8))
-    tk, tn = min(tk or table["tk"], round_up(k_dim, 128)), min(tn or table["tn"], round_up(n_dim, 128))
+    tk, tn = fit(tk or table["tk"], k_dim), fit(tn or table["tn"], n_dim)
     mp, kp, np_ = round_up(m, tm), round_up(k_dim, tk), round_up(n_dim, tn)
     ins = [((tm, tk), dtype)] + [((1, tn, tk), dtype)] * n_weights
     scratch = [((tm, tn), jnp.float32)] * n_weights
@@ -119,7 +126,7 @@ def vmem(m, d, inter, dtype=jnp.bfloat16, gen=None) -> int:
     return max(vmem_budget(p["ins"] + [p["out"]], p["scratch"], p["values"]) for p in plans)
 
 
-def _gmm(x, w, meta, n_experts, *, limit, out_dtype, tiles, interpret, round_products=False):
+def _gmm(x, w, meta, *, limit, out_dtype, tiles, interpret, round_products=False):
     """One kernel: x [M, K] rows sorted by expert, w: one or two [E, N, K] -> [M, N]."""
     from jax.experimental.pallas import tpu as pltpu
 
@@ -128,8 +135,7 @@ def _gmm(x, w, meta, n_experts, *, limit, out_dtype, tiles, interpret, round_pro
     tm, tk, tn = p["tm"], p["tk"], p["tn"]
     xs = pad_axis(pad_axis(x, 0, p["mp"]), 1, p["kp"])
     ws = [pad_axis(pad_axis(a.astype(x.dtype), 1, p["np"]), 2, p["kp"]) for a in w]
-    expert, tile = meta[0], meta[1]
-    grid = (p["np"] // tn, expert.shape[0], p["kp"] // tk)
+    grid = (p["np"] // tn, meta[0].shape[0], p["kp"] // tk)  # (column block, visit, contraction block)
     kernel = functools.partial(_kernel, tm=tm, n_k=grid[2], limit=limit, round_products=round_products)
     out = pl.pallas_call(
         kernel,
@@ -157,13 +163,12 @@ def tpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, tm: int 
     rounds gate and up to bf16 and writes h in fp32, and `down(h, scale)` runs between the two
     kernels, in `hidden`'s order."""
     m = x_sorted.shape[0]
-    n_experts = group_sizes.shape[0]
     tiles = dict(tm=tm, tk=tk, tn=tn)
     row_tm = _plan(m, 1, 1, x_sorted.dtype, x_sorted.dtype, 1, **tiles)["tm"]  # both kernels' row tile
     meta = group_visits(group_sizes.astype(jnp.int32), m, row_tm)
-    h = _gmm(x_sorted, [w1, w3], meta, n_experts, limit=limit, tiles=tiles, interpret=interpret,
+    h = _gmm(x_sorted, [w1, w3], meta, limit=limit, tiles=tiles, interpret=interpret,
              out_dtype=x_sorted.dtype if down is None else jnp.float32, round_products=down is not None)
     if down is not None:
         h = down(h, scale).astype(x_sorted.dtype)
-    y = _gmm(h, [w2], meta, n_experts, limit=None, out_dtype=jnp.float32, tiles=tiles, interpret=interpret)
+    y = _gmm(h, [w2], meta, limit=None, out_dtype=jnp.float32, tiles=tiles, interpret=interpret)
     return jnp.where((jnp.arange(m) < jnp.sum(group_sizes))[:, None], y, 0.0)  # rows no visit reaches
