@@ -256,3 +256,32 @@ def test_index_scores_lowers_for_tpu(b, s, t):
     """V4-Flash's indexer (64 heads x 128): decode at 1M tokens of context, a prefill chunk."""
     avals = [S((b, s, 64, 128), jnp.bfloat16), S((b, t, 128), jnp.bfloat16), S((b, s, 64), jnp.float32)]
     assert "tpu_custom_call" in _exported_for_tpu(lambda *a: tpu_index_scores(*a, scale=128 ** -0.5), *avals)
+
+
+@pytest.mark.parametrize("s", [1, 256])
+def test_v4_flash_programs_export_for_tpu_with_the_kernels(s, monkeypatch):
+    """The model's decode step (8 rows x 1 token) and a 256-token prefill chunk at V4-Flash's
+    shapes (abstract weights, 8192 tokens of cache) export for TPU with every layer kind's
+    Mosaic kernels in the program, as kernel_choice picks them on a TPU."""
+    import re
+
+    from dsjax.config import RuntimeOptions
+    from dsjax.kernels import dispatch
+    from dsjax.model import cache_shapes, forward
+    from dsjax.model.decoder import model_specs
+    from dsjax.params import abstract_params
+
+    monkeypatch.setattr(dispatch, "tpu_available", lambda: True)  # compile, as on a TPU
+    cfg = load_config("v4-flash")
+    params = abstract_params(model_specs(cfg, jnp.bfloat16))
+    cache = cache_shapes(cfg, 8, 8192, jnp.bfloat16)
+    opts = RuntimeOptions(kernels="mosaic_tpu")
+    with pltpu.force_tpu_interpret_mode(None):
+        exported = jax.export.export(forward, platforms=["tpu"])(params, S((8, s), jnp.int32), cfg, cache, opts=opts,
+                                                                 ctx_bucket=8192)
+    calls = [re.search(r"dsjax_[a-z_]+", line) for line in exported.mlir_module().splitlines()
+             if "tpu_custom_call" in line]
+    names = [c.group(0) for c in calls if c]
+    assert len(names) == len(calls) and set(names) == {"dsjax_sink_attention", "dsjax_index_scores",
+                                                       "dsjax_grouped_ffn_gate_up", "dsjax_grouped_ffn_down"}
+    assert names.count("dsjax_sink_attention") == 3  # sliding-window, CSA and HCA layers

@@ -164,7 +164,7 @@ def tpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None
     kernel = functools.partial(_kernel, heads=h, block_q=bq, n_shared=n_shared, n_own=p["n_own"],
                                scale=d ** -0.5, round_p=round_p)
     out = pl.pallas_call(
-        kernel,
+        kernel, name="dsjax_sink_attention",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=p["grid"], in_specs=in_specs,
             out_specs=pl.BlockSpec((1, rows, d), lambda b, i, j, *_: (b, i, 0)),

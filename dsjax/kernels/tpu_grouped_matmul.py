@@ -138,7 +138,7 @@ def _gmm(x, w, meta, *, limit, out_dtype, tiles, interpret, round_products=False
     grid = (p["np"] // tn, meta[0].shape[0], p["kp"] // tk)  # (column block, visit, contraction block)
     kernel = functools.partial(_kernel, tm=tm, n_k=grid[2], limit=limit, round_products=round_products)
     out = pl.pallas_call(
-        kernel,
+        kernel, name="dsjax_grouped_ffn_" + ("gate_up" if limit is not None else "down"),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(meta), grid=grid,
             in_specs=[pl.BlockSpec((tm, tk), lambda n, v, k, e, t, *_: (t[v], k))]

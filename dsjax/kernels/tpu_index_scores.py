@@ -61,7 +61,7 @@ def tpu_index_scores(q, keys, weights, *, scale: float, block_q: int | None = No
     w = pad_axis(weights.astype(jnp.float32) * scale, 1, sp).reshape(b, sp // bq, bq, h)
     w = jnp.einsum("bnsh,su->bnsuh", w, jnp.eye(bq, dtype=jnp.float32)).reshape(b, sp // bq, bq, rows)
     out = pl.pallas_call(
-        _kernel, grid=(b, sp // bq, p["tp"] // bt),
+        _kernel, name="dsjax_index_scores", grid=(b, sp // bq, p["tp"] // bt),
         in_specs=[pl.BlockSpec((1, rows, d), lambda i, j, k: (i, j, 0)),
                   pl.BlockSpec((1, bt, d), lambda i, j, k: (i, k, 0)),
                   pl.BlockSpec((1, 1, bq, rows), lambda i, j, k: (i, j, 0, 0))],
