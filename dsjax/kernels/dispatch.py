@@ -11,11 +11,13 @@
                   elsewhere                         the Mosaic TPU kernel in TPU interpret mode
 
 `resolve_kernels` turns the user's choice, which may also be "auto", into one of these.
+`on_batch_shards` is how a kernel meets a mesh: each device runs it on its own rows.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.sharding import AxisType, PartitionSpec as P
 
 from dsjax.config import KERNELS  # the allowed values, declared once with the run options
 from dsjax.kernels.tpu_blocks import tpu_available
@@ -54,3 +56,32 @@ def resolve_kernels(kernels: str) -> str:
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {(*KERNELS, 'auto')}, got {kernels!r}")
     return kernels
+
+
+def on_batch_shards(fn, batched: tuple, shared: tuple = ()):
+    """fn(*batched, *shared) for a kernel whose rows are independent along axis 0 of `batched`
+    (and of its output), under the current mesh. Pallas kernels see whole arrays as blocks, so
+    on an explicit mesh each device runs the kernel on its own rows: a `jax.shard_map` over
+    the mesh axes that split batched[0]'s rows, other axes gathered first, `shared` arrays
+    whole (no `batched`: every device runs the whole call). Without a mesh, or inside a
+    shard_map (manual axes), fn runs as it is. None arguments pass through."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return fn(*batched, *shared)
+    spec = jax.typeof(batched[0]).sharding.spec if batched else ()
+    rows = spec[0] if len(spec) else None
+    args = [None if a is None else jax.reshard(a, P(rows, *[None] * (a.ndim - 1))) for a in batched]
+    args += [None if a is None else jax.reshard(a, P()) for a in shared]
+    present = [i for i, a in enumerate(args) if a is not None]
+    specs = tuple(P(rows) if i < len(batched) else P() for i in present)
+
+    def local(*given):
+        full = [None] * len(args)
+        for i, a in zip(present, given):
+            full[i] = a
+        return fn(*full)
+
+    # check_vma off: a pallas_call's outputs carry no varying-axes type. A replicated call runs
+    # in a shard_map too, so that every device meets a kernel the same way (TPU interpret mode
+    # keeps one simulated machine for all devices of a call).
+    return jax.shard_map(local, in_specs=specs, out_specs=P(rows), check_vma=False)(*[args[i] for i in present])

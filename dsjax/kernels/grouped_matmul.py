@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.dispatch import kernel_choice, on_batch_shards
 from dsjax.kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up, store_tile, wgmma_nt
 from dsjax.kernels.tpu_grouped_matmul import tpu_grouped_ffn
 
@@ -331,7 +331,9 @@ def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = 
     if kind == "mosaic_gpu":
         return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret, **down_args)
     if kind == "mosaic_tpu":
-        return tpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret, **down_args)
+        kernel = lambda x, sizes, w1, w3, w2, scale: tpu_grouped_ffn(  # noqa: E731
+            x, sizes, w1, w3, w2, limit=limit, interpret=interpret, scale=scale, down=down)
+        return on_batch_shards(kernel, (), (x_sorted, group_sizes, w1, w3, w2, scale))
     if kind == "pallas":
         return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret,
                                   **down_args)

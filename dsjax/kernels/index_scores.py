@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.dispatch import kernel_choice, on_batch_shards
 from dsjax.kernels.mgpu import (interpret_params, layout, matmul_nt, operand_transforms, pad_axis, round_up,
                                        store_tile)
 from dsjax.kernels.tpu_index_scores import tpu_index_scores
@@ -119,4 +119,4 @@ def index_scores(q, keys, weights, *, scale: float, impl: str = "reference"):
     if kind == "reference":
         return reference(q, keys, weights, scale=scale)
     fn = {"mosaic_gpu": mgpu_index_scores, "mosaic_tpu": tpu_index_scores}.get(kind, pallas_index_scores)
-    return fn(q, keys, weights, scale=scale, interpret=interpret)
+    return on_batch_shards(lambda q, keys, w: fn(q, keys, w, scale=scale, interpret=interpret), (q, keys, weights))

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.dispatch import kernel_choice, on_batch_shards
 from dsjax.kernels.mgpu import (accumulate, interpret_params, layout, matmul_nt, operand_transforms, pad_axis,
                                        round_up, store_tile)
 from dsjax.kernels.tpu_attention import tpu_sink_attention
@@ -382,4 +382,6 @@ def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *,
     if kind == "reference":
         return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, round_p)
     fn = {"mosaic_gpu": mgpu_sink_attention, "mosaic_tpu": tpu_sink_attention}.get(kind, pallas_sink_attention)
-    return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret, round_p=round_p)
+    kernel = lambda q, kv, k_lo, k_hi, q_pos, kv_pq, mask_pq, sinks: fn(  # noqa: E731
+        q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret, round_p=round_p)
+    return on_batch_shards(kernel, (q, kv, k_lo, k_hi, q_pos, kv_pq, mask_pq), (sinks,))

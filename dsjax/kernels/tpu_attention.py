@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsjax.kernels.mgpu import pad_axis, round_up
-from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, vmem_budget
+from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, out_struct, vmem_budget
 
 NEG = -1e30  # finite "minus infinity", as in sink_attention.py
 NT = (((1,), (1,)), ((), ()))  # a [r, D] x [t, D] -> [r, t] contraction (keys as stored)
@@ -169,7 +169,7 @@ def tpu_sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None
             num_scalar_prefetch=2, grid=p["grid"], in_specs=in_specs,
             out_specs=pl.BlockSpec((1, rows, d), lambda b, i, j, *_: (b, i, 0)),
             scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in p["scratch"]]),
-        out_shape=jax.ShapeDtypeStruct((b, p["sp"] * h, d), q.dtype),
+        out_shape=out_struct((b, p["sp"] * h, d), q.dtype, q),
         compiler_params=compiler_params("parallel", "parallel", "arbitrary"),
         interpret=interpret_params(interpret),
     )(span, qspan, *args)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsjax.kernels.mgpu import pad_axis, round_up
-from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, vmem_budget
+from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, out_struct, vmem_budget
 
 NT = (((1,), (1,)), ((), ()))  # x [tm, tk] . w [tn, tk] -> [tm, tn]
 
@@ -145,7 +145,7 @@ def _gmm(x, w, meta, *, limit, out_dtype, tiles, interpret, round_products=False
             + [pl.BlockSpec((1, tn, tk), lambda n, v, k, e, t, *_: (e[v], n, k))] * len(ws),
             out_specs=pl.BlockSpec((tm, tn), lambda n, v, k, e, t, *_: (t[v], n)),
             scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in p["scratch"]]),
-        out_shape=jax.ShapeDtypeStruct((p["mp"], p["np"]), out_dtype),
+        out_shape=out_struct((p["mp"], p["np"]), out_dtype, x),
         # the visits of one tile write the same output block: in order on one core
         compiler_params=compiler_params("parallel", "arbitrary", "arbitrary"),
         interpret=interpret_params(interpret),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsjax.kernels.mgpu import pad_axis, round_up
-from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, vmem_budget
+from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, out_struct, vmem_budget
 
 NT = (((1,), (1,)), ((), ()))
 
@@ -66,7 +66,7 @@ def tpu_index_scores(q, keys, weights, *, scale: float, block_q: int | None = No
                   pl.BlockSpec((1, bt, d), lambda i, j, k: (i, k, 0)),
                   pl.BlockSpec((1, 1, bq, rows), lambda i, j, k: (i, j, 0, 0))],
         out_specs=pl.BlockSpec((1, bq, bt), lambda i, j, k: (i, j, k)),
-        out_shape=jax.ShapeDtypeStruct((b, sp, p["tp"]), jnp.float32),
+        out_shape=out_struct((b, sp, p["tp"]), jnp.float32, q),
         compiler_params=compiler_params("parallel", "parallel", "parallel"),
         interpret=interpret_params(interpret),
     )(qf, pad_axis(keys.astype(q.dtype), 1, p["tp"]), w)
