@@ -85,3 +85,11 @@ def on_batch_shards(fn, batched: tuple, shared: tuple = ()):
     # in a shard_map too, so that every device meets a kernel the same way (TPU interpret mode
     # keeps one simulated machine for all devices of a call).
     return jax.shard_map(local, in_specs=specs, out_specs=P(rows), check_vma=False)(*[args[i] for i in present])
+
+
+def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A Pallas kernel output's type: inside a shard_map (the MoE's expert-parallel step) it
+    varies over the mesh axes `like` varies over, which a shard_map checking types needs stated."""
+    mat = getattr(jax.typeof(like), "mat", None)
+    return jax.ShapeDtypeStruct(shape, dtype) if mat is None else jax.ShapeDtypeStruct(shape, dtype,
+                                                                                        manual_axis_type=mat)

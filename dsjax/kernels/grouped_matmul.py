@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.dispatch import kernel_choice, on_batch_shards
+from dsjax.kernels.dispatch import kernel_choice, on_batch_shards, out_struct
 from dsjax.kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up, store_tile, wgmma_nt
 from dsjax.kernels.tpu_grouped_matmul import tpu_grouped_ffn
 
@@ -206,7 +206,7 @@ def pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows:
                   pl.BlockSpec(w2.shape, lambda i: (0, 0, 0))]
         + [pl.BlockSpec((1, rows), lambda i: (i, 0))] * len(scales),
         out_specs=pl.BlockSpec((1, rows, d), lambda i: (i, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((n_tiles, rows, d), jnp.float32), interpret=interpret,
+        out_shape=out_struct((n_tiles, rows, d), jnp.float32, x_tiles), interpret=interpret,
     )(expert, x_tiles, w1, w3, w2, *scales)
     return scatter_tiles(out, first, used, m)
 
@@ -330,13 +330,11 @@ def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = 
         return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, layer=layer, **down_args)
     if kind == "mosaic_gpu":
         return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret, **down_args)
-    if kind == "mosaic_tpu":
-        kernel = lambda x, sizes, w1, w3, w2, scale: tpu_grouped_ffn(  # noqa: E731
+    if kind in ("mosaic_tpu", "pallas"):  # on a mesh outside the expert-parallel step: every device all rows
+        fn = tpu_grouped_ffn if kind == "mosaic_tpu" else functools.partial(pallas_grouped_ffn, rows=rows)
+        kernel = lambda x, sizes, w1, w3, w2, scale: fn(  # noqa: E731
             x, sizes, w1, w3, w2, limit=limit, interpret=interpret, scale=scale, down=down)
         return on_batch_shards(kernel, (), (x_sorted, group_sizes, w1, w3, w2, scale))
-    if kind == "pallas":
-        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret,
-                                  **down_args)
     if jax.default_backend() == "cpu":
         return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, **down_args)
     return reference(x_sorted, group_sizes, w1, w3, w2, limit=limit, **down_args)

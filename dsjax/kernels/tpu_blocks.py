@@ -77,14 +77,6 @@ def interpret_params(interpret):
     return interpret or False
 
 
-def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A kernel output's type: inside a shard_map (the MoE's expert-parallel step) it varies
-    over the mesh axes `like` varies over, which a shard_map checking types needs stated."""
-    mat = getattr(jax.typeof(like), "mat", None)
-    return jax.ShapeDtypeStruct(shape, dtype) if mat is None else jax.ShapeDtypeStruct(shape, dtype,
-                                                                                        manual_axis_type=mat)
-
-
 def compiler_params(*semantics: str):
     from jax.experimental.pallas import tpu as pltpu
 

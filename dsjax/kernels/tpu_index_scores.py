@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsjax.kernels.mgpu import pad_axis, round_up
-from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, out_struct, vmem_budget
+from dsjax.kernels.dispatch import out_struct
+from dsjax.kernels.tpu_blocks import blocks, compiler_params, interpret_params, vmem_budget
 
 NT = (((1,), (1,)), ((), ()))
 
