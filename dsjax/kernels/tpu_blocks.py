@@ -47,16 +47,17 @@ DEFAULT_GENERATION = "v6e"  # off a TPU (interpret mode, export)
 
 def generation() -> str:
     """This machine's TPU generation from the device kind ("TPU v5 lite", "TPU v6 lite",
-    "TPU7x", ...); DEFAULT_GENERATION off a TPU."""
+    "TPU7x", ...); another TPU (v4, v5p) takes v5e's blocks, which fit the smallest scoped
+    limit; DEFAULT_GENERATION off a TPU."""
     device = jax.devices()[0]
-    kind = device.device_kind.lower().replace(" ", "") if device.platform == "tpu" else ""
-    if "v5lite" in kind or "v5e" in kind:
-        return "v5e"
+    if device.platform != "tpu":
+        return DEFAULT_GENERATION
+    kind = device.device_kind.lower().replace(" ", "")
     if "v6" in kind:
         return "v6e"
-    if "7" in kind:
+    if "tpu7" in kind or "v7" in kind:
         return "v7x"
-    return DEFAULT_GENERATION
+    return "v5e"
 
 
 def blocks(kernel: str, gen: str | None = None) -> dict:
