@@ -149,6 +149,42 @@ def test_grouped_ffn_v41_lin4():
     assert np.mean(row_err <= 1e-5) >= 0.9, np.sort(row_err)[::-1][:8]
 
 
+def _mxfp4(rng, e, n, k):
+    """Random MXFP4 weights as stored: every E2M1 code, exponents 2^-5 .. 2^-1."""
+    from dsjax.layers.quantized import Fp4Weight
+
+    return Fp4Weight(jnp.asarray(rng.integers(-128, 128, (e, n, k // 2)), jnp.int8),
+                     jnp.asarray(rng.integers(122, 127, (e, n, k // 32)), jnp.uint8))
+
+
+def test_grouped_ffn_mxfp4_weights_as_stored():
+    """MXFP4 experts read as stored (bytes + E8M0 exponents), dequantized in VMEM: the
+    reference on the dequantized weights, to fp32 rounding; two K blocks in the second kernel."""
+    rng = np.random.default_rng(6)
+    sizes = jnp.asarray(GROUPS["ragged"], jnp.int32)
+    m, e, i, d = int(sizes.sum()) + 3, 8, 256, 128
+    w1, w3, w2 = _mxfp4(rng, e, i, d), _mxfp4(rng, e, i, d), _mxfp4(rng, e, d, i)
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    want = grouped_matmul.reference(x, sizes, *(w.dense(jnp.float32) for w in (w1, w3, w2)), limit=3.0)
+    got = tpu_grouped_ffn(x, sizes, *((w.packed, w.scale_exp) for w in (w1, w3, w2)), limit=3.0, tm=8, tk=128,
+                          interpret=True)
+    assert _max_err(got, want) <= 1e-6
+    assert not np.asarray(got[-3:]).any()
+
+
+def test_resident_mxfp4_experts_through_the_tpu_kernel(rng, monkeypatch):
+    """quantized="resident": the tiny model's routed experts stay MXFP4 and the TPU grouped FFN
+    reads their bytes (counted), with the logits of the reference path (which dequantizes)."""
+    seen = []
+    fn = grouped_matmul.tpu_grouped_ffn
+    monkeypatch.setattr(grouped_matmul, "tpu_grouped_ffn", lambda *a, **k: seen.append(type(a[2])) or fn(*a, **k))
+    ids = rng.integers(0, 500, (1, 19))
+    want = np.asarray(dsjax.load_model("tiny", dtype="float32", quantized="resident").logits(ids))
+    got = dsjax.load_model("tiny", dtype="float32", quantized="resident", kernels="mosaic_tpu").logits(ids)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert seen and all(t is tuple for t in seen)  # (bytes, exponents), not a dequantized array
+
+
 def test_group_visits():
     """The megablox visit list: one visit per (8-row tile, expert) sharing rows, in row order,
     the unused ones repeating the last."""
@@ -217,7 +253,7 @@ def test_vmem_budgets_fit_every_generation(model):
     widths (decode batch 32, 256-token prefill chunks, 1M tokens of context), within each
     generation's scoped VMEM (docs/kernels.md tabulates them)."""
     table = tpu_budget.budgets(load_config(model))
-    assert len(table) == 7
+    assert len(table) == 9
     for case, per_gen in table.items():
         for gen in GENERATIONS:
             assert 0 < per_gen[gen] <= SCOPED_VMEM[gen], (case, gen, per_gen[gen] / 2 ** 20)
@@ -249,6 +285,9 @@ def test_grouped_ffn_lowers_for_tpu(m, e, i, d):
     avals = [S((m, d), bf16), S((e,), jnp.int32), S((e, i, d), bf16), S((e, i, d), bf16), S((e, d, i), bf16)]
     text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0), *avals)
     assert text.count("tpu_custom_call") >= 2  # both kernels
+    mxfp4 = [(S((e, n, k // 2), jnp.int8), S((e, n, k // 32), jnp.uint8)) for n, k in ((i, d), (i, d), (d, i))]
+    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0), *avals[:2], *mxfp4)
+    assert text.count("tpu_custom_call") >= 2  # the stored experts
 
 
 @pytest.mark.parametrize("b,s,t", [(32, 1, 262144), (2, 256, 8192)])

@@ -71,7 +71,7 @@ def on_batch_shards(fn, batched: tuple, shared: tuple = ()):
     spec = jax.typeof(batched[0]).sharding.spec if batched else ()
     rows = spec[0] if len(spec) else None
     args = [None if a is None else jax.reshard(a, P(rows, *[None] * (a.ndim - 1))) for a in batched]
-    args += [None if a is None else jax.reshard(a, P()) for a in shared]
+    args += [jax.tree.map(lambda a: jax.reshard(a, P()), a) for a in shared]  # a tree: an MXFP4 (bytes, exponents)
     present = [i for i, a in enumerate(args) if a is not None]
     specs = tuple(P(rows) if i < len(batched) else P() for i in present)
 

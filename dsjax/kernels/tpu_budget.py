@@ -7,6 +7,8 @@ plans (`vmem` in each tpu_*.py), so what is checked is what runs.
 
 from __future__ import annotations
 
+import functools
+
 from dsjax.kernels import tpu_attention, tpu_grouped_matmul, tpu_index_scores
 from dsjax.kernels.tpu_blocks import GENERATIONS, SCOPED_VMEM
 
@@ -22,12 +24,15 @@ def kernel_shapes(cfg) -> dict[str, tuple]:
     csa_entries = CONTEXT // cfg.compress_rate_csa
     hidden, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     b, s = DECODE_BATCH, PREFILL_CHUNK
+    mxfp4 = functools.partial(tpu_grouped_matmul.vmem, mxfp4=True)  # the stored experts, dequantized in VMEM
     return {
         "attention, decode, HCA": (tpu_attention.vmem, (b, 1, h, d, w + 1 + hca_entries, 0)),
         "attention, decode, CSA top-k": (tpu_attention.vmem, (b, 1, h, d, w + 1, topk)),
         "attention, prefill chunk, CSA top-k": (tpu_attention.vmem, (2, s, h, d, w + s, topk)),
         "grouped FFN, decode": (tpu_grouped_matmul.vmem, (b * k, hidden, inter)),
         "grouped FFN, prefill chunk": (tpu_grouped_matmul.vmem, (2 * s * k, hidden, inter)),
+        "grouped FFN, MXFP4 experts, decode": (mxfp4, (b * k, hidden, inter)),
+        "grouped FFN, MXFP4 experts, prefill chunk": (mxfp4, (2 * s * k, hidden, inter)),
         "indexer scores, decode": (tpu_index_scores.vmem, (b, 1, ih, idim, csa_entries)),
         "indexer scores, prefill chunk": (tpu_index_scores.vmem, (2, s, ih, idim, csa_entries)),
     }
