@@ -14,8 +14,9 @@ visible to a query position inside its [k_lo, k_hi] interval), then CSA's per-qu
 kv_pq [B, S, k, D] in blocks of `block_own`, where each query position's H rows meet its own
 keys (one [H, D] x [D, block_own] product per position). The last step adds the sink to the
 denominator, exactly as the reference: o = acc e^{m - M} / (l e^{m - M} + e^{sink - M}) with
-M = max(m, sink). A shared-key block no query of the program can see is skipped (its span
-and the queries' comes in by scalar prefetch). Operands stay in the inputs' dtype (bf16 on
+M = max(m, sink). A shared-key block no query of the program can see skips its compute
+(its span and the queries' come in by scalar prefetch); its copy into VMEM still happens
+(not yet redirected by the index map). Operands stay in the inputs' dtype (bf16 on
 the MXU), logits, softmax and accumulation in fp32; P goes into the PV product in the keys'
 dtype (round_p: via bf16 against the running max, V4.1's rounding over `block_k` blocks).
 """
