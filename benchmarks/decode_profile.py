@@ -41,7 +41,9 @@ from dsjax.layers.attention import attention_extend
 from dsjax.layers.hyper_connection import collapse, expand, hc_mixes
 from dsjax.layers.moe import moe_forward
 from dsjax.layers.norms import rms_norm
-from dsjax.model.decoder import embed_streams, head_input, layer_block, layer_slot, logits_of
+from dsjax.model.block import embed_streams, layer_block, layer_slot
+from dsjax.model.head import head_input
+from dsjax.model.v4.decoder import logits_of
 from dsjax.params import init_params
 from dsjax.model import model_specs
 

@@ -48,8 +48,9 @@ from dsjax.checkpoint.names import engram_table_name  # noqa: E402
 from dsjax.config import RuntimeOptions, load_config  # noqa: E402
 from dsjax.config.io import to_hf_dict  # noqa: E402
 from dsjax.layers.engram import bucket_primes  # noqa: E402
-from dsjax.model.cache import init_cache  # noqa: E402
-from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams_cached  # noqa: E402
+from dsjax.model.cache_layout import init_cache  # noqa: E402
+from dsjax.model.v41.backbone import v41_logits, v41_streams_cached  # noqa: E402
+from dsjax.model.v41.params import v41_model_specs  # noqa: E402
 from dsjax.params import init_params  # noqa: E402
 
 

@@ -50,7 +50,7 @@ from dsjax.config import to_hf_dict
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
 from dsjax.memory import device_memory
-from dsjax.model.cache import cache_shapes
+from dsjax.model.cache_layout import cache_shapes
 from dsjax.model.stored import weight_specs
 from dsjax.params import spec_leaves
 

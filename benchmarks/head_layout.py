@@ -1,6 +1,6 @@
 """The vocabulary head at one row on XLA:CPU, as stored ([V, D], read as x @ w.T) and kept
 transposed (`ColumnMajor` [D, V], read as x @ t: what a one-slot engine runs, see
-`dsjax.model.decoder.one_row_head`), for a 129280-token vocabulary at a few hidden sizes.
+`dsjax.model.head.one_row_head`), for a 129280-token vocabulary at a few hidden sizes.
 Both through `dsjax.layers.linear.linear` in a program compiled as the engine's are, the
 layouts interleaved round by round (this machine's memory bandwidth drifts).
 

@@ -21,7 +21,7 @@ from results_io import write_result
 import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
-from dsjax.model.decoder import INVARIANT_ROWS
+from dsjax.model.block import INVARIANT_ROWS
 
 
 def logprobs_by_batch(model, prompts, batches, **engine_kw) -> dict[int, list[np.ndarray]]:

@@ -1,6 +1,6 @@
 """A one-slot CPU engine with its scanned layer runs as stored (stacked [repeats, ...],
 sliced in the layer scan: what it runs with) and layer by layer (`LayerByLayer`, see
-`dsjax.model.decoder.one_row_params`), both with the transposed head. Two engines of the
+`dsjax.model.v4.decoder.one_row_params`), both with the transposed head. Two engines of the
 same model in one process step in turn, `--steps` steps a round (this machine's memory
 bandwidth drifts); their sampled tokens must agree. Also the decode program's compile time
 each way.
@@ -30,7 +30,8 @@ from dsjax.engine.engine import Engine  # noqa: E402
 from dsjax.engine.programs import decode_step  # noqa: E402
 from dsjax.engine.sampler import SamplingParams  # noqa: E402
 from dsjax.model import model_specs  # noqa: E402
-from dsjax.model.decoder import LayerByLayer, one_row_params  # noqa: E402
+from dsjax.model.block import LayerByLayer  # noqa: E402
+from dsjax.model.v4.decoder import one_row_params  # noqa: E402
 from dsjax.params import init_params  # noqa: E402
 
 PROMPT = 40

@@ -23,7 +23,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig
 from dsjax.model import model_specs
-from dsjax.model.cache import cache_shapes
+from dsjax.model.cache_layout import cache_shapes
 from dsjax.params import spec_leaves, weight_group
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +24,8 @@ from dsjax.layers.quantized import Bf16Weight, resident_specs
 from dsjax.engine.policy import check_draft_vocab
 from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory, show_bytes
-from dsjax.model import ModelParams, MTPParams, forward, model_specs, mtp_specs
-from dsjax.model.stored import stored_format
-from dsjax.model.v41 import (V41_FP8_BLOCK, V41_FP8_LINEARS, DSparkParams, ModelParamsV41, dspark_specs,
-                             engram_table_values, v41_model_specs)
+from dsjax.model.family import family_of
+from dsjax.model.forward_pass import forward
 from dsjax.kernels.dispatch import resolve_kernels
 from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_params, spec_leaves
@@ -67,16 +66,16 @@ class Model:
     of these."""
 
     config: ModelConfig
-    params: ModelParams | ModelParamsV41
+    params: Any  # the generation's parameter tree (V4: ModelParams; V4.1: ModelParamsV41)
     dtype: jnp.dtype
     mesh: jax.sharding.Mesh | None = None
-    mtp: MTPParams | DSparkParams | None = None  # the drafter (MTP; V4.1: DSpark), when loaded
+    mtp: Any = None  # the drafter's parameters (MTPParams; V4.1: DSparkParams), when loaded
     options: RuntimeOptions = RuntimeOptions()
     draft_vocab: np.ndarray | None = None  # [|D|] int32: the ids the drafter proposes from (draft_vocab.json)
 
     def __repr__(self) -> str:  # the dataclass default would print every weight array
-        counts = count_params(self.config, self.dtype)
-        drafter = "DSpark" if self.config.v41 is not None else "MTP"
+        counts, family = count_params(self.config, self.dtype), family_of(self.config)
+        drafter = family.drafter_name
         mtp = f" (+ {drafter} drafter: {_amount(counts['total_with_mtp'] - counts['total'])})" if self.mtp is not None \
             else ""
         if self.mtp is not None and self.draft_vocab is not None:
@@ -84,7 +83,7 @@ class Model:
         mesh = "one device" if self.mesh is None else ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         tables = getattr(self.params, "engram_tables", None)
         engram = "" if tables is None else (f"\n  engram      {len(tables.tables)} host tables, "
-                                            f"{_amount(engram_table_values(self.config))} values ({tables.source})")
+                                            f"{_amount(family.host_table_values(self.config))} values ({tables.source})")
         return (f"dsjax.Model {self.config.name!r}\n"
                 f"  dtype       {jnp.dtype(self.dtype).name}\n"
                 f"  parameters  {_amount(counts['total'])}, {_amount(counts['active'])} active per token{mtp}\n"
@@ -165,12 +164,20 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
     if path.name == "config.json" and path.is_file() and has_weights(path.parent):
         path = path.parent  # a checkpoint's config.json stands for the checkpoint: its weights, not random ones
     cfg = load_config(path)
-    if cfg.v41 is not None:
-        return _load_v41(path, cfg, dtype, seed=seed, mesh=mesh, device_memory_bytes=device_memory_bytes,
-                         quantized=quantized, progress=progress, check_finite=check_finite, mtp=mtp, kernels=kernels)
+    load = _LOADERS[cfg.model_type]
+    return load(path, cfg, dtype, seed=seed, mesh=mesh, device_memory_bytes=device_memory_bytes, quantized=quantized,
+                progress=progress, check_finite=check_finite, mtp=mtp, kernels=kernels)
+
+
+def _load_v4(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_bytes, quantized, progress,
+             check_finite, mtp, kernels) -> Model:
+    """load_model for a DeepSeek-V4 config: a checkpoint (safetensors or `dsjax convert`'s
+    orbax), or seeded weights; the MTP drafter (`Model.mtp`) as load_model's mtp says, and
+    the checkpoint's draft vocabulary."""
+    family = family_of(cfg)
     draft_ids = read_draft_vocab(path, cfg) if path.is_dir() else None  # checked before any weight is read
     kernels = resolve_kernels(kernels)
-    specs = model_specs(cfg, dtype)
+    specs = family.param_specs(cfg, dtype)
     if quantized not in ("dequantize", "resident"):
         raise ValueError(f"quantized must be 'dequantize' or 'resident', got {quantized!r}")
     saved_orbax = path.is_dir() and orbax_io.is_orbax(path)
@@ -180,7 +187,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         if quantized == "resident":
             specs = resident_specs(specs, tuple(marker["fp8_block"]), marker["experts_fp4"])
     elif quantized == "resident" and not path.is_dir():  # a named config: seeded bytes drawn in the stored form
-        fmt = stored_format(cfg)  # as the release stores it (dsjax/model/stored.py)
+        fmt = family.stored_format  # as the release stores it
         specs = resident_specs(specs, fmt.fp8_block, fmt.experts_fp4)
     elif quantized == "resident":
         fmt = resident_format(path)
@@ -199,7 +206,7 @@ def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto",
         want_mtp = bool(mtp)
     m_specs = m_shardings = None
     if want_mtp:
-        m_specs = mtp_specs(cfg, dtype)
+        m_specs = family.drafter_specs(cfg, dtype)
         if quantized == "resident" and not saved_orbax:
             m_specs = resident_specs(m_specs, fmt.fp8_block, fmt.experts_fp4)
         elif saved_orbax and marker["quantized"] == "resident":
@@ -264,6 +271,7 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
     and its Engram tables memory-mapped from it (a named config: seeded tables held in memory,
     up to SEEDED_ENGRAM_BYTES; larger ones are left out, and so is the Engram update). The
     DSpark head (`Model.mtp`, the engine's drafter) loads as load_model's mtp says."""
+    family = family_of(cfg)
     if quantized not in ("dequantize", "resident"):
         raise ValueError(f"quantized must be 'dequantize' or 'resident', got {quantized!r}")
     if path.is_dir() and orbax_io.is_orbax(path):
@@ -271,15 +279,15 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
                          f"load the original checkpoint")
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
-    specs = v41_model_specs(cfg, dtype)
+    specs = family.param_specs(cfg, dtype)
     mtp = (has_mtp(path) if path.is_dir() else False) if mtp is None else mtp
-    m_specs = dspark_specs(cfg, dtype) if mtp else None
+    m_specs = family.drafter_specs(cfg, dtype) if mtp else None
     if mtp and m_specs is None:
         raise ValueError(f"mtp=True: config {cfg.name!r} has no DSpark drafter (num_nextn_predict_layers / dspark)")
     if quantized == "resident":  # FP8 on 32 x 32 tiles and MXFP4 experts, kept as stored (spec §7.3, §7.4)
-        fmt = resident_format(path, V41_FP8_BLOCK) if path.is_dir() else stored_format(cfg)
+        fmt = resident_format(path, family.stored_format.fp8_block) if path.is_dir() else family.stored_format
         keep = functools.partial(resident_specs, block=fmt.fp8_block, experts_fp4=fmt.experts_fp4,
-                                 fp8_linears=V41_FP8_LINEARS)
+                                 fp8_linears=family.stored_format.fp8_linears)
         specs, m_specs = keep(specs), None if m_specs is None else keep(m_specs)
     shardings = m_shardings = None
     if mesh is not None:
@@ -287,7 +295,7 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
         shardings = shardings_for(specs, mesh)
         m_shardings = shardings_for(m_specs, mesh) if m_specs is not None else None
     check_memory((specs, m_specs), mesh, device_memory_bytes)
-    e = cfg.v41.engram
+    e = cfg.engram
     if path.is_dir():  # the tables are mapped (and checked) first: a bad one is refused before any weight is read
         tables = EngramStore.from_checkpoint(path, cfg) if e is not None else None
         loaded = load_checkpoint(path, cfg, specs, shardings, progress=progress, check_finite=check_finite,
@@ -297,11 +305,14 @@ def _load_v41(path: Path, cfg: ModelConfig, dtype, *, seed, mesh, device_memory_
         on_device = quantized == "resident"  # every weight drawn on the device, the stored ones in their bytes
         params = init_params(specs, seed, shardings, device_normal=on_device)
         drafter = init_params(m_specs, seed + 1, m_shardings, device_normal=on_device) if m_specs is not None else None
-        small = e is not None and engram_table_values(cfg) * (1 + 1 / 32) <= SEEDED_ENGRAM_BYTES
+        small = e is not None and family.host_table_values(cfg) * (1 + 1 / 32) <= SEEDED_ENGRAM_BYTES
         tables = EngramStore.seeded(cfg, seed + 2) if small else None
     params = params.replace(engram_tables=tables)
     options = RuntimeOptions(kernels=resolve_kernels(kernels), quantized=quantized)
     return Model(cfg, params, dtype, mesh, drafter, options)
+
+
+_LOADERS = {"deepseek_v4": _load_v4, "deepseek_v41": _load_v41}  # by the config's model_type
 
 
 def resident_format(path: Path, block: tuple[int, int] | None = None) -> QuantFormat:

@@ -96,7 +96,7 @@ class Chat:
             if not (event.finish_reason == "stop" and event.token in eos):  # the end of turn is not content
                 take(processor.push(recipe.InferenceChunk.tokens([event.token])))
 
-        (done,) = p.run(p.engine(self.model), on_token)
+        (done,) = p.run_warm(self.model, on_token)
         reasons = recipe.InferenceFinishReason
         reason = reasons.Stop if done.finish_reason == "stop" else reasons.Length
         take(processor.push(recipe.InferenceChunk.finish(reason)))

@@ -23,6 +23,7 @@ from dsjax.api import Model
 from dsjax.engine.engine import Engine
 from dsjax.engine.requests import TokenEvent, bucket_capacity, check_prompt
 from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.warm import warm_engine
 from dsjax.output import TextRun
 from dsjax.tokenizer import Healing, Tokenizer, load_tokenizer
 
@@ -162,17 +163,33 @@ class GenerationPlan:
     spec_policy: str | None = None
     healed: list[Healing | None] | None = None  # per prompt: its token healing (text prompts, when asked)
 
-    def engine(self, model: Model) -> Engine | None:
-        """An engine sized for these prompts (None when max_new_tokens is 0)."""
+    def engine_settings(self, model: Model) -> dict | None:
+        """The `Engine` keywords of an engine sized for these prompts (None when max_new_tokens
+        is 0: nothing to run)."""
         if self.max_new_tokens == 0:
             return None
         n = len(self.prompts)
         longest = max(len(p) for p in self.prompts) + self.max_new_tokens + self.num_draft_tokens
         shards = model.batch_shards()  # under a mesh, slots split evenly over the batch axes
         slots = -(-min(n, MAX_SLOTS) // shards) * shards
-        return Engine(model, max_slots=slots, capacity=engine_capacity(longest, model),
-                      decode_steps=1 if self.num_draft_tokens else 4, num_draft_tokens=self.num_draft_tokens,
-                      spec_policy=self.spec_policy, max_logprobs=max(p.logprobs for p in self.params))
+        return dict(max_slots=slots, capacity=engine_capacity(longest, model),
+                    decode_steps=1 if self.num_draft_tokens else 4, num_draft_tokens=self.num_draft_tokens,
+                    spec_policy=self.spec_policy, max_logprobs=max(p.logprobs for p in self.params))
+
+    def engine(self, model: Model) -> Engine | None:
+        """A new engine sized for these prompts (None when max_new_tokens is 0)."""
+        settings = self.engine_settings(model)
+        return None if settings is None else Engine(model, **settings)
+
+    def run_warm(self, model: Model, on_token: Callable[[int, TokenEvent, str], None] | None = None
+                 ) -> list[Completion]:
+        """`run` on the model's warm engine of this plan's shape (`dsjax.engine.warm`): repeated
+        calls skip the engine's set-up, with the tokens a new engine gives."""
+        settings = self.engine_settings(model)
+        if settings is None:
+            return self.run(None, on_token)
+        with warm_engine(model, **settings) as engine:
+            return self.run(engine, on_token)
 
     def run(self, engine: Engine | None, on_token: Callable[[int, TokenEvent, str], None] | None = None
             ) -> list[Completion]:
@@ -285,8 +302,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, temperature=0.0, t
              min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
              logprobs=logprobs, tokenizer=tokenizer, token_healing=token_healing, logit_bias=logit_bias)
-    engine = p.engine(model)
-    results = p.run(engine, on_token)
+    results = p.run_warm(model, on_token)
     if details:
         return results
     return [r.text if text else r.ids for r, text in zip(results, p.is_text)]

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig
-from dsjax.model import cache_bytes, model_specs, mtp_specs
-from dsjax.model.stored import StoredFormat, weight_specs
-from dsjax.model.v41 import dspark_config, dspark_specs, engram_table_values, v41_model_specs
+from dsjax.layers.quantized import StoredFormat
+from dsjax.model.cache_layout import cache_bytes
+from dsjax.model.family import family_of
+from dsjax.model.stored import weight_specs
 from dsjax.params import spec_leaves, weight_group
 from dsjax.sharding.rules import RULES, bytes_per_device
 
@@ -39,13 +40,9 @@ def count_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     at num_experts_per_tok / n_routed_experts (the hash tables are integer buffers, not
     parameters). `active` counts the whole embedding matrix; `active_excluding_embedding`
     counts the one row a token reads."""
-    if cfg.v41 is None:
-        main = _tally(model_specs(cfg, dtype), cfg)
-        mtp = _tally(mtp_specs(cfg, dtype), cfg, cfg.num_nextn_predict_layers)
-    else:  # V4.1: DSpark's stages are the drafter (already stacked); Engram's tables live on the host
-        main = _tally(v41_model_specs(cfg, dtype), cfg)
-        drafter = dspark_specs(cfg, dtype)
-        mtp = _tally(drafter, dspark_config(cfg)) if drafter is not None else _tally((), cfg)
+    family = family_of(cfg)
+    main = _tally(family.param_specs(cfg, dtype), cfg)
+    mtp = _tally(*family.drafter_tally(cfg, dtype))  # V4.1: the DSpark stages; Engram's tables live on the host
     by_dtype = defaultdict(int)
     for part in (main, mtp):
         for k, v in part["by_dtype"].items():
@@ -61,7 +58,7 @@ def count_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
         "bytes_by_dtype_with_mtp": dict(by_dtype),
         "bytes_with_mtp": sum(by_dtype.values()),
         "integer_buffer_bytes": main["buffers"],
-        "engram_tables": engram_table_values(cfg),
+        "engram_tables": family.host_table_values(cfg),
     }
 
 
@@ -112,7 +109,7 @@ def memory_report(cfg: ModelConfig, mesh: dict[str, int] | None = None, *, dtype
     kv = per_seq * -(-kv_seqs // shards)
     need = sum(weights.values()) + drafter_bytes + kv
     whole = sum(s.nbytes for _, s in spec_leaves((specs, drafter)))
-    host = int(engram_table_values(cfg) * ENGRAM_ROW_BYTES_PER_VALUE)
+    host = int(family_of(cfg).host_table_values(cfg) * ENGRAM_ROW_BYTES_PER_VALUE)
     return {"config": cfg.name, "mesh": mesh, "quantized": quantized, "dtype": str(jnp.dtype(dtype)),
             "bytes_per_device": weights, "drafter_bytes_per_device": drafter_bytes,
             "kv_budget": {"tokens": kv_tokens, "sequences": kv_seqs, "bytes_per_sequence": per_seq,

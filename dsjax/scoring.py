@@ -19,6 +19,7 @@ import math
 from typing import Sequence
 
 from dsjax.engine import Engine, SamplingParams
+from dsjax.engine.warm import warm_engine
 from dsjax.engine.requests import bucket_capacity
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
@@ -61,7 +62,8 @@ def score(model, texts_or_ids: Sequence, continuations: Sequence | None = None, 
     encoded, the context's tokens split off, its trailing spaces moved to the continuation,
     as lm-evaluation-harness does).
     engine: run on this engine (its max_logprobs >= 1; e.g. to choose prefill_chunk, a
-    prefix cache, batch_invariant), else one is made for these sequences."""
+    prefix cache, batch_invariant), else the model's warm engine of these sequences' shape
+    (`dsjax.engine.warm`)."""
     items = list(texts_or_ids)
     if not items:
         return []
@@ -102,10 +104,15 @@ def score(model, texts_or_ids: Sequence, continuations: Sequence | None = None, 
             raise ValueError(f"texts_or_ids[{i}] has {len(s)} token(s): a rolling score needs at least 2")
     if engine is None:
         slots = min(len(seqs), MAX_SLOTS)
-        engine = Engine(model, max_slots=slots, capacity=bucket_capacity(max(map(len, seqs)) + 1, model.config),
-                        max_logprobs=1, batch_invariant=batch_invariant)
-    elif engine.max_logprobs < 1:
+        with warm_engine(model, max_slots=slots, capacity=bucket_capacity(max(map(len, seqs)) + 1, model.config),
+                         max_logprobs=1, batch_invariant=batch_invariant) as engine:
+            return _scores(engine, seqs, splits)
+    if engine.max_logprobs < 1:
         raise ValueError("score: the engine needs max_logprobs >= 1 (whether each token is the greedy one)")
+    return _scores(engine, seqs, splits)
+
+
+def _scores(engine: Engine, seqs: list[list[int]], splits: list[int]) -> list[Score]:
     params = SamplingParams(max_tokens=0, prompt_logprobs=1)
     order = {engine.add_request(s, params): i for i, s in enumerate(seqs)}
     scores: list = [None] * len(seqs)

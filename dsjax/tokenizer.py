@@ -101,12 +101,13 @@ class TextStream:
 class Tokenizer:
     """One `tokenizer.json`: `encode(text) -> ids` (no BOS added), `decode(ids) -> text`,
     `stream()`, and the `bos_id` / `eos_id` its `tokenizer_config.json` names.
-    v41: name id 128799 `<｜System｜>`, as DeepSeek-V4.1 does (`with_system_token`), so the
-    recipe's V4.1 prompts with a system header (thinking mode, system messages) encode."""
+    v41: name id 128799 `<｜System｜>`, as DeepSeek-V4.1 does (`with_system_token`; recorded as
+    `system_token`), so the recipe's V4.1 prompts with a system header (thinking mode, system
+    messages) encode."""
 
     def __init__(self, path: str | Path, *, v41: bool = False):
         self.path = Path(path)
-        self.v41 = v41
+        self.system_token = v41
         try:
             text = self.path.read_text(encoding="utf-8")
             self._json = with_system_token(text) if v41 else text
@@ -186,7 +187,7 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-                f"eos_id={self.eos_id}{', v41' if self.v41 else ''})")
+                f"eos_id={self.eos_id}{', v41' if self.system_token else ''})")
 
 
 def tokenizer_path(model_or_path=None) -> Path:
@@ -213,13 +214,13 @@ def is_v41(model_or_path) -> bool:
     """Whether a dsjax.Model, checkpoint directory or named config is DeepSeek-V4.1."""
     cfg = getattr(model_or_path, "config", None)
     if cfg is not None:
-        return getattr(cfg, "v41", None) is not None
+        return getattr(cfg, "model_type", None) == "deepseek_v41"
     if model_or_path is None:
         return False
     p = Path(model_or_path)
     if (p.is_dir() and (p / "config.json").is_file()) or str(model_or_path) in named_configs():
         try:
-            return load_config(model_or_path).v41 is not None
+            return load_config(model_or_path).model_type == "deepseek_v41"
         except (ValueError, OSError):  # a config the model loader will report; the tokenizer is still V4's
             return False
     return False

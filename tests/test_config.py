@@ -123,9 +123,9 @@ def test_one_gpu_configs_are_the_full_model_with_experts_cut(name, full, fields)
     import jax
     import jax.numpy as jnp
 
-    from dsjax.model.cache import cache_shapes
+    from dsjax.model.cache_layout import cache_shapes
     from dsjax.model.stored import weight_specs
-    from dsjax.model.v41 import engram_table_values
+    from dsjax.model.v41.params import engram_table_values
     from dsjax.params import spec_leaves
 
     one, ref = load_config(name), load_config(full)

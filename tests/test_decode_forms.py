@@ -16,10 +16,9 @@ from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
 from dsjax.kernels import cpu as cpu_kernels
-from dsjax.kernels.cpu import PackedHead
 from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
 from dsjax.model import forward, init_cache, take_rows
-from dsjax.model.decoder import one_row_head
+from dsjax.model.head import one_row_head
 from hlo_checks import widened_outside
 
 
@@ -138,7 +137,7 @@ def test_merged_vector_is_the_reshape_and_its_own_buffer_at_one_row(rows):
 def test_a_multi_step_decode_reads_a_stored_head_as_stored():
     """decode_steps=4 runs the steps in a device-side loop, where XLA hoists a loop-invariant
     widening of the bf16 head (`store_weights`) out of the loop, into a new fp32 buffer of the
-    whole head each dispatch (4-5x slower; `dsjax.model.decoder.rows_logits` keeps it in
+    whole head each dispatch (4-5x slower; `dsjax.model.head.rows_logits` keeps it in
     place). Its compiled program holds no such buffer, and it samples the tokens one step a
     dispatch does, also in a dispatch's last step after every row has finished (5 and 7
     tokens: the head's other branch). Two slots: the head's multiply-reduce (one slot's

@@ -1,4 +1,4 @@
-"""DSpark's draft head (dsjax/model/dspark.py) against the float64 numpy oracle in
+"""DSpark's draft head (dsjax/model/v41/dspark.py) against the float64 numpy oracle in
 tests/dspark_oracle.py, written from spec §6: seeding the rings from a prefill's main_hidden,
 a greedy draft (drafts, Markov-corrected logits, confidences), the ring after the window
 slid, and a second draft after two committed positions were fed.
@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from dsjax.config import RuntimeOptions, load_config
-from dsjax.model.dspark import dspark_draft, dspark_seed, dspark_state_shapes, empty_ring, sample_tokens
-from dsjax.model.v41 import dspark_specs, v41_model_specs, v41_streams
+from dsjax.model.v41.dspark import dspark_draft, dspark_seed, dspark_state_shapes, empty_ring, sample_tokens
+from dsjax.model.v41.backbone import v41_streams
+from dsjax.model.v41.params import dspark_specs, v41_model_specs
 from dsjax.params import init_params
 
 import dspark_oracle  # tests/ is on sys.path (conftest.py)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax.model.cache import cache_bytes, init_cache
+from dsjax.model.cache_layout import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
 from dsjax.engine.programs import decode_step
 from dsjax.engine.requests import Request, chunk_length
@@ -18,7 +18,8 @@ from dsjax.kernels import cpu as cpu_kernels
 from dsjax.kernels.cpu import PackedHead
 from dsjax.layers.quantized import ColumnMajor
 from dsjax.model import forward, model_specs
-from dsjax.model.decoder import LayerByLayer, layer_block, one_row_params
+from dsjax.model.block import LayerByLayer, layer_block
+from dsjax.model.v4.decoder import one_row_params
 from dsjax.params import init_params
 
 

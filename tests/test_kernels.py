@@ -10,7 +10,9 @@ import pytest
 import dsjax
 from dsjax.layers.attention import entry_intervals, ring_positions, window_intervals
 from dsjax.kernels import grouped_matmul, index_scores, sink_attention
+from dsjax.config import KERNELS
 from dsjax.kernels.dispatch import kernel_choice, mosaic_gpu_available, resolve_kernels
+from dsjax.kernels.tpu_blocks import tpu_available
 
 
 def _attention_case(rng, b, s, h, d, window, n_entries, ratio, start, per_query_k, dtype):
@@ -228,22 +230,24 @@ def test_generic_kernels_block_shapes_lower_for_tpu():
         assert "tpu_custom_call" in _lower_for_tpu(lambda *a: index_scores.pallas_index_scores(*a, scale=0.1), *avals)
 
 
-def test_auto_picks_the_kernels_only_on_hopper():
+def test_auto_picks_the_kernels_only_on_hopper_or_tpu():
     assert dsjax.load_model("tiny", kernels="auto").options.kernels == (
-        "pallas" if mosaic_gpu_available() else "reference")
+        "pallas" if mosaic_gpu_available() or tpu_available() else "reference")
     with pytest.raises(ValueError, match="kernels must be"):
         dsjax.load_model("tiny", kernels="triton")
 
 
 def test_one_kernel_choice_rule():
     """dispatch.py's table, as every kernel file's dispatch reads it on this machine."""
-    hopper = mosaic_gpu_available()
+    hopper, tpu = mosaic_gpu_available(), tpu_available()
     assert kernel_choice("reference") == ("reference", False)
     assert kernel_choice("mosaic_gpu") == ("mosaic_gpu", not hopper)
-    assert kernel_choice("pallas") == (("mosaic_gpu", False) if hopper else ("pallas", jax.default_backend() == "cpu"))
-    assert resolve_kernels("auto") == ("pallas" if hopper else "reference")
-    assert [resolve_kernels(k) for k in ("reference", "pallas", "mosaic_gpu")] == ["reference", "pallas", "mosaic_gpu"]
-    with pytest.raises(ValueError, match="'reference', 'pallas', 'mosaic_gpu', 'auto'"):
+    assert kernel_choice("mosaic_tpu") == ("mosaic_tpu", not tpu)
+    assert kernel_choice("pallas") == (("mosaic_tpu", False) if tpu else ("mosaic_gpu", False) if hopper
+                                       else ("pallas", jax.default_backend() == "cpu"))
+    assert resolve_kernels("auto") == ("pallas" if hopper or tpu else "reference")
+    assert [resolve_kernels(k) for k in KERNELS] == list(KERNELS)
+    with pytest.raises(ValueError, match="'reference', 'pallas', 'mosaic_gpu', 'mosaic_tpu', 'auto'"):
         resolve_kernels("triton")
     with pytest.raises(ValueError, match="kernel impl must be"):
         kernel_choice("auto")

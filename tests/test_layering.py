@@ -8,6 +8,10 @@ only, with no circles, so each layer can be read and tested without the ones abo
 The engine meets the model through one door, `dsjax.model.interface` (forward, cache, head,
 drafters): of `dsjax.model` and `dsjax.layers` it imports that module and nothing else.
 
+A model generation is a package, not a flag: DeepSeek-V4 and V4.1 are sibling packages
+(`dsjax/model/v4/`, `dsjax/model/v41/`) chosen once by `dsjax.model.family.family_of(cfg)`;
+outside the V4.1 package (and the config schema that defines it) no code reads `cfg.v41`.
+
 The front ends (serving, batch) stand on the library, not on each other: what they share
 (the OpenAI / Anthropic translation, the output processor, how a command runs) lies below
 them, and only the CLI, the top, imports the front ends it launches.
@@ -145,6 +149,45 @@ def test_no_function_level_imports():
     lazy = [f"{m} -> {t}" for m, edges in GRAPH.items() if not m.startswith(LAZY_ALLOWED)
             for t, is_lazy in edges if is_lazy]
     assert not lazy, "function-level dsjax imports (a definition in the wrong file?):\n" + "\n".join(lazy)
+
+
+# The model generations: sibling packages on the shared model modules (block, head, cache) and
+# the layers; the modules that choose between them (family, forward, cache layout, stored
+# format, the interface, the package namespace) lie above them.
+GENERATIONS = ("dsjax.model.v4", "dsjax.model.v41")
+ABOVE_GENERATIONS = ("dsjax.model", "dsjax.model.family", "dsjax.model.forward_pass", "dsjax.model.cache_layout",
+                     "dsjax.model.stored", "dsjax.model.interface")
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_a_generation_imports_neither_its_sibling_nor_what_chooses_it(generation):
+    others = [g for g in GENERATIONS if g != generation]
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if m == generation or m.startswith(generation + ".")
+           for t, _ in edges if t in ABOVE_GENERATIONS or any(t == o or t.startswith(o + ".") for o in others)]
+    assert all(m in MODULES for m in ABOVE_GENERATIONS)
+    assert not bad, "a model package reaches sideways or up (move what they share to dsjax/model/):\n" + "\n".join(bad)
+
+
+# Where the V4.1 config (`ModelConfig.v41`) may be read: its package, and the config that parses it.
+V41_READERS = ("dsjax/model/v41/", "dsjax/config/")
+
+
+def _v41_reads(path: Path) -> list[int]:
+    """Line numbers of attribute reads `<anything>.v41` in a file."""
+    return [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute) and n.attr == "v41"]
+
+
+def test_v41_is_read_only_in_its_package():
+    bad = [f"{rel}:{line}" for f in sorted(PACKAGE.rglob("*.py"))
+           if not (rel := str(f.relative_to(PACKAGE.parent))).startswith(V41_READERS) for line in _v41_reads(f)]
+    assert not bad, ("`.v41` read outside dsjax/model/v41/ (ask `family_of(cfg)`, or a config property such as "
+                     "cfg.engram / cfg.dspark):\n" + "\n".join(bad))
+
+
+def test_the_v41_check_sees_a_planted_read(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("import dsjax.model.v41.family\n\ndef g(cfg):\n    return cfg.v41 is None\n")
+    assert _v41_reads(f) == [4]
 
 
 MAX_LINES = 500  # a file longer than this is split by mechanism (docs/architecture.md)

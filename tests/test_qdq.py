@@ -19,7 +19,8 @@ from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.quantized import Fp8Weight
 from dsjax.layers.rope import apply_rope, rope_cos_sin
-from dsjax.layers.shared_attention import SharedAttention, grouped_output, project_q_kv
+from dsjax.layers.attention import grouped_output
+from dsjax.model.v41.shared_attention import SharedAttention, project_q_kv
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -136,7 +136,7 @@ def copy(quantized, tmp_path):
 
 def test_fp8_weight_without_scale(copy):
     fname = edit_tensors(copy, "layers.2.attn.wo_b.scale", lambda t: t.pop("layers.2.attn.wo_b.scale"))
-    with pytest.raises(CheckpointError, match=rf"layers\.2\.attn\.wo_b\.weight' in .*: F8_E4M3 weight without its scale"):
+    with pytest.raises(CheckpointError, match=r"layers\.2\.attn\.wo_b\.weight' in .*: F8_E4M3 weight without its scale"):
         dsjax.load_model(copy, dtype="float32")
     assert fname
 

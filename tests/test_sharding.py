@@ -16,7 +16,8 @@ import pytest
 import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
-from dsjax.model.cache import batch_axes, init_cache
+from dsjax.model.cache import batch_axes
+from dsjax.model.cache_layout import init_cache
 from dsjax.model import forward, model_specs, mtp_specs
 from dsjax.params import init_params
 from dsjax.sharding.rules import batch_sharding, make_mesh, parse_mesh_spec, shardings_for

@@ -25,7 +25,7 @@ from dsjax.config.io import to_hf_dict
 from dsjax.engine.speculative import (CALIBRATION_BINS, DRAFT, Drafts, Schedule, accept, calibration_centres,
                                       choose_limits, draft_vocab, draw, init_speculation, prefill_chunk, verify)
 from dsjax.model import decoder_streams, model_specs, mtp_forward, mtp_head, mtp_specs
-from dsjax.model.cache import init_cache, min_ring
+from dsjax.model.cache_layout import init_cache, min_ring
 from dsjax.params import init_params
 from dsjax.train.export import most_frequent
 from hlo_checks import widened_outside
@@ -171,7 +171,7 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
 def test_speculation_reads_a_stored_head_as_stored(tiny, rng):
     """16-bit weights (`store_weights`, the head a plain bf16 array): the drafter's loop over
     its k drafts reads the head, and XLA hoisted its widening out of that loop into an fp32
-    copy of the whole head every step (`dsjax.model.decoder.rows_logits` keeps it in place).
+    copy of the whole head every step (`dsjax.model.head.rows_logits` keeps it in place).
     The compiled verify step holds no such copy, and its greedy tokens equal plain decoding's
     with the same weights. (tiny's full vocabulary: a head of a few rows takes the GEMM,
     which widens it outside the product anyway.)"""

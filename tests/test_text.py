@@ -253,7 +253,7 @@ def test_v41_tokenizer_names_the_system_token(tmp_path):
     with pytest.raises(Exception, match="not in the added vocabulary"):
         encode(v4)
     v41 = dsjax.load_tokenizer("tiny-v41")  # detected from the config
-    assert v41.v41 and not v4.v41 and v41.token_id(SYSTEM) == SYSTEM_ID and v4.token_id(SYSTEM) is None
+    assert v41.system_token and not v4.system_token and v41.token_id(SYSTEM) == SYSTEM_ID and v4.token_id(SYSTEM) is None
     ids = encode(v41)
     assert SYSTEM_ID in ids and v41.decode(ids, skip_special_tokens=False).count(SYSTEM) == ids.count(SYSTEM_ID)
     assert v41.encode("The capital of France") == v4.encode("The capital of France")

@@ -25,8 +25,10 @@ import pytest
 from dsjax.config import RuntimeOptions, load_config
 from dsjax.layers.qdq import qdq_fp4_e4m3, qdq_fp4_e8m0, qdq_fp8
 from dsjax.model import layer_slot
-from dsjax.model.cache import init_cache, take_rows
-from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams_cached
+from dsjax.model.cache import take_rows
+from dsjax.model.cache_layout import init_cache
+from dsjax.model.v41.backbone import v41_logits, v41_streams_cached
+from dsjax.model.v41.params import v41_model_specs
 from dsjax.params import init_params
 
 import v41_oracle  # tests/ is on sys.path (conftest.py)
@@ -156,7 +158,7 @@ def _oracle_row(weights, tokens, b, prefill, end):
 
 def test_quirk_chunk_matches_one_token_decodes(model):
     """§2.11: a chunk after a prefill reproduces one-token decodes per row, §2.7 included, up to
-    position 2 s + 1 for a chunk starting at s (`dsjax.model.v41.reference_key_rule`: past it,
+    position 2 s + 1 for a chunk starting at s (`dsjax.model.interface.reference_key_rule`: past it,
     the layer-10 keys an even position scores are written by the chunk itself, later in the
     layer order; engines keep their chunks within it). Row 0: prefill 5, chunk 5..11; row 1:
     prefill 6, chunk 6..13, both the longest such chunk; at t = 10 and 12 five or six ratio-2

@@ -17,7 +17,8 @@ from dsjax.checkpoint.names import canonical_name, mtp_weight_names, weight_name
 from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
 from dsjax.config import RuntimeOptions, load_config
 from dsjax.layers.engram import dequant_rows, ngram_row_ids
-from dsjax.model.v41 import DSparkParams, dspark_specs, v41_logits, v41_model_specs, v41_streams
+from dsjax.model.v41.backbone import v41_logits, v41_streams
+from dsjax.model.v41.params import DSparkParams, dspark_specs, v41_model_specs
 from dsjax.params import spec_leaves
 
 FP8_SCALED = v41_checkpoint.FP8
@@ -115,8 +116,8 @@ def test_engram_rows_fetched_inside_the_cached_step(checkpoint):
     one row idle in the last decode (its history stays)."""
     import functools
 
-    from dsjax.model.cache import init_cache
-    from dsjax.model.v41 import v41_streams_cached
+    from dsjax.model.cache_layout import init_cache
+    from dsjax.model.v41.backbone import v41_streams_cached
 
     cfg, directory, deq, _, _ = checkpoint
     params = jax.tree.map(jnp.asarray, deq)

@@ -27,7 +27,8 @@ import pytest
 from dsjax.config import RuntimeOptions, load_config
 from dsjax.layers.engram import Engram
 from dsjax.model import layer_slot
-from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams
+from dsjax.model.v41.backbone import v41_logits, v41_streams
+from dsjax.model.v41.params import v41_model_specs
 from dsjax.params import init_params
 
 import v41_oracle  # tests/ is on sys.path (conftest.py)

@@ -20,7 +20,7 @@ from quantized_checkpoint import edit_tensors
 from dsjax.config import load_config
 from dsjax.layers.quantized import Fp4Weight, Fp8Weight
 from dsjax.layers.moe import moe_forward
-from dsjax.model.dspark import dspark_draft, empty_ring
+from dsjax.model.v41.dspark import dspark_draft, empty_ring
 
 IDS = np.array([[11, 402, 7, 7, 93, 5000, 3, 61, 12], [3, 129279, 44, 12, 8, 61, 7, 7, 1]], np.int32)
 

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import RuntimeOptions, load_config
-from dsjax.model.cache import init_cache, min_ring, restore_rows, save_rows
-from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams_cached
+from dsjax.model.cache import restore_rows, save_rows
+from dsjax.model.cache_layout import init_cache, min_ring
+from dsjax.model.v41.backbone import v41_logits, v41_streams_cached
+from dsjax.model.v41.params import v41_model_specs
 from dsjax.params import init_params
 
 import v41_oracle  # tests/ is on sys.path (conftest.py)

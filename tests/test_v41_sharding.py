@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from dsjax.config import RuntimeOptions, load_config
-from dsjax.model.cache import batch_axes, init_cache
-from dsjax.model.v41 import v41_logits, v41_model_specs, v41_streams_cached
+from dsjax.model.cache import batch_axes
+from dsjax.model.cache_layout import init_cache
+from dsjax.model.v41.backbone import v41_logits, v41_streams_cached
+from dsjax.model.v41.params import v41_model_specs
 from dsjax.params import init_params
 from dsjax.sharding.rules import batch_sharding, make_mesh, shardings_for
 

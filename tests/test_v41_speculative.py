@@ -21,7 +21,7 @@ from dsjax.config import load_config
 from dsjax.engine.engine import Engine
 from dsjax.engine.prefix_cache import PrefixCacheOptions
 from dsjax.engine.sampler import SamplingParams
-from dsjax.model.v41 import dspark_specs, v41_model_specs
+from dsjax.model.v41.params import dspark_specs, v41_model_specs
 from dsjax.params import init_params
 from dsjax.sharding.rules import make_mesh, shardings_for
 

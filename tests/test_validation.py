@@ -13,7 +13,7 @@ from dsjax.engine import runner as runner_module  # the runner allocates the dev
 from dsjax.engine import limits as limits_module
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
-from dsjax.model.cache import cache_bytes
+from dsjax.model.cache_layout import cache_bytes
 
 VOCAB = 129280  # tiny's
 

@@ -124,7 +124,7 @@ def random_weights(cfg, rng, perturb_dspark: bool = True):
     plain initializer's), as the V4.1 checkpoint tests write them. -> (params, dspark)."""
     import jax.numpy as jnp
 
-    from dsjax.model.v41 import dspark_specs, v41_model_specs
+    from dsjax.model.v41.params import dspark_specs, v41_model_specs
     from dsjax.params import init_params
 
     def noisy(tree):

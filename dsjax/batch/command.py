@@ -23,6 +23,7 @@ from dsjax.batch.manifest import (FORMAT, config_hash, differences, environment,
 from dsjax.batch.ray_data import dispatch, require_ray
 from dsjax.batch.records import read_lines
 from dsjax.batch.runner import check, effective_decode_steps, execute, make_engine
+from dsjax.config import KERNELS
 from dsjax.engine.prefix_cache import options_from_mib
 from dsjax.sharding.distributed import barrier, broadcast_bytes, broadcast_json, initialize, is_lead
 from dsjax.tokenizer import load_tokenizer
@@ -66,7 +67,7 @@ def add_parsers(sub, common, *, load, setup_cache, compiling, prefix_cache_args)
                    "id (and the init seed for named configs)")
     b.add_argument("--max-new-tokens", type=int, default=256, help="max_tokens of records that do not say")
     b.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
-    b.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"])
+    b.add_argument("--kernels", default="reference", choices=[*KERNELS, "auto"])
     b.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
     b.add_argument("--decode-steps", type=int, default=4, help="decode steps per dispatch")
     b.add_argument("--prefill-chunk", type=int, default=256)

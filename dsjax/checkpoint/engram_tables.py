@@ -240,7 +240,7 @@ class EngramStore:
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, cfg, token_map: np.ndarray | None = None) -> "EngramStore":
-        e = cfg.v41.engram if cfg.v41 is not None else None
+        e = cfg.engram
         if e is None:
             raise CheckpointError(f"config {cfg.name!r} has no Engram layers")
         layout = _layout(e)
@@ -266,7 +266,7 @@ class EngramStore:
     def seeded(cls, cfg, seed: int = 0, std: float = 0.02, token_map: np.ndarray | None = None) -> "EngramStore":
         """Random tables in memory for a config without a checkpoint: N(0, std) values stored as
         E4M3 with unit scales (E8M0 exponent 127)."""
-        e = cfg.v41.engram
+        e = cfg.engram
         layout = _layout(e)
         rng = np.random.default_rng(seed)
         tables = []
@@ -292,7 +292,7 @@ class EngramStore:
         return rows, kappa
 
     def fetch(self, tokens, history, n_valid):
-        """The host side of a step's Engram lookup (`dsjax.model.v41.engram_fetch`): tokens
+        """The host side of a step's Engram lookup (`dsjax.model.v41.backbone.engram_fetch`): tokens
         [B, C], history [B, h], n_valid [B] -> (E4M3 bytes, E8M0 bytes) per layer as uint8, then
         the history after each row's n_valid tokens (int32). Rows of padding positions are
         read too (their ids are valid): the chunk's shape is fixed."""

@@ -158,7 +158,7 @@ def _v41_weight_names(cfg: ModelConfig) -> dict[str, Source]:
         table["lm_head"] = Source("head.weight")
     for layer in cfg.layers:
         table.update(_v41_block(f"layers.{layer.index}", f"layers.{layer.index}", layer))
-    for k, layer in enumerate(cfg.v41.engram.layer_ids if cfg.v41.engram else ()):
+    for k, layer in enumerate(cfg.engram.layer_ids if cfg.engram else ()):
         table[f"engram.{k}.wkv"] = Source(f"layers.{layer}.engram.wkv.weight")
         table[f"engram.{k}.q_weight"] = Source(f"layers.{layer}.engram.q_weight")
         table[f"engram.{k}.k_weight"] = Source(f"layers.{layer}.engram.k_weight")
@@ -167,8 +167,10 @@ def _v41_weight_names(cfg: ModelConfig) -> dict[str, Source]:
 
 def weight_names(cfg: ModelConfig) -> dict[str, Source]:
     """dsjax parameter path (as `dsjax.params.path_str` prints it) -> canonical tensor."""
-    if cfg.v41 is not None:
-        return _v41_weight_names(cfg)
+    return _WEIGHT_NAMES[cfg.model_type](cfg)
+
+
+def _v4_weight_names(cfg: ModelConfig) -> dict[str, Source]:
     table = {
         "embed": Source("embed.weight"),
         "norm": Source("norm.weight"),
@@ -197,10 +199,12 @@ def per_layer_paths(cfg: ModelConfig, path: str) -> list[str] | None:
 
 
 def mtp_weight_names(cfg: ModelConfig) -> dict[str, Source]:
-    """MTP-layer parameter path (dsjax.model.mtp.MTPParams) -> canonical tensor (`mtp.0.*`);
-    for V4.1 the DSpark head's (dsjax.model.v41.DSparkParams, `mtp.0..S`)."""
-    if cfg.v41 is not None:
-        return _dspark_weight_names(cfg)
+    """MTP-layer parameter path (dsjax.model.v4.mtp.MTPParams) -> canonical tensor (`mtp.0.*`);
+    for V4.1 the DSpark head's (dsjax.model.v41.params.DSparkParams, `mtp.0..S`)."""
+    return _DRAFTER_NAMES[cfg.model_type](cfg)
+
+
+def _mtp_weight_names(cfg: ModelConfig) -> dict[str, Source]:
     table = {f"{k}": Source(f"mtp.0.{k}.weight") for k in ("e_proj", "h_proj", "enorm", "hnorm", "norm")}
     table.update({f"hc_head.{k}": Source(f"mtp.0.hc_head_{k}") for k in ("fn", "base", "scale")})
     table.update(_block("block", "mtp.0", cfg.mtp_layer))
@@ -222,6 +226,10 @@ def _dspark_weight_names(cfg: ModelConfig) -> dict[str, Source]:
                   "confidence": Source(f"{last}.confidence_head.proj.weight")})
     return table
 
+
+# Each generation's tables, by the config's model_type.
+_WEIGHT_NAMES = {"deepseek_v4": _v4_weight_names, "deepseek_v41": _v41_weight_names}
+_DRAFTER_NAMES = {"deepseek_v4": _mtp_weight_names, "deepseek_v41": _dspark_weight_names}
 
 # Tensors a checkpoint may carry that the main model does not use: the MTP / DSpark drafter.
 IGNORED_PREFIXES = ("mtp.",)

@@ -21,6 +21,7 @@ from dsjax.cli.reports import cmd_memory as _cmd_memory
 from dsjax.cli.reports import cmd_params as _cmd_params
 from dsjax.command import (WEIGHT_DTYPE_HELP, CommandParser, add_prefix_cache_args, common_flags, compile_counter,
                            compiling, load, run_command, setup_cache)
+from dsjax.config import KERNELS
 from dsjax.weights import DEFAULT_MODEL, resolve
 
 SIDE_FILES = ("draft_vocab.json", "tokenizer.json", "tokenizer_config.json", "training.json")
@@ -194,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed for named configs)")
         c.add_argument("--max-new-tokens", type=int, default=default_new)
         c.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
-        c.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"],
+        c.add_argument("--kernels", default="reference", choices=[*KERNELS, "auto"],
                        help="attention / MoE kernels (see `dsjax info` for what auto picks here)")
 
     g = sub.add_parser("generate", parents=[common], help="continue text prompts (streams one prompt's text)")

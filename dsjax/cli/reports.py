@@ -79,7 +79,8 @@ def _checkpoint_format(config: str, cfg):
     from pathlib import Path
 
     from dsjax.checkpoint.loader import checkpoint_format
-    from dsjax.model.stored import StoredFormat, stored_format
+    from dsjax.layers.quantized import StoredFormat
+    from dsjax.model.stored import stored_format
 
     path = Path(config)
     if path.name == "config.json":
@@ -108,7 +109,7 @@ def cmd_cache(args, say) -> int:
     import jax.numpy as jnp
 
     from dsjax.config import load_config
-    from dsjax.model.cache import cache_bytes
+    from dsjax.model.cache_layout import cache_bytes
 
     contexts = context_lengths(args.context)
     cfg = load_config(args.config)

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
-KERNELS = ("reference", "pallas", "mosaic_gpu")
+KERNELS = ("reference", "pallas", "mosaic_gpu", "mosaic_tpu")
 QUANTIZED = ("dequantize", "resident")
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
     """kernels: "reference" (pure jnp), "pallas" (dsjax/kernels: the Mosaic GPU
-    kernels on Hopper+, the generic Pallas kernels elsewhere, interpreted on CPU) or
-    "mosaic_gpu" (the Mosaic GPU kernels; GPU interpret mode off the GPU).
+    kernels on Hopper+, the Mosaic TPU kernels on a TPU, the generic Pallas kernels elsewhere,
+    interpreted on CPU), "mosaic_gpu" (the Mosaic GPU kernels; GPU interpret mode off the GPU)
+    or "mosaic_tpu" (the Mosaic TPU kernels; TPU interpret mode off a TPU).
     moe_capacity_factor: cap expert-parallel send buffers at ceil(tokens * k / ep * factor)
     and drop assignments past it; None (default) = dropless.
     batch_invariant: every cached forward runs tiles of a fixed number of rows (one program

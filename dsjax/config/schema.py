@@ -155,6 +155,16 @@ class ModelConfig:
     def model_type(self) -> str:
         return "deepseek_v4" if self.v41 is None else "deepseek_v41"
 
+    @property
+    def engram(self) -> EngramConfig | None:
+        """The Engram memory's config (V4.1 models that have one), else None."""
+        return None if self.v41 is None else self.v41.engram
+
+    @property
+    def dspark(self) -> DSparkConfig | None:
+        """The DSpark drafter's config (V4.1 models that have one), else None."""
+        return None if self.v41 is None else self.v41.dspark
+
     @functools.cached_property
     def layers(self) -> tuple[LayerSpec, ...]:
         if self.v41 is not None:

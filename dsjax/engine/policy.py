@@ -26,7 +26,7 @@ import numpy as np
 
 from dsjax.config import ModelConfig
 from dsjax.engine.speculative import CALIBRATION_BINS, Schedule, calibration_centres
-from dsjax.model.interface import min_ring
+from dsjax.model.interface import draft_block_limit, drafter_takes_vocab, min_ring
 
 SPEC_POLICIES = ("confidence", "fixed")
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per bin at the bin's centre: the raw confidence until drafts are judged
@@ -37,7 +37,7 @@ def max_drafts(cfg: ModelConfig) -> int:
     """The most drafts a verify step can check: its k + 1 positions fit the smallest cache ring
     (DeepSeek-V4.1: and DSpark drafts a block of block_size)."""
     ring = min_ring(cfg) - 1
-    return ring if cfg.v41 is None or cfg.v41.dspark is None else min(ring, cfg.v41.dspark.block_size)
+    return ring if (block := draft_block_limit(cfg)) is None else min(ring, block)
 
 
 def check_speculation(num_draft_tokens: int, *, has_mtp: bool, max_drafts: int, unsupported: dict[str, bool]):
@@ -65,7 +65,7 @@ def engine_draft_vocab(draft_vocab, model_ids, cfg: ModelConfig) -> np.ndarray |
         return None if model_ids is None else check_draft_vocab(model_ids, cfg.vocab_size, "model.draft_vocab")
     if draft_vocab is False:
         return None
-    if cfg.v41 is not None:
+    if not drafter_takes_vocab(cfg):
         raise ValueError("draft_vocab is for the MTP drafter; DeepSeek-V4.1's DSpark head drafts over the whole "
                          "vocabulary (leave draft_vocab None)")
     if draft_vocab is True:

@@ -5,7 +5,7 @@ half the memory rate, in every form it offers (its GEMM, a fused multiply-reduce
 tiled). `csrc/cpu_kernels.cc` reads the head once for up to 8 rows from a tiled layout
 (`PackedHead`) with 16 vector accumulators. At one row both read at the memory rate (XLA's
 product on the transposed head measured a little faster in the engine, so a one-slot fp32
-engine keeps it: `dsjax.model.decoder.one_row_head`). Measurements: docs/cpu-decode.md and
+engine keeps it: `dsjax.model.head.one_row_head`). Measurements: docs/cpu-decode.md and
 benchmarks/head_kernel.py.
 
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`,
@@ -187,7 +187,7 @@ class PackedHead:
     """A vocabulary head [V, D] (fp32 or bf16) kept in tiles [ceil(V / 32), D, 32] of 32
     vocabulary rows, each k's 32 weights contiguous: the layout the XLA:CPU vocabulary-head
     kernel reads in one sequential stream (this module; an engine on one CPU
-    device keeps its head so, `dsjax.model.decoder.cpu_head_params`). Rows past V are zeros.
+    device keeps its head so, `dsjax.model.head.cpu_head_params`). Rows past V are zeros.
     `dense()` is the [V, D] head back. An fp32 head may also carry a bf16 copy of its tiles
     and its rows' norms (`screen`, `norms`), from which the kernel finds greedy tokens
     reading half the bytes (`greedy_tokens`)."""

@@ -45,8 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.dispatch import kernel_choice, on_batch_shards, out_struct
 from dsjax.kernels.mgpu import interpret_params, operand_transforms, pad_axis, round_up, store_tile, wgmma_nt
+from dsjax.kernels.tpu_grouped_matmul import tpu_grouped_ffn
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -205,7 +206,7 @@ def pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, rows:
                   pl.BlockSpec(w2.shape, lambda i: (0, 0, 0))]
         + [pl.BlockSpec((1, rows), lambda i: (i, 0))] * len(scales),
         out_specs=pl.BlockSpec((1, rows, d), lambda i: (i, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((n_tiles, rows, d), jnp.float32), interpret=interpret,
+        out_shape=out_struct((n_tiles, rows, d), jnp.float32, x_tiles), interpret=interpret,
     )(expert, x_tiles, w1, w3, w2, *scales)
     return scatter_tiles(out, first, used, m)
 
@@ -312,9 +313,10 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
 def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = "reference", layer=None,
                 rows: int | None = None, scale=None, down=None):
     """THE dispatch (dispatch.py's rule), same contract as `reference`: "reference" runs
-    ragged_dot, or the tile loop on CPU; "pallas": the Mosaic GPU kernels on Hopper+, else
-    the generic kernel (interpreted on CPU); "mosaic_gpu": the Mosaic GPU kernels (GPU
-    interpret mode off the GPU). layer: w1 / w3 / w2 are stacked over a layer run
+    ragged_dot, or the tile loop on CPU; "pallas": the Mosaic GPU kernels on Hopper+, the
+    Mosaic TPU kernels on a TPU, else the generic kernel (interpreted on CPU); "mosaic_gpu" /
+    "mosaic_tpu": those kernels (interpret mode off their hardware; the TPU ones are
+    tpu_grouped_matmul.py). layer: w1 / w3 / w2 are stacked over a layer run
     ([R, E, ...]) and this is layer `layer` of them. rows: the tile loop's / generic
     kernel's rows per tile (default `row_tile`; batch-invariant mode fixes it, so a row's
     products do not change with how many rows run). scale [M] / down: W2's input is
@@ -322,15 +324,17 @@ def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = 
     rows = rows or row_tile(x_sorted.shape[0], group_sizes.shape[0])
     kind, interpret = kernel_choice(impl)
     down_args = {} if down is None else dict(scale=scale, down=down)
-    if layer is not None and not (kind not in ("mosaic_gpu", "pallas") and jax.default_backend() == "cpu"):
+    if layer is not None and not (kind == "reference" and jax.default_backend() == "cpu"):
         w1, w3, w2, layer = w1[layer], w3[layer], w2[layer], None
     if layer is not None:
         return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, layer=layer, **down_args)
     if kind == "mosaic_gpu":
         return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret, **down_args)
-    if kind == "pallas":
-        return pallas_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, interpret=interpret,
-                                  **down_args)
+    if kind in ("mosaic_tpu", "pallas"):  # on a mesh outside the expert-parallel step: every device all rows
+        fn = tpu_grouped_ffn if kind == "mosaic_tpu" else functools.partial(pallas_grouped_ffn, rows=rows)
+        kernel = lambda x, sizes, w1, w3, w2, scale: fn(  # noqa: E731
+            x, sizes, w1, w3, w2, limit=limit, interpret=interpret, scale=scale, down=down)
+        return on_batch_shards(kernel, (), (x_sorted, group_sizes, w1, w3, w2, scale))
     if jax.default_backend() == "cpu":
         return tile_loop(x_sorted, group_sizes, w1, w3, w2, limit=limit, rows=rows, **down_args)
     return reference(x_sorted, group_sizes, w1, w3, w2, limit=limit, **down_args)

@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.dispatch import kernel_choice, on_batch_shards
 from dsjax.kernels.mgpu import (interpret_params, layout, matmul_nt, operand_transforms, pad_axis, round_up,
                                        store_tile)
+from dsjax.kernels.tpu_index_scores import tpu_index_scores
 
 KEYS = 64  # keys per Mosaic GPU program: the wgmma M
 
@@ -111,10 +112,11 @@ def mgpu_index_scores(q, keys, weights, *, scale: float, interpret: bool = False
 
 
 def index_scores(q, keys, weights, *, scale: float, impl: str = "reference"):
-    """THE dispatch (dispatch.py's rule): "reference"; "pallas" (Mosaic GPU on Hopper+, else
-    generic Pallas, interpreted on CPU); "mosaic_gpu" (interpreted off the GPU)."""
+    """THE dispatch (dispatch.py's rule): "reference"; "pallas" (Mosaic GPU on Hopper+,
+    Mosaic TPU on a TPU, else generic Pallas, interpreted on CPU); "mosaic_gpu" /
+    "mosaic_tpu" (interpreted off their hardware; the TPU one is tpu_index_scores.py)."""
     kind, interpret = kernel_choice(impl)
     if kind == "reference":
         return reference(q, keys, weights, scale=scale)
-    fn = mgpu_index_scores if kind == "mosaic_gpu" else pallas_index_scores
-    return fn(q, keys, weights, scale=scale, interpret=interpret)
+    fn = {"mosaic_gpu": mgpu_index_scores, "mosaic_tpu": tpu_index_scores}.get(kind, pallas_index_scores)
+    return on_batch_shards(lambda q, keys, w: fn(q, keys, w, scale=scale, interpret=interpret), (q, keys, weights))

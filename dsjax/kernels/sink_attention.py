@@ -56,9 +56,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.dispatch import kernel_choice
+from dsjax.kernels.dispatch import kernel_choice, on_batch_shards
 from dsjax.kernels.mgpu import (accumulate, interpret_params, layout, matmul_nt, operand_transforms, pad_axis,
                                        round_up, store_tile)
+from dsjax.kernels.tpu_attention import tpu_sink_attention
 
 NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free for fully masked rows
 BLOCK_P = 64  # V4.1's vendor kernel: its online softmax's block of indices (deepseek-v41.md §2.9)
@@ -374,10 +375,13 @@ def merge_splits(outs: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array
 def sink_attention(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq=None, mask_pq=None, *, impl: str = "reference",
                    round_p: bool = False):
     """THE dispatch (dispatch.py's rule): "reference" (jnp); "pallas": the Mosaic GPU kernel
-    on Hopper+, else the generic Pallas kernel (interpreted on CPU); "mosaic_gpu": the
-    Mosaic GPU kernel (GPU interpret mode off the GPU). round_p: V4.1's rounding of p."""
+    on Hopper+, the Mosaic TPU kernel on a TPU, else the generic Pallas kernel (interpreted
+    on CPU); "mosaic_gpu" / "mosaic_tpu": that kernel (interpret mode off its hardware;
+    the TPU one is tpu_attention.py). round_p: V4.1's rounding of p."""
     kind, interpret = kernel_choice(impl)
     if kind == "reference":
         return reference(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, round_p)
-    fn = mgpu_sink_attention if kind == "mosaic_gpu" else pallas_sink_attention
-    return fn(q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret, round_p=round_p)
+    fn = {"mosaic_gpu": mgpu_sink_attention, "mosaic_tpu": tpu_sink_attention}.get(kind, pallas_sink_attention)
+    kernel = lambda q, kv, k_lo, k_hi, q_pos, kv_pq, mask_pq, sinks: fn(  # noqa: E731
+        q, kv, k_lo, k_hi, q_pos, sinks, kv_pq, mask_pq, interpret=interpret, round_p=round_p)
+    return on_batch_shards(kernel, (q, kv, k_lo, k_hi, q_pos, kv_pq, mask_pq), (sinks,))

@@ -96,7 +96,7 @@ def _operand(w, fmt: str, block, n_pad: int, k_pad: int, experts=None):
     that have rows (a decode step's few; the bytes stay where they are)."""
     data, scale_exp = w
     scale_exp = scale_exp if experts is None else scale_exp[experts]
-    n, k = data.shape[-2], data.shape[-1] * (2 if fmt == "mxfp4" else 1)
+    n = data.shape[-2]
     if fmt == "fp8":
         data = pad_axis(data, 2, k_pad)
     s = scale_rows(scale_exp, fmt, block, n, k_pad)

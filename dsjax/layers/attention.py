@@ -33,7 +33,10 @@ from dsjax.sharding.rules import reshape, spec
 
 
 @struct.dataclass
-class Attention:
+class AttentionProjections:
+    """The projections and sinks every DeepSeek attention layer has, V4's and V4.1's
+    (`dsjax.model.v41.shared_attention.SharedAttention`) alike."""
+
     q_a_proj: jax.Array  # [q_lora, D]
     q_a_norm: jax.Array  # [q_lora] fp32
     q_b_proj: jax.Array  # [H * hd, q_lora]
@@ -42,19 +45,19 @@ class Attention:
     o_a_proj: jax.Array  # [G * o_lora, H * hd / G]
     o_b_proj: jax.Array  # [D, G * o_lora]
     sinks: jax.Array  # [H] fp32
+
+
+@struct.dataclass
+class Attention(AttentionProjections):
     compressor: Compressor | None = None  # CSA / HCA layers
     indexer: Indexer | None = None  # CSA layers
 
 
-def attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Attention:
+def projection_specs(cfg: ModelConfig, dtype) -> dict:
+    """`AttentionProjections`' specs, as keyword arguments of either generation's attention."""
     h, hd, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
     f32 = jnp.float32
-    compressor = indexer = None
-    if layer.compress_ratio:
-        compressor = compressor_specs(cfg, ratio=layer.compress_ratio, dim=hd, overlap=layer.overlap, dtype=dtype)
-    if layer.has_indexer:
-        indexer = indexer_specs(cfg, ratio=layer.compress_ratio, dtype=dtype)
-    return Attention(
+    return dict(
         q_a_proj=ParamSpec((cfg.q_lora_rank, d), dtype, ("q_lora", "embed")),
         q_a_norm=ParamSpec((cfg.q_lora_rank,), f32, (None,), init="ones"),
         q_b_proj=ParamSpec((h * hd, cfg.q_lora_rank), dtype, ("q_heads", "q_lora")),
@@ -63,36 +66,55 @@ def attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Attention:
         o_a_proj=ParamSpec((cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), dtype,
                            ("o_groups", "o_group_in")),
         o_b_proj=ParamSpec((d, cfg.o_groups * cfg.o_lora_rank), dtype, ("embed", "o_groups")),
-        sinks=ParamSpec((h,), f32, ("heads",), init="zeros"),
-        compressor=compressor,
-        indexer=indexer,
-    )
+        sinks=ParamSpec((h,), f32, ("heads",), init="zeros"))
+
+
+def attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Attention:
+    compressor = indexer = None
+    if layer.compress_ratio:
+        compressor = compressor_specs(cfg, ratio=layer.compress_ratio, dim=cfg.head_dim, overlap=layer.overlap,
+                                      dtype=dtype)
+    if layer.has_indexer:
+        indexer = indexer_specs(cfg, ratio=layer.compress_ratio, dtype=dtype)
+    return Attention(**projection_specs(cfg, dtype), compressor=compressor, indexer=indexer)
 
 
 # ----------------------------------------------------------------------------- pieces
-def project_q(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """-> cq [B, S, q_lora], q [B, S, H, hd] (per-head RMS, roped)."""
-    cq = rms_norm(linear(x, p.q_a_proj), p.q_a_norm, cfg.rms_norm_eps)
-    q = reshape(linear(cq, p.q_b_proj), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
-    q = unweighted_rms_norm(q, cfg.rms_norm_eps)
+def project_q(p: AttentionProjections, x: jax.Array, cos, sin, cfg: ModelConfig, *, head_norm: bool = True,
+              fp8_act: bool = False) -> tuple[jax.Array, jax.Array]:
+    """-> cq [B, S, q_lora], q [B, S, H, hd] (roped). head_norm: V4's per-head unweighted RMS
+    (V4.1 has none); fp8_act: V4.1's Lin8 products (deepseek-v41.md §2.10)."""
+    cq = rms_norm(linear(x, p.q_a_proj, fp8_act=fp8_act), p.q_a_norm, cfg.rms_norm_eps)
+    q = reshape(linear(cq, p.q_b_proj, fp8_act=fp8_act), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
+    if head_norm:
+        q = unweighted_rms_norm(q, cfg.rms_norm_eps)
     return cq, apply_rope(q, cos[..., None, :], sin[..., None, :])
 
 
-def project_kv(p: Attention, x: jax.Array, cos, sin, cfg: ModelConfig) -> jax.Array:
+def project_kv(p: AttentionProjections, x: jax.Array, cos, sin, cfg: ModelConfig, *,
+               fp8_act: bool = False) -> jax.Array:
     """-> kv [B, S, hd] (normed, roped): the window key and value of each token."""
-    return apply_rope(rms_norm(linear(x, p.kv_proj), p.kv_norm, cfg.rms_norm_eps), cos, sin)
+    return apply_rope(rms_norm(linear(x, p.kv_proj, fp8_act=fp8_act), p.kv_norm, cfg.rms_norm_eps), cos, sin)
 
 
-def grouped_output(p: Attention, o: jax.Array, cfg: ModelConfig, round_trips: bool = False) -> jax.Array:
+def grouped_output(p: AttentionProjections, o: jax.Array, cfg: ModelConfig, round_trips: bool = False) -> jax.Array:
     """o [B, S, H, hd] -> [B, S, D]: per-group low-rank W_oa (one batched GEMM, also for a CPU
     decode row: per-group matrix-vector loops were no faster), then the mixing W_ob.
-    round_trips: DeepSeek-V4.1's Lin8 on W_ob (deepseek-v41.md §2.10; p a SharedAttention)."""
+    round_trips: DeepSeek-V4.1's Lin8 on W_ob (deepseek-v41.md §2.10)."""
     g = cfg.o_groups
     grouped = reshape(o, (*o.shape[:-2], g, -1))  # [B, S, G, H/G * hd]
     w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
     z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
     return linear(merge_last_two(z), p.o_b_proj, out_sharding=spec("batch", None, None),
                   fp8_act=round_trips)
+
+
+def attention_output(p: AttentionProjections, o: jax.Array, cos, sin, cfg: ModelConfig,
+                     round_trips: bool = False) -> jax.Array:
+    """The attention's output o [B, S, H, hd] (values roped at their key positions) -> [B, S, D]:
+    the inverse RoPE at the query positions, then `grouped_output`."""
+    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+    return grouped_output(p, o, cfg, round_trips)
 
 
 FOREVER = jnp.iinfo(jnp.int32).max
@@ -155,8 +177,7 @@ def attention_forward(p: Attention, x: jax.Array, positions: jax.Array, layer: L
         if layer.has_indexer:
             index_keys = compress_kv(p.indexer.compressor, x, ratio=layer.compress_ratio, overlap=True, cfg=cfg)
     o = attend(p, q, cq, x, cos, sin, positions, kv, lo, hi, entries, index_keys, layer, cfg, kernels)
-    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
-    return grouped_output(p, o, cfg)
+    return attention_output(p, o, cos, sin, cfg)
 
 
 # ----------------------------------------------------------------------------- cached path
@@ -168,6 +189,19 @@ class AttentionState:
     window: jax.Array  # [B, W, hd]  normed, roped kv
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+
+    def written_rows(self, ratio: int, positions: jax.Array) -> "AttentionState":
+        """Per field, the row index [B, n] an extend over `positions` may write: ring slots
+        (position % ring size) and the compressed entry each position would complete
+        (position // ratio). Speculative rollback saves and restores these rows."""
+        def comp_rows(comp: CompressorState | None):
+            if comp is None:
+                return None
+            ring = positions % comp.ring_kv.shape[1]
+            return CompressorState(entries=positions // ratio, ring_kv=ring, ring_gate=ring)
+
+        return AttentionState(window=positions % self.window.shape[1], compressor=comp_rows(self.compressor),
+                              indexer=comp_rows(self.indexer))
 
 
 def attention_state_shapes(cfg: ModelConfig, layer: LayerSpec, batch: int, capacity: int, dtype) -> AttentionState:
@@ -241,5 +275,4 @@ def attention_extend(p: Attention, state: AttentionState, x: jax.Array, start: j
                                         overlap=True, cfg=cfg, at=at)
             index_keys = state_rows(idx_state.entries, at)[:, :n_entries]
     o = attend(p, q, cq, x, cos, sin, positions, keys, lo, hi, entries, index_keys, layer, cfg, kernels)
-    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
-    return grouped_output(p, o, cfg), AttentionState(window, comp, idx_state)
+    return attention_output(p, o, cos, sin, cfg), AttentionState(window, comp, idx_state)

@@ -64,7 +64,7 @@ def gemm_only():
 
 def whole_weights():
     """While tracing inside: the layer weights are whole arrays (program arguments, not slices
-    of a stacked layer run; `dsjax.model.decoder.LayerByLayer`), so a one-row fp32 product is
+    of a stacked layer run; `dsjax.model.block.LayerByLayer`), so a one-row fp32 product is
     written `w @ x`: XLA:CPU calls its library matrix-vector product on the argument in place.
     (On a slice, XLA fuses the slice into an element-by-element loop instead, and `x @ w.T`
     reads that loop faster; see `linear`.)"""

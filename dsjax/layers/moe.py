@@ -67,7 +67,8 @@ class MoE:
     router_bias_vl: jax.Array | None = None  # [E] fp32, V4.1: the selection bias of image-span tokens
 
 
-def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
+def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype, *, image_bias: bool = False) -> MoE:
+    """image_bias: a second selection bias for image-span tokens (DeepSeek-V4.1's `gate.bias_vl`)."""
     e, i, d, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
     si = cfg.shared_intermediate_size
     is_hash = layer.mlp == HASH_MOE
@@ -82,7 +83,7 @@ def moe_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> MoE:
         router_bias=None if is_hash else ParamSpec((e,), jnp.float32, (None,), init="zeros"),
         tid2eid=ParamSpec((cfg.vocab_size, k), jnp.int32, (None, None), init="expert_table", high=e)
         if is_hash else None,
-        router_bias_vl=ParamSpec((e,), jnp.float32, (None,), init="zeros") if cfg.v41 is not None else None,
+        router_bias_vl=ParamSpec((e,), jnp.float32, (None,), init="zeros") if image_bias else None,
     )
 
 
@@ -188,12 +189,13 @@ def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
 
 
 def stored_kernel(p: MoE, kernels: str) -> bool:
-    """Whether the routed experts run the Mosaic GPU kernel that reads their stored bytes: kept
-    as stored (MXFP4, or FP8 per expert), all three in one format, and `kernels` resolving to
-    Mosaic GPU (dsjax/kernels/dispatch.py). Otherwise they are dequantized first."""
+    """Whether the routed experts run a kernel that reads their stored bytes: kept as stored,
+    all three in one format, and `kernels` resolving to Mosaic GPU (MXFP4, or FP8 per expert)
+    or Mosaic TPU (MXFP4; dsjax/kernels/dispatch.py). Otherwise they are dequantized first."""
     forms = [stored_form(w) for w in (p.w1, p.w3, p.w2)]
+    kind = kernel_choice(kernels)[0]
     return (forms[0] is not None and all(f is not None and f[:2] == forms[0][:2] for f in forms)
-            and kernel_choice(kernels)[0] == "mosaic_gpu")
+            and (kind == "mosaic_gpu" or (kind == "mosaic_tpu" and forms[0][0] == "mxfp4")))
 
 
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
@@ -223,8 +225,11 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     lin4_args = dict(scale=weights.reshape(-1)[order], down=down)
     if stored:
         (fmt, block, w1), w3, w2 = stored_form(p.w1), stored_form(p.w3)[2], stored_form(p.w2)[2]
-        y = mgpu_stored_grouped_ffn(x[order // k], group_sizes, w1, w3, w2, fmt=fmt, block=block,
-                                    limit=cfg.swiglu_limit, interpret=kernel_choice(kernels)[1], **lin4_args)
+        if kernel_choice(kernels)[0] == "mosaic_tpu":  # (bytes, exponents) pairs, dequantized in VMEM
+            y = grouped_ffn(x[order // k], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, **lin4_args)
+        else:
+            y = mgpu_stored_grouped_ffn(x[order // k], group_sizes, w1, w3, w2, fmt=fmt, block=block,
+                                        limit=cfg.swiglu_limit, interpret=kernel_choice(kernels)[1], **lin4_args)
     else:
         p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
         y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels,

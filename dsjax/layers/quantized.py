@@ -4,6 +4,7 @@ Formats: see dsjax/checkpoint/quant.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -103,7 +104,7 @@ class ColumnMajor:
     XLA:CPU reads a one-row product x @ w.T fastest when `in` is short (a vector-matrix loop
     streaming whole rows of t, where the row form reduces each short row of w on its own).
     The engine keeps its vocabulary head so for a one-row CPU decode
-    (`dsjax.model.decoder.one_row_head`); `dense()` is the transpose back, which XLA folds
+    (`dsjax.model.head.one_row_head`); `dense()` is the transpose back, which XLA folds
     into the product that reads it."""
 
     t: jax.Array  # [in, out]
@@ -144,10 +145,20 @@ def take(w, index):
 
 # The weights DeepSeek-V4's checkpoints store in FP8 and keep so (routed experts: MXFP4, or
 # FP8 per expert), by the end of their dsjax path. A model generation names its own list (V4.1:
-# dsjax.model.v41.V41_FP8_LINEARS); a weight stored FP8 but not listed is dequantized at load.
+# dsjax.model.v41.params.V41_FP8_LINEARS); a weight stored FP8 but not listed is dequantized at load.
 FP8_LINEARS = ("attn.q_a_proj", "attn.q_b_proj", "attn.kv_proj", "attn.o_a_proj", "attn.o_b_proj",
                "attn.indexer.q_b_proj", "moe.shared_w1", "moe.shared_w2", "moe.shared_w3", "e_proj", "h_proj")
 ROUTED_EXPERTS = ("moe.w1", "moe.w2", "moe.w3")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredFormat:
+    """How a model generation's release stores its weights (each generation's `ModelFamily`
+    names its own; `resident_specs` keeps them so)."""
+
+    fp8_block: tuple[int, int]  # E8M0 scale tiles of the FP8 projections
+    fp8_linears: tuple[str, ...]  # the projections kept FP8 on device (dsjax path endings)
+    experts_fp4: bool = True  # routed experts: MXFP4 (E2M1 pairs + E8M0 per 32)
 
 
 def resident_specs(specs, block: tuple[int, int], experts_fp4: bool, fp8_linears: tuple[str, ...] = FP8_LINEARS):

@@ -1,7 +1,7 @@
 """The model's one jitted forward, `forward`: a whole sequence or a cached chunk through the
-DeepSeek-V4 decoder (dsjax/model/decoder.py) or, for a V4.1 config, its backbone
-(dsjax/model/v41.py), optionally in batch-invariant tiles. `Model.logits`, the engine's
-prefill and decode programs and the training export all call it."""
+config's generation (`family_of(cfg).forward_rows`: V4's decoder, dsjax/model/v4/decoder.py,
+or V4.1's backbone, dsjax/model/v41/backbone.py), optionally in batch-invariant tiles.
+`Model.logits`, the engine's prefill and decode programs and the training export all call it."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ import jax.numpy as jnp
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers.linear import gemm_only, kernels_for_stored_weights
+from dsjax.model.block import DEFAULT_OPTIONS, INVARIANT_ROWS
 from dsjax.model.cache import Cache, over_tiles
-from dsjax.model.decoder import (DEFAULT_OPTIONS, INVARIANT_ROWS, ModelParams, decoder_streams, head_input,
-                                 last_valid, lm_head_weight, logits_of, rows_logits)
-from dsjax.model.v41 import ModelParamsV41, v41_forward_rows
+from dsjax.model.family import family_of
 from dsjax.sharding.rules import axis_size, current_mesh
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "ctx_bucket", "last_only", "hidden"),
                    donate_argnames=("cache",))
-def forward(params: ModelParams | ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None = None, *,
+def forward(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None = None, *,
             opts: RuntimeOptions = DEFAULT_OPTIONS, n_valid: jax.Array | None = None, ctx_bucket: int | None = None,
             last_only: bool = False, hidden: bool = False) -> tuple[jax.Array, Cache | None]:
     """tokens [B, S] int32 -> (logits fp32, cache).
@@ -70,12 +69,4 @@ def _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, h
 
 
 def _forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden):
-    if cfg.v41 is not None:  # DeepSeek-V4.1's backbone
-        return v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only,
-                                head_rows=hidden)[:2]
-    streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
-    if last_only:
-        streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
-    if hidden:
-        return head_input(params.hc_head, params.norm, streams, cfg), cache
-    return rows_logits(lambda: logits_of(params, streams, cfg), lm_head_weight(params), n_valid, streams.dtype), cache
+    return family_of(cfg).forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, hidden)

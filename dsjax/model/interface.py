@@ -8,8 +8,11 @@ engine runs a DeepSeek-V4 / V4.1 model with, and nothing of how the model comput
     cache              init_cache, the rows a verify step writes (save / roll back), prefix blocks
                        (take / put), sizes; batch-major tree helpers (rows, tiles, batch axes)
     head               the step programs' head (`step_head_params`), the greedy screen, its product
-    drafters           `Drafter` (MTP: model/mtp.py, DSpark: model/dspark.py), `drafter_for(cfg)`
-    rules              what the model asks of the engine's scheduling (published-key rule, ...)
+    drafters           `Drafter` (MTP: model/v4/mtp.py, DSpark: model/v41/dspark.py), `drafter_for(cfg)`
+    rules              what the model asks of the engine's scheduling (published-key rule, draft limits)
+
+What differs between V4 and V4.1 is the config's `ModelFamily` (dsjax/model/family.py); the
+functions here ask it, so the engine never tests which generation it runs.
 
 The types re-exported (`Cache`, `CacheBlock`, `PackedHead`) are annotations and pytrees the
 engine passes along; it reads no field of the model's parameter dataclasses.
@@ -27,14 +30,14 @@ from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.engram import kept_history
 from dsjax.layers.linear import linear
 from dsjax.kernels.cpu import PackedHead
+from dsjax.model.block import DEFAULT_OPTIONS, INVARIANT_ROWS
 from dsjax.model.cache import Block as CacheBlock
-from dsjax.model.cache import (Cache, batch_axes, block_layout, cache_bytes, init_cache, min_ring, over_tiles,
-                               put_block, put_rows, restore_rows, save_rows, take_block, take_rows)
-from dsjax.model.decoder import DEFAULT_OPTIONS, INVARIANT_ROWS, head_dtype, lm_head_weight, screens, step_head_params
-from dsjax.model.dspark import DSparkDrafter
+from dsjax.model.cache import (Cache, batch_axes, over_tiles, put_block, put_rows, restore_rows, save_rows, take_block,
+                               take_rows)
+from dsjax.model.cache_layout import block_layout, cache_bytes, init_cache, min_ring
+from dsjax.model.family import family_of
 from dsjax.model.forward_pass import forward
-from dsjax.model.mtp import MTPDrafter
-from dsjax.model.v41 import decodes_equal_prefill, reference_key_rule
+from dsjax.model.head import head_dtype, lm_head_weight, screens, step_head_params
 
 __all__ = [
     # forward
@@ -48,7 +51,7 @@ __all__ = [
     # drafters
     "Drafter", "DraftSampling", "drafter_for",
     # rules
-    "reference_key_rule", "decodes_equal_prefill",
+    "reference_key_rule", "decodes_equal_prefill", "draft_block_limit", "drafter_takes_vocab",
 ]
 
 
@@ -171,9 +174,32 @@ class Drafter(Protocol):
         vocabulary, where the drafter supports one."""
 
 
-MTP, DSPARK = MTPDrafter(), DSparkDrafter()
-
-
 def drafter_for(cfg: ModelConfig) -> Drafter:
     """The model's drafter: DeepSeek-V4's MTP layer, V4.1's DSpark head."""
-    return MTP if cfg.v41 is None else DSPARK
+    return family_of(cfg).drafter
+
+
+# ----------------------------------------------------------------------------- rules
+def reference_key_rule(cfg: ModelConfig, opts: RuntimeOptions) -> bool:
+    """Whether cached chunks follow the reference's published-key rule (V4.1, spec
+    deepseek-v41.md §2.7; `dsjax.model.v41.family.reference_key_rule`): a chunk starting at
+    position s > 0 then equals one-token decodes only at positions t <= 2 s + 1, so an engine
+    keeps every chunk after position 0 within that bound."""
+    return family_of(cfg).reference_key_rule(cfg, opts)
+
+
+def decodes_equal_prefill(cfg: ModelConfig, opts: RuntimeOptions, length: int) -> bool:
+    """Whether one-token decodes of positions below `length` leave what a prefill from position 0
+    leaves: always, but under `reference_key_rule` when a ratio-2 source could select fewer than
+    its visible entries there (length > 2 index_topk + 1; below, it selects them all either way)."""
+    return not reference_key_rule(cfg, opts) or length <= 2 * cfg.index_topk + 1
+
+
+def draft_block_limit(cfg: ModelConfig) -> int | None:
+    """The most tokens the model's drafter proposes in one call (V4.1's DSpark: its block), or None."""
+    return family_of(cfg).draft_block_limit(cfg)
+
+
+def drafter_takes_vocab(cfg: ModelConfig) -> bool:
+    """Whether the model's drafter can draft from a reduced vocabulary (V4's MTP; not DSpark)."""
+    return family_of(cfg).drafter_takes_vocab

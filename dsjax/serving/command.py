@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dsjax.command import (WEIGHT_DTYPE_HELP, CommandParser, UsageError, add_prefix_cache_args, common_flags,
                            compile_counter, compiling, load, on_interrupt, run_command, setup_cache)
+from dsjax.config import KERNELS
 from dsjax.engine.prefix_cache import auto_options, options_from_mib
 from dsjax.protocol import Limits
 from dsjax.serving.server import build, run
@@ -31,7 +32,7 @@ def add_parser(sub, common) -> None:
     s.add_argument("--weight-dtype", default=None, choices=["bfloat16"], help=WEIGHT_DTYPE_HELP)
     s.add_argument("--seed", type=int, default=0, help="init seed for named configs (random weights)")
     s.add_argument("--mesh", default="", help="device mesh, e.g. 'data=2,expert=4' (default: one device)")
-    s.add_argument("--kernels", default="reference", choices=["reference", "auto", "pallas", "mosaic_gpu"])
+    s.add_argument("--kernels", default="reference", choices=[*KERNELS, "auto"])
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key); "

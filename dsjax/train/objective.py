@@ -35,8 +35,8 @@ from dsjax.layers.compressor import compress_kv
 from dsjax.layers.indexer import index_queries, index_scores, index_weights
 from dsjax.layers.rope import rope_cos_sin
 from dsjax.model import decoder_streams_probed, logits_of, mtp_forward, mtp_head
-from dsjax.model.decoder import ModelParams
-from dsjax.model.mtp import MTPParams
+from dsjax.model.v4.decoder import ModelParams
+from dsjax.model.v4.mtp import MTPParams
 from dsjax.train.vocab import VocabMap, full_nll
 
 

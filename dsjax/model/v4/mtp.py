@@ -23,10 +23,10 @@ from dsjax.layers.attention import AttentionState, attention_state_shapes
 from dsjax.layers.hyper_connection import HyperHead, hyper_head_specs
 from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
+from dsjax.model.block import DEFAULT_OPTIONS, Block, norm_spec
 from dsjax.model.cache import Cache
-from dsjax.model.decoder import (DEFAULT_OPTIONS, Block, ModelParams, attention_call, block_apply, block_specs,
-                                 decoder_streams, head_logits, last_valid, lm_head_weight, logits_of, norm_spec,
-                                 rows_logits)
+from dsjax.model.head import head_logits, last_valid, lm_head_weight, rows_logits
+from dsjax.model.v4.decoder import ModelParams, attention_call, block_specs, decoder_streams, logits_of, v4_block
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import lookup
 
@@ -81,7 +81,7 @@ def mtp_forward(mtp: MTPParams, main: ModelParams, streams: jax.Array, next_toke
         attend = attention_call(layer, cfg, opts, positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
     else:
         attend = attention_call(layer, cfg, opts, state=state, start=start, n_valid=n_valid)
-    return block_apply(mtp.block, x, next_tokens, attend, cfg, opts)
+    return v4_block(mtp.block, x, next_tokens, attend, cfg, opts)
 
 
 def mtp_state_shapes(cfg: ModelConfig, batch: int, dtype) -> AttentionState:

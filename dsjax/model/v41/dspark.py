@@ -32,10 +32,11 @@ from dsjax.layers.norms import rms_norm
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
-from dsjax.layers.shared_attention import SharedAttention, attend_and_project, project_q_kv, round_trip
+from dsjax.model.block import DEFAULT_OPTIONS, block_apply, embed_streams
 from dsjax.model.cache import Cache
-from dsjax.model.decoder import DEFAULT_OPTIONS, embed_streams
-from dsjax.model.v41 import DSparkParams, ModelParamsV41, block_apply_lag, dspark_config, first_pi, v41_forward_rows
+from dsjax.model.v41.backbone import first_pi, v41_forward_rows
+from dsjax.model.v41.params import DSparkParams, ModelParamsV41, dspark_config
+from dsjax.model.v41.shared_attention import SharedAttention, attend_and_project, project_q_kv, round_trip
 from dsjax.sharding.rules import lookup
 
 
@@ -133,7 +134,7 @@ def dspark_stages(ds: DSparkParams, streams: jax.Array, ids: jax.Array, position
         streams, pi = carry
         p, ring_keys = xs
         attend = lambda pa, h: (dspark_attention(pa, h, positions, ring_keys, lo, hi, cfg, opts), None)  # noqa: E731
-        streams, pi, _ = block_apply_lag(p, streams, pi, ids, attend, stage_cfg, opts)
+        streams, pi, _ = block_apply(p, streams, ids, attend, stage_cfg, opts, pi=pi, fp8_acts=opts.round_trips)
         return (streams, pi), None
 
     (streams, pi), _ = jax.lax.scan(stage, (streams, first_pi(streams)), (ds.stages, ring.keys))
@@ -184,7 +185,7 @@ def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main
     o_1..o_K [B, K] int32, Markov-corrected logits before temperature [B, K, V] fp32,
     confidence logits c_k [B, K] fp32)."""
     ds_cfg = cfg.v41.dspark
-    b, k = anchor.shape[0], ds_cfg.block_size
+    k = ds_cfg.block_size
     ring = dspark_seed(ds, main_hidden_t[:, None], t[:, None], ring, cfg, opts=opts)
     ids = jnp.where(jnp.arange(k) == 0, anchor[:, None], ds_cfg.noise_token_id).astype(jnp.int32)  # [B, K]
     positions = t[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)

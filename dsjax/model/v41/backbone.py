@@ -1,137 +1,37 @@
-"""DeepSeek-V4.1's parameters (spec deepseek-v41.md §8): the backbone with cross-layer
-shared attention, Engram's device-side weights, and the DSpark draft head.
+"""DeepSeek-V4.1's backbone forward (spec deepseek-v41.md §1.3): the blocks with cross-layer
+shared attention and mHC's one-sublayer lag, Engram before its layers, no head collapse.
 
     X_0 = [E[id]] * N,  pi = e_0                       # one-hot collapse weights (no hc_head)
     for layer l: (Engram_l before it) ; (X, pi) = Block_l(X, pi)   # mHC with a one-sublayer lag
     logits = W_head Norm(collapse(X, pi))
 
-The blocks follow the config's layer plan (`cfg.layer_runs`), stacked per period position as
-in V4 (dsjax/model/decoder.py); Engram's tables (196.6 G values) stay on the host and are
-counted, not declared, here.
+Each block is `dsjax.model.block.block_apply` with the lag (pi) around the shared-KV
+attention (dsjax/model/v41/shared_attention.py). The blocks follow the config's layer plan
+(`cfg.layer_runs`), stacked per period position as in V4, with V4.1's runs of alike layers an
+inner scan; the state the layers share (`Shared`) rides in the scans' carry.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from dsjax.config import SLIDING, TOPK_MOE, LayerSpec, ModelConfig, RuntimeOptions
-from dsjax.layers.engram import BEFORE_START, Engram, dequant_rows, engram_fuse, engram_specs
-from dsjax.layers.hyper_connection import collapse, expand, hc_mixes, hyper_connection_specs
+from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.layers.engram import BEFORE_START, dequant_rows, engram_fuse
+from dsjax.layers.hyper_connection import collapse
 from dsjax.layers.linear import linear
-from dsjax.layers.moe import moe_forward, moe_specs
 from dsjax.layers.norms import rms_norm
-from dsjax.layers.shared_attention import (empty_shared, shared_attention_extend, shared_attention_forward,
-                                           shared_attention_specs)
+from dsjax.model.block import DEFAULT_OPTIONS, block_apply, embed_streams, layer_slot
 from dsjax.model.cache import Cache
-from dsjax.model.decoder import (DEFAULT_OPTIONS, Block, embed_streams, last_valid, layer_slot, lm_head_weight,
-                                 norm_spec, rows_logits)
-from dsjax.params import ParamSpec, stack_specs
+from dsjax.model.head import last_valid, lm_head_weight, rows_logits
+from dsjax.model.v41.params import ModelParamsV41
+from dsjax.model.v41.shared_attention import empty_shared, shared_attention_extend, shared_attention_forward
 from dsjax.sharding.rules import batch_major
 
 
-@struct.dataclass
-class DSparkParams:
-    """The DSpark draft head (`mtp.0..2`): stages that are window-only V4.1 blocks with their
-    own MoE size, fed the main model's taps; the Markov-corrected head and a confidence head."""
-
-    stages: Block  # leaves [n_stages, ...]
-    main_proj: jax.Array  # [D, len(target_layer_ids) * D]   mtp.0.main_proj
-    main_norm: jax.Array  # [D] fp32                          mtp.0.main_norm
-    norm: jax.Array  # [D] fp32                               mtp.2.norm
-    markov_embed: jax.Array  # [V, rank]                      mtp.2.markov_head.embed
-    markov_head: jax.Array  # [V, rank]                       mtp.2.markov_head.head
-    confidence: jax.Array  # [1, D + rank]                    mtp.2.confidence_head.proj
-
-
-@struct.dataclass
-class ModelParamsV41:
-    embed: jax.Array  # [V, D]
-    blocks: tuple[tuple[Block, ...], ...]  # per layer run, per period position: leaves [repeats * inner, ...]
-    norm: jax.Array  # [D] fp32
-    lm_head: jax.Array | None  # [V, D]; None when tied to embed
-    engram: tuple[Engram, ...] = ()  # per Engram layer (cfg.v41.engram.layer_ids); tables on the host
-    # the host tables themselves (an `EngramStore`, not an array: static to jit, compared by identity): when
-    # set, a forward given no engram_rows fetches its rows from them during the step (`engram_fetch`)
-    engram_tables: Any = struct.field(pytree_node=False, default=None)
-
-
-# The weights a V4.1 checkpoint stores in FP8 (E4M3, UE8M0 scales on 32 x 32 tiles, spec §7.3, §8)
-# that a resident model keeps so, by the end of their dsjax path; with the MXFP4 routed experts.
-# attn.wo_a (o_a_proj) is stored FP8 too, but the reference dequantizes it to bf16 at load (its
-# grouped product is a bf16 einsum, §8), and so does dsjax: it is not listed.
-V41_FP8_LINEARS = ("attn.q_a_proj", "attn.q_b_proj", "attn.kv_proj", "attn.o_b_proj", "attn.index_queries.q_b_proj",
-                   "moe.shared_w1", "moe.shared_w2", "moe.shared_w3", "wkv", "main_proj")  # wkv: engram.K.wkv
-V41_FP8_BLOCK = (32, 32)
-
-
-def v41_block_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> Block:
-    return Block(attn_hc=hyper_connection_specs(cfg), attn_norm=norm_spec(cfg),
-                 attn=shared_attention_specs(cfg, layer, dtype), ffn_hc=hyper_connection_specs(cfg),
-                 ffn_norm=norm_spec(cfg), moe=moe_specs(cfg, layer, dtype))
-
-
-def v41_model_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> ModelParamsV41:
-    v, d, e = cfg.vocab_size, cfg.hidden_size, cfg.v41.engram
-    return ModelParamsV41(
-        embed=ParamSpec((v, d), dtype, ("vocab", "embed")),
-        blocks=tuple(tuple(stack_specs(v41_block_specs(cfg, layer, dtype), run.repeats * n)
-                           for layer, n in zip(run.layers, run.inner)) for run in cfg.layer_runs),
-        norm=norm_spec(cfg),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), dtype, ("vocab", "embed")),
-        engram=tuple(engram_specs(cfg.hc_mult, d, e.n_hash, e.head_dim, dtype) for _ in e.layer_ids) if e else ())
-
-
-def dspark_config(cfg: ModelConfig) -> ModelConfig:
-    """The config a DSpark stage is a block of: the backbone's sizes with DSpark's MoE."""
-    ds = cfg.v41.dspark
-    return cfg.replace(n_routed_experts=ds.n_routed_experts, num_experts_per_tok=ds.n_activated_experts)
-
-
-def dspark_specs(cfg: ModelConfig, dtype=jnp.bfloat16) -> DSparkParams | None:
-    ds = cfg.v41.dspark if cfg.v41 is not None else None
-    if ds is None or not cfg.num_nextn_predict_layers:
-        return None
-    v, d, rank = cfg.vocab_size, cfg.hidden_size, ds.markov_rank
-    stage = LayerSpec(cfg.num_hidden_layers, SLIDING, 0, TOPK_MOE)
-    return DSparkParams(
-        stages=stack_specs(v41_block_specs(dspark_config(cfg), stage, dtype), cfg.num_nextn_predict_layers),
-        main_proj=ParamSpec((d, len(ds.target_layer_ids) * d), dtype, ("embed_out", None)),
-        main_norm=norm_spec(cfg), norm=norm_spec(cfg),
-        markov_embed=ParamSpec((v, rank), dtype, ("vocab", None)),
-        markov_head=ParamSpec((v, rank), dtype, ("vocab", None)),
-        confidence=ParamSpec((1, d + rank), jnp.float32, (None, None)))
-
-
-def engram_table_values(cfg: ModelConfig) -> int:
-    """Values in the Engram tables (host memory): rows x head_dim per Engram layer."""
-    e = cfg.v41.engram if cfg.v41 is not None else None
-    return 0 if e is None else sum(e.num_embeddings) * e.head_dim
-
-
 # ----------------------------------------------------------------------------- the forward
-def block_apply_lag(p: Block, streams: jax.Array, pi: jax.Array, token_ids: jax.Array, attend, cfg: ModelConfig,
-                    opts: RuntimeOptions = DEFAULT_OPTIONS, expert_layer: jax.Array | None = None):
-    """One V4.1 block with the one-sublayer lag (spec §3.2): each sublayer collapses the
-    streams with the `pre` the previous sublayer computed on its own input.
-    streams [B, S, N, D], pi [B, S, N] fp32 -> (streams, pi_out, attend's state)."""
-    a_pre, a_post, a_comb = hc_mixes(p.attn_hc, streams, cfg)
-    with jax.named_scope("mhc"):  # the sublayer's input norm counts with its collapse in a profile
-        h = rms_norm(collapse(streams, pi), p.attn_norm, cfg.rms_norm_eps)
-    out, state = attend(p.attn, h)
-    streams = expand(out, streams, a_post, a_comb)
-    f_pre, f_post, f_comb = hc_mixes(p.ffn_hc, streams, cfg)
-    with jax.named_scope("mhc"):
-        h = rms_norm(collapse(streams, a_pre), p.ffn_norm, cfg.rms_norm_eps)
-    y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
-                    layer=expert_layer, fp8_acts=opts.round_trips)
-    return expand(y, streams, f_post, f_comb), f_pre, state
-
-
 @jax.named_scope("engram")  # a profile's op group (benchmarks/decode_trace.py)
 def engram_before(params: ModelParamsV41, run, streams: jax.Array, engram_rows, cfg: ModelConfig,
                   round_trips: bool) -> jax.Array:
@@ -231,8 +131,9 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
             streams, pi, shared, state = c
             p, at = xs
             tap = _tap(streams) if wants else None
-            streams, pi, (state, shared) = block_apply_lag(
-                p, streams, pi, tokens, lambda pa, h: attends[j](pa, h, state, at, shared), cfg, opts)
+            streams, pi, (state, shared) = block_apply(
+                p, streams, tokens, lambda pa, h: attends[j](pa, h, state, at, shared), cfg, opts, pi=pi,
+                fp8_acts=opts.round_trips)
             return (streams, pi, shared, state), tap
         return step
 
@@ -278,24 +179,6 @@ def quirk_source(cfg: ModelConfig) -> int | None:
         raise NotImplementedError(f"{cfg.name}: the last KV source (layer {owners[-1].index}) has ratio "
                                   f"{owners[-1].compress_ratio}; the published-key rule is written for ratio 1")
     return owners[-1].index
-
-
-def reference_key_rule(cfg: ModelConfig, opts: RuntimeOptions) -> bool:
-    """Whether cached chunks follow the reference's published-key rule (spec deepseek-v41.md §2.7:
-    a one-token decode at an even position scores the last KV source's keys at ratio-2 index
-    sources). A chunk starting at position s > 0 then equals one-token decodes only at positions
-    t <= 2 s + 1: beyond, the keys it needs (the last KV source's, of positions s..t/2 - 1) are
-    written by the chunk itself, later in the layer order, and the ratio-2 sources score their
-    own instead (`shared_attention_extend`). So an engine keeps every chunk after position 0
-    within that bound (prompt chunks on the prefill_chunk grid, at most s + 1 drafts)."""
-    return cfg.v41 is not None and not opts.index_keys_from_owner and quirk_source(cfg) is not None
-
-
-def decodes_equal_prefill(cfg: ModelConfig, opts: RuntimeOptions, length: int) -> bool:
-    """Whether one-token decodes of positions below `length` leave what a prefill from position 0
-    leaves: always, but under `reference_key_rule` when a ratio-2 source could select fewer than
-    its visible entries there (length > 2 index_topk + 1; below, it selects them all either way)."""
-    return not reference_key_rule(cfg, opts) or length <= 2 * cfg.index_topk + 1
 
 
 @jax.named_scope("engram")

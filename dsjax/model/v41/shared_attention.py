@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import LayerSpec, ModelConfig
-from dsjax.layers.attention import compressed_visible, grouped_output, window_extend, window_intervals
+from dsjax.layers.attention import (AttentionProjections, attention_output, compressed_visible, project_kv, project_q,
+                                   projection_specs, window_extend, window_intervals)
 from dsjax.layers.candidate_selection import candidate_mask, index_head_weights, index_scores_bf16, topk_entry_list
 from dsjax.layers.compressor import state_rows, state_set
 from dsjax.layers.indexer import index_scores
@@ -61,22 +62,17 @@ class IndexQueries:
 
 
 @struct.dataclass
-class SharedAttention:
-    q_a_proj: jax.Array  # [r_q, D]
-    q_a_norm: jax.Array  # [r_q] fp32
-    q_b_proj: jax.Array  # [H * hd, r_q]
-    kv_proj: jax.Array  # [hd, D]
-    kv_norm: jax.Array  # [hd] fp32
-    o_a_proj: jax.Array  # [G * r_o, H * hd / G]
-    o_b_proj: jax.Array  # [D, G * r_o]
-    sinks: jax.Array  # [H] fp32
+class SharedAttention(AttentionProjections):
+    """V4.1 attention: V4's projections and sinks (`AttentionProjections`) and the parts of the
+    sharing scheme this layer owns."""
+
     compressor: LatentCompressor | None = None  # KV sources
     index_keys: IndexKeys | None = None  # KV sources that are index sources
     index_queries: IndexQueries | None = None  # index sources
 
 
 def shared_attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> SharedAttention:
-    h, hd, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    hd, d = cfg.head_dim, cfg.hidden_size
     f32 = jnp.float32
     compressor = index_keys = index_queries = None
     if layer.has_compressor:
@@ -92,17 +88,8 @@ def shared_attention_specs(cfg: ModelConfig, layer: LayerSpec, dtype) -> SharedA
             q_b_proj=ParamSpec((cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), dtype,
                                ("index_heads", "q_lora")),
             weights_proj=ParamSpec((cfg.index_n_heads, d), dtype, ("index_heads_w", "embed")))
-    return SharedAttention(
-        q_a_proj=ParamSpec((cfg.q_lora_rank, d), dtype, ("q_lora", "embed")),
-        q_a_norm=ParamSpec((cfg.q_lora_rank,), f32, (None,), init="ones"),
-        q_b_proj=ParamSpec((h * hd, cfg.q_lora_rank), dtype, ("q_heads", "q_lora")),
-        kv_proj=ParamSpec((hd, d), dtype, ("head_dim", "embed")),
-        kv_norm=ParamSpec((hd,), f32, (None,), init="ones"),
-        o_a_proj=ParamSpec((cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), dtype,
-                           ("o_groups", "o_group_in")),
-        o_b_proj=ParamSpec((d, cfg.o_groups * cfg.o_lora_rank), dtype, ("embed", "o_groups")),
-        sinks=ParamSpec((h,), f32, ("heads",), init="zeros"),
-        compressor=compressor, index_keys=index_keys, index_queries=index_queries)
+    return SharedAttention(**projection_specs(cfg, dtype), compressor=compressor, index_keys=index_keys,
+                           index_queries=index_queries)
 
 
 # ----------------------------------------------------------------------------- shared between layers
@@ -190,11 +177,8 @@ def project_q_kv(p: SharedAttention, x: jax.Array, positions: jax.Array, layer: 
     """-> (cq [B, S, r_q], q [B, S, H, hd], kv [B, S, hd] (the window row; FP8 round trip over all
     hd channels, RoPE tail included, §2.3), cos, sin). No per-head q RMS (Δ V4)."""
     cos, sin = rope_cos_sin(positions, cfg.rope(layer.rope), cfg.qk_rope_head_dim)
-    eps = cfg.rms_norm_eps
-    cq = rms_norm(linear(x, p.q_a_proj, fp8_act=round_trips), p.q_a_norm, eps)
-    q = reshape(linear(cq, p.q_b_proj, fp8_act=round_trips), (*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim))
-    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
-    kv = apply_rope(rms_norm(linear(x, p.kv_proj, fp8_act=round_trips), p.kv_norm, eps), cos, sin)
+    cq, q = project_q(p, x, cos, sin, cfg, head_norm=False, fp8_act=round_trips)
+    kv = project_kv(p, x, cos, sin, cfg, fp8_act=round_trips)
     return cq, q, round_trip(kv, qdq_fp8, round_trips), cos, sin
 
 
@@ -238,8 +222,7 @@ def attend_and_project(p: SharedAttention, q, keys, lo, hi, positions, shared: S
         kv_pq = jnp.take_along_axis(shared.entries[:, None], shared.top[..., None], axis=2)  # [B, S, k, hd]
         mask_pq = shared.top_valid
     o = attention_kernel(q, keys, lo, hi, positions, p.sinks, kv_pq, mask_pq, impl=kernels, round_p=round_trips)
-    o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
-    return grouped_output(p, o, cfg, round_trips)
+    return attention_output(p, o, cos, sin, cfg, round_trips)
 
 
 def select_entries(scores: jax.Array, visible: jax.Array, k: int, candidates: jax.Array | None = None
@@ -293,6 +276,17 @@ class SharedAttentionState:
     index_keys: jax.Array | None = None  # [B, capacity // r, d_I]   KV sources with index keys
     tail_kv: jax.Array | None = None  # [B, TAIL_SLOTS, hd] fp32   KV sources with r > 1
     tail_gate: jax.Array | None = None  # [B, TAIL_SLOTS, hd] fp32
+
+    def written_rows(self, ratio: int, positions: jax.Array) -> "SharedAttentionState":
+        """Per field, the row index [B, n] an extend over `positions` may write: window and tail
+        slots, a KV source's latent / index-key entry (position // ratio). Speculative rollback
+        saves and restores these rows."""
+        def rows(leaf, idx):
+            return None if leaf is None else idx
+        entry = positions // max(ratio, 1)
+        tail = None if self.tail_kv is None else positions % self.tail_kv.shape[-2]
+        return SharedAttentionState(window=positions % self.window.shape[-2], entries=rows(self.entries, entry),
+                                    index_keys=rows(self.index_keys, entry), tail_kv=tail, tail_gate=tail)
 
 
 TAIL_SLOTS = 8  # a multiple of every ratio > 1 (2) and >= DSpark's verification width (block + 1 = 6)
@@ -368,7 +362,7 @@ def shared_attention_extend(p: SharedAttention, state: SharedAttentionState, x: 
     one-token decode of the reference does; rows of a chunk starting at 0 (the reference's
     prefill) and rows whose keys are not cached yet (t / 2 > start) use their own: a chunk
     starting at s > 0 equals one-token decodes up to position 2 s + 1 only
-    (`dsjax.model.v41.reference_key_rule`; the engine keeps its chunks within that).
+    (`dsjax.model.v41.family.reference_key_rule`; the engine keeps its chunks within that).
     -> (out [B, C, D], state, shared)."""
     b, c, _ = x.shape
     w, r = cfg.sliding_window, layer.compress_ratio
