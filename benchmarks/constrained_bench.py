@@ -23,10 +23,10 @@ from grammar_bench import SCHEMA
 from results_io import write_result
 
 import dsjax
-from dsjax.engine import engine as engine_module
 from dsjax.engine.constraints import ConstraintCompiler
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.scheduler import Scheduler
 
 LONG_STRING = {"type": "string", "minLength": 4000}
 
@@ -67,22 +67,21 @@ def main():
     # per split step, between dispatching the forward and dispatching its sampling: the wait
     # for the previous step's tokens + advancing the grammars (read), and the masks (pure host)
     read, masks_t = [], []
-    split = Engine._split_decode_call
+    before, make_masks = Engine._before_sample, Scheduler.masks
 
-    def timed_split(self, bucket, masks, before_sample=None):
-        def work():
-            t = time.perf_counter()
-            if before_sample is not None:
-                before_sample()
-            t1 = time.perf_counter()
-            out = masks() if callable(masks) else masks
-            read.append(t1 - t)
-            masks_t.append(time.perf_counter() - t1)
-            return out
+    def timed_masks(self, decode):
+        t = time.perf_counter()
+        out = make_masks(self, decode)
+        masks_t.append(time.perf_counter() - t)
+        return out
 
-        return split(self, bucket, work)
+    def timed_before(self, output, decode):
+        t = time.perf_counter()
+        out = before(self, output, decode)
+        read.append(time.perf_counter() - t - masks_t[-1])
+        return out
 
-    engine_module.Engine._split_decode_call = timed_split
+    Engine._before_sample, Scheduler.masks = timed_before, timed_masks
     cases = {"unconstrained": lambda: [None] * B,
              "1_of_8_long_string" if B == 8 else "1_long_string":
                  lambda: [compiler.compile("json_schema", LONG_STRING)] + [None] * (B - 1),

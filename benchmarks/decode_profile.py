@@ -94,7 +94,7 @@ def profile(model, batch: int, context: int, repeats: int, bandwidth: float) -> 
     engine_step = step_seconds(engine, 16)
 
     cache, slots = engine.cache, engine.slots
-    bucket = engine._bucket(int(np.max(np.asarray(cache.length))) + 1)
+    bucket = engine.scheduler.bucket(int(np.max(np.asarray(cache.length))) + 1)
     cancelled = jnp.zeros(engine.rows, bool)
     times = []
     for _ in range(repeats + 1):  # the program the engine dispatches, on fresh copies (it donates its state)

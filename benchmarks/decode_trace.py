@@ -109,8 +109,8 @@ def trace(model, batch: int, context: int, steps: int) -> dict:
     engine = decoding_engine(model, batch, context, room=2 * steps + 64)
     untraced = step_seconds(engine, steps)
     length = int(np.max(np.asarray(engine.cache.length)))
-    bucket = engine._bucket(length + 1)  # the decode program of the traced steps' context bucket
-    if engine._bucket(length + steps) != bucket:
+    bucket = engine.scheduler.bucket(length + 1)  # the decode program of the traced steps' context bucket
+    if engine.scheduler.bucket(length + steps) != bucket:
         raise ValueError(f"the traced steps would cross a context bucket ({bucket}): use a shorter --context or --steps")
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):

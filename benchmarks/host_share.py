@@ -15,7 +15,7 @@ difference of two noisy timings (the fastest of `--rounds` rounds each): read th
 size, not their last digit. Also checked: steady decode makes no host-to-device transfer
 (a step runs under `jax.transfer_guard_host_to_device("disallow_explicit")`): the decode
 program's inputs are the device-resident cache, slots and the "none cancelled" rows
-(`Engine._take_cancelled` builds a new array only on the step after a cancel).
+(`Runner.decode` builds a new array only on the step after a cancel).
 
 `decoding_engine` and `step_split` are what gpu_engine.py measures the GPU's host share
 with; `synthetic=True` gives the rows a context without prefilling it (see there).
@@ -105,7 +105,7 @@ def step_split(engine: Engine, rounds: int, steps: int = 4) -> dict:
             c, s = jax.block_until_ready((jax.tree.map(jnp.copy, engine.cache), jax.tree.map(jnp.copy, engine.slots)))
             t = time.perf_counter()
             for _ in range(steps):
-                c, s, out = run(engine.step_params, c, s, engine._none_cancelled)  # noqa: SLF001
+                c, s, out = run(engine.step_params, c, s, engine.runner.none_cancelled)
             jax.block_until_ready((c, out))
             program_times.append((time.perf_counter() - t) / steps)
             del c, s, out

@@ -154,7 +154,7 @@ def test_a_multi_step_decode_reads_a_stored_head_as_stored():
         tokens[steps] = engine.generate(prompts, params)
         if steps == 4:
             compiled = decode_step.lower(engine.step_params, engine.cache, engine.slots, jnp.zeros(slots, bool),
-                                         cfg=engine.cfg, opts=engine.opts, ctx_bucket=engine._bucket(1),
+                                         cfg=engine.cfg, opts=engine.opts, ctx_bucket=engine.scheduler.bucket(1),
                                          n_logprobs=0, n_steps=steps).compile()
             widened = widened_outside(compiled, (vocab, hidden))
             assert not widened, widened

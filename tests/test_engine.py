@@ -445,7 +445,7 @@ def test_prefill_shapes_cover_every_prompt(tiny):
             assert chunk == req.prompt[req.prefilled: req.prefilled + len(chunk)]
             assert req.prefilled == 0 or len(chunk) == engine.prefill_chunk
             width = chunk_length(len(chunk), engine.prefill_chunk)
-            used.add((width, engine._prefill_bucket(req.prefilled, width)))
+            used.add((width, engine.scheduler.prefill_bucket(req.prefilled, width)))
             req.prefilled += len(chunk)
     assert used == set(shapes)
 
@@ -503,10 +503,10 @@ def test_prefix_cache_shapes_cover_every_prompt_and_serving_compiles_nothing(tin
             req = Request("r", list(range(n)), SamplingParams(), ())
             req.prefilled = hit
             while req.prefilled < n:
-                chunk = engine._next_chunk(req)
+                chunk = engine.scheduler.next_chunk(req)
                 assert len(chunk) == block or req.prefilled + len(chunk) == n
                 width = chunk_length(len(chunk), block)
-                used.add((width, engine._prefill_bucket(req.prefilled, width)))
+                used.add((width, engine.scheduler.prefill_bucket(req.prefilled, width)))
                 req.prefilled += len(chunk)
     assert used == set(shapes)
     small = Engine(tiny, max_slots=2, capacity=256, prefill_chunk=16, max_logprobs=2,

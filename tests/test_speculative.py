@@ -19,6 +19,7 @@ from dsjax.engine.engine import Engine
 from dsjax.engine.programs import spec_decode_step
 from dsjax.engine.policy import CALIBRATION_PRIOR, SpeculationPolicy
 from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.scheduler import StepPlan
 from dsjax.engine.slots import init_slots
 from dsjax.config.io import to_hf_dict
 from dsjax.engine.speculative import (CALIBRATION_BINS, DRAFT, Drafts, Schedule, accept, calibration_centres,
@@ -162,7 +163,7 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
     assert sum(m["calibration"]["accepted"]) == m["drafts_accepted"]
     measured = _engine(small_vocab, num_draft_tokens=2)  # the same step shapes: no new compiles
-    measured._measure_costs()
+    measured.runner.measure_costs(measured.scheduler.bucket(1))
     assert len(measured.verify_costs) == 3 and measured.verify_costs[0] == 1.0
     assert all(c > 0 for c in measured.verify_costs) and measured.costs.shape == (3,)
 
@@ -182,9 +183,9 @@ def test_speculation_reads_a_stored_head_as_stored(tiny, rng):
     spec, engine = _generate(stored, prompts, params, num_draft_tokens=2, spec_policy="fixed")
     assert spec == plain
     compiled = spec_decode_step.lower(stored.params, stored.mtp, engine.cache, engine.spec, engine.slots,
-                                      jnp.zeros(engine.rows, bool), engine.policy.schedule, engine._draft, k=2,
-                                      cfg=engine.cfg, opts=engine.opts, ctx_bucket=engine._bucket(1), sampled=False,
-                                      n_logprobs=0).compile()
+                                      jnp.zeros(engine.rows, bool), engine.policy.schedule, engine.runner.draft, k=2,
+                                      cfg=engine.cfg, opts=engine.opts, ctx_bucket=engine.scheduler.bucket(1),
+                                      sampled=False, n_logprobs=0).compile()
     widened = widened_outside(compiled, (vocab, hidden))
     assert not widened, widened
 
@@ -427,22 +428,22 @@ def test_caches_after_accept_reject_equal_plain_decoding(small_vocab, rng):
 
     spec_engine = _engine(model, num_draft_tokens=k, spec_policy="fixed")
     plain = _engine(model)
-    reqs = []
-    for e in (spec_engine, plain):
-        reqs.append(e.requests[e.add_request(prompt, params)])
-        e._admit()
-        e._prefill(reqs[-1])
+    dispatched = []  # the speculative engine's outputs, in order
+    for e in (spec_engine, plain):  # admission and the prompt's one chunk, no decode step yet
+        e.add_request(prompt, params)
+        out = e.runner.execute(StepPlan(e.scheduler.admit(), e.scheduler.prefill_calls()))
+        dispatched += out.dispatches if e is spec_engine else []
     emitted = 1  # the prefill's first token
     for n_right in (2, 0, 3, 1, 3, 0, 2, 3, 1):
         spec_engine.spec = spec_engine.spec.replace(drafts=_forced(truth[emitted:], n_right, k, cfg.vocab_size, 3))
-        spec_engine._decode()
+        dispatched += spec_engine.runner.execute(StepPlan(decode=spec_engine.scheduler.decode())).dispatches
         emitted += n_right + 1
         while int(plain.cache.length[0]) < len(prompt) + emitted - 1:
-            plain._decode()
+            plain.runner.execute(StepPlan(decode=plain.scheduler.decode()))
         assert int(spec_engine.cache.length[0]) == int(plain.cache.length[0])
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
                      spec_engine.cache, plain.cache)
-    got = [t for out, *_ in spec_engine._pending for t in np.asarray(out.tokens)[:, 0][np.asarray(out.emitted)[:, 0]]]
+    got = [t for d in dispatched for t in np.asarray(d.out.tokens)[:, 0][np.asarray(d.out.emitted)[:, 0]]]
     assert got == truth[: emitted]
     # the MTP ring equals one built from the plain sequence in a single pass
     seq = jnp.asarray([prompt + truth[: emitted]])

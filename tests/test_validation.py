@@ -9,7 +9,7 @@ import pytest
 
 import dsjax
 from dsjax.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
-from dsjax.engine import engine as engine_module
+from dsjax.engine import runner as runner_module  # the runner allocates the device state
 from dsjax.engine import limits as limits_module
 from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
@@ -113,7 +113,7 @@ def test_cache_that_does_not_fit_is_refused_before_allocation(tiny, monkeypatch)
         raise AssertionError("the cache was allocated before the memory check")
 
     with monkeypatch.context() as m:
-        m.setattr(engine_module, "init_state", no_allocation)
+        m.setattr(runner_module, "init_state", no_allocation)
         with pytest.raises(MemoryError, match=rf"cache needs .*\({need} bytes\) on one device for max_slots=8 x "
                                               rf"capacity=65536 tokens.*\({need - 1} bytes\) free; lower max_slots or "
                                               rf"capacity .*max_new_tokens"):

@@ -1,66 +1,64 @@
 """`Engine`: fixed decode slots, continuous batching, streaming, async dispatch.
 
-Device side (`dsjax.engine.programs`, jitted, donated): the cache [slots, ...] and a
-`Slots` pytree of per-slot sampling settings and decode state. Each `step()`:
-  1. admits waiting requests into free slots;
-  2. runs one prefill chunk per prefilling request (the last chunk samples the first
-     token; `dsjax.engine.prefill`);
-  3. dispatches one decode step for all slots (finished / empty slots are no-ops);
-  4. reads back the *previous* step's tokens while the device runs this one (JAX's async
-     dispatch), turning them into events. Stop conditions are evaluated on the device, so
-     the host being one step behind never feeds a finished slot.
+The engine is the loop joining two parts (vLLM v1's scheduler / model runner):
+  - the `Scheduler` (`dsjax.engine.scheduler`, host only) owns the queue and the slots and
+    makes each step's `StepPlan`: admissions and prefix blocks to restore, one prompt chunk
+    per prefilling request (width, context bucket, blocks to save), the decode step
+    (context bucket, drafts k, variant, cancelled rows, split for structured output);
+  - the `Runner` (`dsjax.engine.runner`) owns the device state (cache, `Slots`, the
+    drafter's state) and the compiled programs (`dsjax.engine.programs`), executes the
+    plan and returns a `StepOutput`: the device outputs to read back.
+Each `step()` plans, executes, and reads back the *previous* step's tokens while the
+device runs this one (JAX's async dispatch), turning them into events. Stop conditions
+are evaluated on the device, so the host being one step behind never feeds a finished slot.
 
 Outputs are attributed to `Request` objects (`dsjax.engine.requests`), never to the user's
 id, and a request's events are made one at a time as they are taken: once `cancel()`
 returns, no token of that request is delivered, even one already computed.
 
 With num_draft_tokens > 0 the decode step is a speculative verify step
-(`dsjax.engine.speculative`): each slot's pending token and up to k MTP drafts go through
-the target at once, and a slot advances by 1..k+1 tokens; `dsjax.engine.policy` says k. The
-drafter may propose from a reduced vocabulary (`draft_vocab`, its head rows gathered once
-here and passed to the speculative programs as an argument).
+(`dsjax.engine.speculative`): each slot's pending token and up to k drafts go through
+the target at once, and a slot advances by 1..k+1 tokens; `dsjax.engine.policy` says k.
 
 Structured output (`add_request(..., constraint=)`, `dsjax.engine.constraints`): a
 constrained row's next mask depends on the token it just sampled, so it never runs ahead.
-While any constrained row decodes, a step is split in two programs
-(`dsjax.engine.constrained_step`): `decode_forward` (dispatched first; the device runs it
-while the host reads the previous step back, advances the grammars and computes the packed
-masks) and `decode_sample` (the masks applied, one token per slot). Such steps make one token per dispatch whatever
-`decode_steps` says; steps without a constrained row run the fused `decode_step` as before.
-A constrained request's prefill leaves its prompt's last token to that first split step,
-so its first token is masked too. Constraints are refused with speculative decoding.
+While any constrained row decodes, a step is split in two programs: `decode_forward`
+(dispatched first; the device runs it while the host reads every earlier output back,
+advances the grammars and computes the packed masks) and `decode_sample` (the masks
+applied, one token per slot). Such steps make one token per dispatch whatever
+`decode_steps` says; steps without a constrained row run the fused `decode_step`. A
+constrained request's prefill leaves its prompt's last token to that first split step, so
+its first token is masked too. Constraints are refused with speculative decoding.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 from typing import Callable, Iterator
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dsjax.engine.constraints import Constraint, mask_words
+from dsjax.engine.constraints import Constraint
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
-from dsjax.engine.constrained_step import ConstrainedDecode
-from dsjax.engine.prefill import Prefill
-from dsjax.engine.prefix_cache import PrefixCacheOptions, PrefixCaching
 from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
-from dsjax.engine.programs import StepOutput, decode_step, init_state, spec_decode_step, start_decoding
-from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_request, context_bucket,
-                                   context_buckets, first_tokens_mask, stop_ids)
+from dsjax.engine.prefix_cache import PrefixCache, PrefixCacheOptions, PrefixPlanner
+from dsjax.engine.programs import DeviceOutput
+from dsjax.engine.requests import Request, TokenEvent, check_constraint, check_request, first_tokens_mask, stop_ids
+from dsjax.engine.runner import Dispatch, Runner, StepOutput
 from dsjax.engine.sampler import SamplingParams
-from dsjax.model.interface import (INVARIANT_ROWS, Model, batch_axes, reference_key_rule, step_head_params,
-                                   worth_screening)
-from dsjax.engine.speculative import Schedule, calibration_centres
-from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
+from dsjax.engine.scheduler import DecodePlan, Scheduler
+from dsjax.model.interface import INVARIANT_ROWS, Model, decodes_equal_prefill, reference_key_rule
 from dsjax.sharding.distributed import to_host
-from dsjax.sharding.rules import batch_sharding
 
 
-class Engine(Prefill, ConstrainedDecode):
+def _part(part: str, name: str) -> property:
+    """An attribute of the engine's scheduler or runner, read and set through the engine."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value))
+
+
+class Engine:
     """Continuous batching over `max_slots` decode slots with a `capacity`-token cache each.
 
     num_draft_tokens > 0: speculative decoding with the model's MTP layer. Each decode step
@@ -107,21 +105,11 @@ class Engine(Prefill, ConstrainedDecode):
     2 s + 1 (`dsjax.model.interface.reference_key_rule`), and a full chunk after a narrower first one
     would pass it.
 
-    `step_params`: the weights the prefill and decode programs run with: the model's, but for
-    an engine on one XLA:CPU device (not batch-invariant) with the CPU head kernel built,
-    which keeps its fp32 or bf16 head packed for it (`cpu_head_params`; the head's bytes
-    again in memory; from two rows up the kernel is faster than XLA's product). greedy_screen
-    (`cpu_kernels.worth_screening`: up to 16 slots with AVX512-BF16, else 4; no drafts, no
-    logprobs): an fp32 head also keeps a bf16 copy (half its bytes again), from which greedy
-    decode steps find the fp32 logits' first maximum reading half the bytes
-    (`cpu_kernels.greedy_tokens`; the same tokens, bitwise; sampled or penalised rows read
-    the fp32 head); False saves that memory. A bf16 head (16-bit weights) is its own screen
-    at 4-16 slots with AVX512-BF16 (fewer multiply-adds, no copy). Otherwise a
-    one-slot engine (no drafts) keeps a short-hidden fp32 head transposed (`one_row_head`:
-    read faster at one row than as stored, and than the kernel). Its layer runs stay
-    scanned as stored: layer by layer (`one_row_params`) measured slower since the
-    one-row products read a vector of their own (`linear.merge_last_two`;
-    benchmarks/layer_layout.py)."""
+    greedy_screen: on one XLA:CPU device, greedy decode steps of few rows find the fp32
+    head's first maximum from a bf16 copy of it (the same tokens, bitwise; half the head's
+    bytes again in memory); False saves that memory. Which weights the programs run with
+    (`step_params`: the head packed for the CPU head kernel, screened, or transposed for one
+    row) is the runner's (`dsjax.engine.runner`)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
@@ -152,7 +140,7 @@ class Engine(Prefill, ConstrainedDecode):
             self.rows = INVARIANT_ROWS * shards
         # rows of a prefill call: every row (a mesh), else the slot's own row, or in
         # batch-invariant mode its tile (the shape a mesh device prefills)
-        self._prefill_rows = self.rows if self.mesh is not None else INVARIANT_ROWS if batch_invariant else 1
+        prefill_rows = self.rows if self.mesh is not None else INVARIANT_ROWS if batch_invariant else 1
         spec_policy = spec_policy or ("fixed" if batch_invariant else "confidence")
         self.policy = SpeculationPolicy(num_draft_tokens, spec_policy, verify_costs, self.rows)
         check_speculation(num_draft_tokens, has_mtp=model.mtp is not None, max_drafts=max_drafts(cfg),
@@ -163,43 +151,38 @@ class Engine(Prefill, ConstrainedDecode):
         self.num_draft_tokens, self.spec_policy = num_draft_tokens, spec_policy
         # sorted ids [|D|] or None (the full vocabulary)
         self.draft_vocab = engine_draft_vocab(draft_vocab, model.draft_vocab, cfg)
-        self._draft = (gather_draft_vocab(model.params, self.draft_vocab)  # the programs' argument
-                       if num_draft_tokens and self.draft_vocab is not None else None)
+        pool = None
         if prefix_cache is not None:
             check_prefix_cache(cfg, prefill_chunk, self.mesh)
-        # the params of the prefill and decode steps (a copy of the head, or the model's): on one
-        # XLA:CPU device the head packed for the CPU head kernel, with its greedy screen, or at
-        # one row a short-hidden fp32 head transposed (`step_head_params`)
-        self.step_params = model.params
-        if self.mesh is None and not batch_invariant:
-            self.step_params = step_head_params(model.params, model.dtype,
-                                                one_row=self.rows == 1 and not num_draft_tokens,
-                                                screen=greedy_screen and not num_draft_tokens and not max_logprobs
-                                                and worth_screening(model.params, self.rows))
+            pool = PrefixCache(prefix_cache, prefill_chunk, lookahead=bool(num_draft_tokens))
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
-        cache, slots, spec = init_state(cfg=cfg, batch=self.rows, capacity=capacity, dtype=model.dtype,
-                                        num_draft_tokens=num_draft_tokens)
-        self.cache, self.slots, self.spec = self._place(cache), self._place(slots), self._place(spec)
-        self._cancelled: set[int] = set()  # slots cancelled while decoding: stopped by the next decode step
-        self._none_cancelled = self._place(jax.device_put(np.zeros(self.rows, bool)))
-        self.requests: dict[str, Request] = {}  # by id: the latest request of each id
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.slot_owner: list[Request | None] = [None] * self.rows
-        self._pending: collections.deque[tuple] = collections.deque()  # on device: (StepOutput, owners[, scored])
-        self._outbox: collections.deque[tuple[Request, StepOutput, int, int]] = collections.deque()  # read back
-        self._ids = itertools.count()
-        self.steps = 0
-        self.prefix = None if prefix_cache is None else PrefixCaching(self, prefix_cache)
+        self.runner = Runner(model, rows=self.rows, capacity=capacity, opts=self.opts, max_logprobs=max_logprobs,
+                             decode_steps=decode_steps, policy=self.policy, draft_vocab=self.draft_vocab,
+                             prefill_rows=prefill_rows, greedy_screen=greedy_screen, pool=pool, block=prefill_chunk)
+        self.prefix = None if pool is None else PrefixPlanner(
+            pool, keeps_generated=not batch_invariant and not num_draft_tokens and decode_steps == 1,
+            first_generated=decodes_equal_prefill(cfg, self.opts, prefill_chunk))
         # prompt chunks on the absolute prefill_chunk grid (the last one narrower): a prefix cache's
         # blocks, and V4.1's published-key rule (a chunk at s > 0 exact up to 2 s + 1 only)
-        self.aligned_chunks = self.prefix is not None or reference_key_rule(cfg, self.opts)
+        self.aligned_chunks = pool is not None or reference_key_rule(cfg, self.opts)
+        self.scheduler = Scheduler(max_slots=max_slots, rows=self.rows, capacity=capacity, prefill_chunk=prefill_chunk,
+                                   prefill_rows=prefill_rows, batch_invariant=batch_invariant,
+                                   on_mesh=self.mesh is not None, decode_steps=decode_steps, policy=self.policy,
+                                   vocab_size=cfg.vocab_size, aligned_chunks=self.aligned_chunks, prefix=self.prefix)
+        self.requests: dict[str, Request] = {}  # by id: the latest request of each id
+        self._pending: collections.deque[Dispatch] = collections.deque()  # on the device
+        self._outbox: collections.deque[tuple[Request, DeviceOutput, int, int]] = collections.deque()  # read back
+        self._ids = itertools.count()
+        self.steps = 0
 
-    def _place(self, tree):
-        """Batch-major state onto the mesh: rows over the batch axes."""
-        if self.mesh is None:
-            return tree
-        return jax.tree.map(lambda a, ax: jax.device_put(a, batch_sharding(self.mesh, a.ndim, ax)), tree,
-                            batch_axes(tree))
+    # the device state is the runner's, the queue and slots the scheduler's (read, and in
+    # benchmarks replaced, under these names)
+    cache = _part("runner", "cache")
+    slots = _part("runner", "slots")
+    spec = _part("runner", "spec")
+    step_params = _part("runner", "step_params")
+    waiting = _part("scheduler", "waiting")
+    slot_owner = _part("scheduler", "slot_owner")
 
     # ------------------------------------------------------------------ speculation
     # the policy's, under the names callers use: [K + 1] verify costs on the device (None: fixed
@@ -216,24 +199,9 @@ class Engine(Prefill, ConstrainedDecode):
         """Speculation counters since construction (`SpeculationPolicy.metrics`)."""
         return self.policy.metrics()
 
-    def _measure_costs(self) -> None:
-        """Confidence scheduling: time verify steps over k = 0..K drafts on idle copies of the
-        slot state, at the smallest context bucket. Runs once (warmup(), or the first step())."""
-        if not self.policy.needs_costs:
-            return
-        idle = [jax.tree.map(jnp.copy, self.spec),
-                jax.tree.map(jnp.copy, self.slots).replace(active=jnp.zeros_like(self.slots.active))]
-        placeholder = Schedule(jnp.ones(self.num_draft_tokens + 1, jnp.float32),
-                               jnp.asarray(calibration_centres(), jnp.float32))
-
-        def verify(k: int):
-            self.cache, idle[0], idle[1], out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, *idle, self._none_cancelled, placeholder, self._draft,
-                k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=self._bucket(1), sampled=False,
-                n_logprobs=self.max_logprobs)
-            return self.cache, out
-
-        self.policy.measure_costs(verify)
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (chunk width, context bucket) a prefill call may have (`Scheduler.prefill_shapes`)."""
+        return self.scheduler.prefill_shapes()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None,
@@ -255,7 +223,7 @@ class Engine(Prefill, ConstrainedDecode):
         if constraint is not None:
             constraint.claimed = True
         req = self.requests[request_id] = Request(request_id, prompt, params, stops, on_token, constraint, first_mask)
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return request_id
 
     def validate(self, prompt: list[int], params: SamplingParams, constraint: Constraint | None = None) -> tuple[int, ...]:
@@ -290,19 +258,15 @@ class Engine(Prefill, ConstrainedDecode):
             raise KeyError(f"no request with id {request_id!r}")
         if req.done:
             return
-        if req.state == "waiting":
-            self.waiting.remove(req)
-        else:  # a decoding slot stays active on the device until the next decode step stops it
-            self._cancelled.add(req.slot)
-            self.slot_owner[req.slot] = None
+        self.scheduler.cancel(req)
         req.state, req.finish_reason, req.slot = "cancelled", "cancelled", None
 
     @property
     def free_slots(self) -> list[int]:
-        return [i for i, owner in enumerate(self.slot_owner[: self.max_slots]) if owner is None]
+        return self.scheduler.free_slots
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self._pending or self._outbox or any(o is not None for o in self.slot_owner))
+        return bool(self._pending or self._outbox or self.scheduler.busy())
 
     def warmup(self, *, constrained: bool = False, scoring: bool = False,
                progress: Callable[[int, int, str], None] | None = None) -> int:
@@ -311,140 +275,55 @@ class Engine(Prefill, ConstrainedDecode):
         slot active), so serving never stops to compile. constrained: also the programs of
         structured output (the split decode step per bucket, its sampling half, starting a
         slot). scoring: also the prefill programs that score the prompt (requests with
-        prompt_logprobs; one per prefill shape, else compiled on first use). progress(i, total, what): called before each program (1-based i), e.g. to
-        print a line per program. Returns the number of programs compiled: 7 for the
-        README's engine (capacity 4096, prefill_chunk 256), 12 with constrained=True."""
+        prompt_logprobs; one per prefill shape, else compiled on first use). The runner
+        executes the no-op plans the scheduler lists (`Scheduler.warmup_plans`).
+        progress(i, total, what): called before each plan (1-based i), e.g. to print a line
+        per program. Returns the number of programs compiled: 7 for the README's engine
+        (capacity 4096, prefill_chunk 256), 12 with constrained=True."""
         if any(o is not None for o in self.slot_owner):
             raise RuntimeError("warmup() must run before requests are admitted")
         if constrained and self.num_draft_tokens:
             raise ValueError("constrained=True: structured output is not supported with speculative decoding")
         scoring = scoring and not self.num_draft_tokens  # (prompt_logprobs is refused with speculation)
-        shapes, ks, variants = self.prefill_shapes(), self.policy.verify_lengths(), self.policy.variants()
-        steps = []  # (what, thunk): one compiled program each
-        for (width, bucket), sampled in itertools.product(shapes, variants):
-            steps.append((f"prefill {width} tokens, context {bucket}",
-                          functools.partial(self._prefill_call, 0, *self._chunk_arrays(width), bucket, sampled)))
-            if scoring:
-                steps.append((f"prefill {width} tokens, context {bucket}, scored", functools.partial(
-                    self._prefill_call, 0, *self._chunk_arrays(width), bucket, sampled, True)))
-        for bucket, k, sampled in itertools.product(self._buckets(), ks, variants):
-            what = f"decode, context {bucket}" + (f", {k} drafts" if self.num_draft_tokens else "")
-            steps.append((what, functools.partial(self._decode_call, bucket, k, sampled)))
-        if constrained:  # slot 0 starts decoding, and the next step's cancel stops it
-            ones = np.full((self.rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
-
-            def start():
-                self.slots = start_decoding(self.slots, np.int32(0), np.int32(0))
-                self._cancelled.add(0)
-            steps.append(("structured output: start a slot", start))
-            steps += [(f"structured output: decode, context {b}", functools.partial(self._split_decode_call, b, ones))
-                      for b in self._buckets()]
-        if self.prefix is not None:
-            steps += self.prefix.warmup_steps()
+        items = self.scheduler.warmup_plans(constrained=constrained, scoring=scoring)
         with self.model.mesh_context():
-            self._measure_costs()
-            for i, (what, run) in enumerate(steps, 1):
-                if progress is not None:
-                    progress(i, len(steps), what)
-                run()
-            jax.block_until_ready(self.cache)
-        return ((len(shapes) * (1 + scoring) + len(self._buckets()) * len(ks)) * len(variants)
-                + (len(self._buckets()) + 2) * constrained
-                + 2 * (self.prefix is not None))  # the prefix cache's save and restore
-
-    # ------------------------------------------------------------------ device calls
-    def _take_cancelled(self):
-        """Rows cancelled since the last decode step [rows] (the next one stops them first)."""
-        if not self._cancelled:
-            return self._none_cancelled
-        cancelled = self._place(np.isin(np.arange(self.rows), list(self._cancelled)))
-        self._cancelled.clear()
-        return cancelled
-
-    def _decode_call(self, bucket: int, k: int, sampled: bool = False) -> StepOutput:
-        cancelled = self._take_cancelled()
-        if self.spec is None:
-            self.cache, self.slots, out = decode_step(
-                self.step_params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
-                n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
-        else:
-            self.cache, self.spec, self.slots, out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.policy.schedule,
-                self._draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=sampled,
-                n_logprobs=self.max_logprobs)
-        return out
+            self.runner.measure_costs(self.scheduler.bucket(1))
+            self.runner.warmup(items, lambda out, decode: self.scheduler.masks(decode), progress)
+        return sum(item.programs for item in items)
 
     # ------------------------------------------------------------------ stepping
-    def _next_waiting(self) -> Request | None:
-        """The request to admit next: the first in line (with a prefix cache,
-        `PrefixCaching.take_next`)."""
-        if self.prefix is not None:
-            return self.prefix.take_next(self.waiting, self.slot_owner)
-        return self.waiting.popleft() if self.waiting else None
-
-    def _admit(self) -> None:
-        for slot in self.free_slots:
-            req = self._next_waiting()  # its first prompt chunk resets the slot (`Admission`)
-            if req is None:
-                return
-            self._cancelled.discard(slot)  # ... and stops it, before any later decode step
-            req.state, req.slot = "prefilling", slot
-            self.policy.admit(slot)
-            self.slot_owner[slot] = req
-            if self.prefix is not None:
-                self.prefix.restore(req)
-
-    def _bucket(self, tokens_needed: int) -> int:
-        return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
-
-    def _buckets(self) -> list[int]:
-        return [self.capacity] if self.batch_invariant else context_buckets(self.capacity)
-
-    def _decode(self) -> bool:
-        decoding = [r for r in self.slot_owner if r is not None and r.state == "decoding"]
-        if not decoding:
-            return False
-        if any(r.constraint is not None for r in decoding):
-            self._decode_constrained(decoding)
-            return True
-        k = self.policy.step_k([r.slot for r in decoding])
-        n = k + 1 if self.spec is not None else self.decode_steps  # positions written per slot, at most
-        needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
-        out = self._decode_call(self._bucket(needed), k, any(r.params.temperature > 0 for r in decoding))
-        for r in decoding:
-            r.dispatched += n
-        if self.prefix is not None:
-            self.prefix.after_decode(decoding)
-        self._pending.append((out, {r.slot: r for r in decoding}))
-        return True
-
     def _dispatch(self) -> None:
-        """Admit, run a prefill chunk per prefilling request and a decode step, and read back
-        the outputs now due: with overlap all but the decode step just dispatched, which
-        the device runs while the host makes the previous step's events."""
+        """Plan a step (admission, a prefill chunk per prefilling request, a decode step), run
+        it, and read back the outputs now due: with overlap all but the decode step just
+        dispatched, which the device runs while the host makes the previous step's events."""
         with self.model.mesh_context():
-            self._measure_costs()
+            self.runner.measure_costs(self.scheduler.bucket(1))
+            if self.prefix is not None:  # blocks of generated tokens, now that those are read back
+                self.runner.store(self.prefix.key_generated())
+            plan = self.scheduler.schedule()
+            output = self.runner.execute(plan, self._before_sample)
+            self._pending.extend(output.dispatches)
             if self.prefix is not None:
-                self.prefix.key_generated()  # blocks of generated tokens, now that those are read back
-            self._admit()
-            prefilling = [r for r in self.slot_owner
-                          if r is not None and r.state == "prefilling" and (r.prefilled < r.prefill_len or not r.admitted)]
-            if prefilling:
-                self._prefill(*prefilling)
-            self._start_constrained()
-            dispatched = self._decode()
-            if self.prefix is not None:
-                self.prefix.pool.settle()  # host-tier copies, now that the device has work
+                self.prefix.copied(output.copies)
             self.steps += 1
-            keep = 1 if (dispatched and self.overlap) else 0
+            keep = 1 if (plan.decode is not None and self.overlap) else 0
             while len(self._pending) > keep:
-                self._read_back(*self._pending.popleft())
+                self._read_back(self._pending.popleft())
 
-    def _read_back(self, out: StepOutput, owners: dict[int, Request], scored: dict | None = None) -> None:
+    def _before_sample(self, output: StepOutput, decode: DecodePlan) -> np.ndarray:
+        """A split decode step's masks, made while the device runs its forward: every output
+        before it is read back first (advancing the grammars to the last token)."""
+        self._pending.extend(output.dispatches)
+        output.dispatches.clear()
+        while self._pending:
+            self._read_back(self._pending.popleft())
+        return self.scheduler.masks(decode)
+
+    def _read_back(self, dispatch: Dispatch) -> None:
         """One dispatch's outputs ([steps, rows]) to the host, queued as events to make; a
         prefill chunk's prompt logprobs (`scored`: row -> (request, first position, tokens))
         go to their requests at once, before any token of theirs is booked."""
-        host = to_host(out)
+        host, owners, scored = to_host(dispatch.out), dispatch.owners, dispatch.scored
         for row, (req, start, n) in (scored or {}).items():
             req.take_scores(host, row, start, n)
         if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
@@ -465,8 +344,7 @@ class Engine(Prefill, ConstrainedDecode):
                 continue
             event = req.book(host, step, row)
             if req.done:  # finished: its slot is free
-                self.slot_owner[req.slot] = None
-                req.slot = None
+                self.scheduler.finish(req)
             if req.on_token is not None:
                 req.on_token(event)
             yield event

@@ -16,10 +16,10 @@ ring state at its end instead (for V4 per layer one window of 128 latents: most 
 bytes, 5.4 of V4-Flash's 7.0 MiB per 128 tokens in bf16).
 
 On admission the longest cached chain of a prompt is put back into the request's cache row
-(`PrefixCaching.restore`), leaving at least one token to prefill (the first output token is
-sampled from its logits); prefill goes on from there. The part of a prompt that matched
+(`PrefixPlanner.restore` decides, the runner copies), leaving at least one token to prefill
+(the first output token is sampled from its logits); prefill goes on from there. The part of a prompt that matched
 a cached block's tokens but ends inside it is prefilled again: `replayed` tokens, fewer than
-`block` per hit. After each full prefill chunk the engine stores that block (`save_block`);
+`block` per hit. After each full prefill chunk the runner stores that block (`save_block`);
 a plain decode step that ends a block stores it too once its tokens are read back (not in
 batch-invariant mode: a decode step's sums are not a prefill's, and a hit must be bitwise;
 nor, for V4.1 under the reference's published-key rule, a first block longer than
@@ -43,10 +43,8 @@ import jax
 import numpy as np
 
 from dsjax.engine.limits import check_prefix_cache
-from dsjax.engine.programs import restore_block, save_block
-from dsjax.engine.requests import admission
 from dsjax.memory import free_memory
-from dsjax.model.interface import block_layout, decodes_equal_prefill, sequence_cache_bytes
+from dsjax.model.interface import sequence_cache_bytes
 
 ROOT = b""
 
@@ -190,6 +188,21 @@ class PrefixCache:
     def touch(self, key: bytes) -> None:
         self.entries.move_to_end(key)
 
+    def keep(self, key: bytes, parent: bytes, tokens, copy) -> None:
+        """A prompt block just prefilled: touched if an earlier prompt stored it, else
+        `copy()` (the runner's copy of it out of its row) is inserted."""
+        if key in self.entries:
+            self.touch(key)
+        else:
+            self.insert(key, parent, tokens, copy())
+
+    def insert_generated(self, key: bytes, parent: bytes, tokens, block) -> None:
+        """A block of generated tokens (`PrefixPlanner.key_generated`), kept if no prompt
+        stored it and a prompt can reach it (its parent is kept)."""
+        if key not in self.entries and (parent == ROOT or parent in self.entries):
+            self.insert(key, parent, tokens, block)
+            self.counts["generated_blocks"] += 1
+
     def insert(self, key: bytes, parent: bytes, tokens, block) -> None:
         """Keep a block the engine just computed (device arrays); evicts over the budget."""
         nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(block))
@@ -268,24 +281,44 @@ def _common(a, b) -> int:
     return n
 
 
-# ----------------------------------------------------------------------------- the engine's side
-class PrefixCaching:
-    """What an `Engine` with a prefix cache does at admission (`restore`) and after a
-    prefill call (`save`); the engine owns the device state, this the pool."""
+# ----------------------------------------------------------------------------- the scheduler's side
+@dataclasses.dataclass
+class BlockSave:
+    """Copy block j of row `slot` out and keep it under `key` (chained after `parent`), unless
+    the pool holds that key by then (then it is touched): the runner does the copy."""
 
-    def __init__(self, engine, options: PrefixCacheOptions):
-        self.engine = engine
-        self.pool = PrefixCache(options, engine.prefill_chunk, lookahead=bool(engine.num_draft_tokens))
-        self.static = dict(block=engine.prefill_chunk,
-                           layout=block_layout(engine.cfg, engine.capacity, engine.model.dtype))
+    slot: int
+    j: int
+    key: bytes
+    parent: bytes
+    tokens: list[int]
+
+
+@dataclasses.dataclass
+class Restore:
+    """Put the cached `blocks` (pool entries, a prompt's chain from block 0: handles whose
+    arrays the scheduler never reads) into row `slot`, the first admitting `request`: the
+    runner does the copies."""
+
+    slot: int
+    request: object
+    blocks: list
+
+
+class PrefixPlanner:
+    """The scheduler's half of prefix caching: which request to admit next, which blocks a
+    request restores at admission and which a prefill call or a decode step leaves to save.
+    Host decisions only, against the pool's index; the runner copies the blocks."""
+
+    def __init__(self, pool: PrefixCache, *, keeps_generated: bool, first_generated: bool):
+        self.pool = pool
         # blocks of generated tokens: one decode step per dispatch, no speculation (each step moves a
         # row by one token, so a block's end is the state after a known step); not in batch-invariant
         # mode, where a hit must be bitwise a prefill's and a decode step's numerics are not
-        self.keeps_generated = (not engine.batch_invariant and not engine.num_draft_tokens
-                                and engine.decode_steps == 1)
+        self.keeps_generated = keeps_generated
         # a decoded first block equals a fresh run's (a prefill) unless V4.1's key rule changes a selection
-        self.first_generated = decodes_equal_prefill(engine.cfg, engine.opts, engine.prefill_chunk)
-        self._generated: list = []  # (request, block index, Block) copied out, keyed once its tokens are read
+        self.first_generated = first_generated
+        self._generated: list = []  # (request, block index, the runner's copy) keyed once its tokens are read
 
     def _keys(self, req) -> list[bytes]:
         if req.block_keys is None:  # every whole block whose end state a later prompt may take
@@ -318,89 +351,63 @@ class PrefixCaching:
                 return req
         return None
 
-    def _drafter(self):
-        spec = self.engine.spec
-        return None if spec is None else spec.mtp
-
-    def restore(self, req) -> None:
-        """A request just given a slot: put its longest cached prefix into the slot's row (the
-        first block admits it) and start its prefill after it. At least one prompt token is
+    def restore(self, req) -> Restore | None:
+        """A request just given a slot: its longest cached prefix goes into the slot's row (the
+        first block admits it) and its prefill starts after it. At least one prompt token is
         left to prefill (its logits give the first token), all but a constrained request's
         last, which its first decode step takes."""
-        e = self.engine
         if req.params.prompt_logprobs is not None:  # its prompt is scored: every token through the head, so
-            return                                  # recomputed, not restored (its blocks are still stored)
+            return None                             # recomputed, not restored (its blocks are still stored)
         chain, req.replayed_tokens = self.pool.lookup(req.prompt, self._keys(req), self._usable(req))
-        b = self.pool.block
-        for j, entry in enumerate(chain):
-            tokens = np.asarray(req.prompt[j * b: (j + 1) * b], np.int32)[None]
-            admits = admission([req] if j == 0 else [None])
-            e.cache, e.slots, drafter = restore_block(e.cache, e.slots, self._drafter(), self.pool.device_block(entry),
-                                                      tokens, np.int32(req.slot), np.int32(j), admits, **self.static)
-            if drafter is not None:
-                e.spec = e.spec.replace(mtp=drafter)
-            req.admitted = True
-        req.prefilled = req.dispatched = req.cached_tokens = len(chain) * b
+        req.prefilled = req.dispatched = req.cached_tokens = len(chain) * self.pool.block
+        if not chain:
+            return None
+        req.admitted = True
+        return Restore(req.slot, req, chain)
 
-    def save(self, reqs) -> None:
+    def saves(self, reqs) -> list[BlockSave]:
         """After a prefill call: each request whose chunk ended a whole block stores it (if no
         earlier prompt did)."""
-        b = self.pool.block
+        b, out = self.pool.block, []
         for req in reqs:
             j = req.prefilled // b - 1
             if req.prefilled % b or not 0 <= j < len(self._keys(req)):
                 continue
-            key = req.block_keys[j]
-            if key in self.pool:
-                self.pool.touch(key)
-                continue
-            blk = save_block(self.engine.cache, self._drafter(), np.int32(req.slot), np.int32(j), **self.static)
-            self.pool.insert(key, req.block_keys[j - 1] if j else ROOT, req.prompt[j * b: (j + 1) * b], blk)
+            out.append(BlockSave(req.slot, j, req.block_keys[j], req.block_keys[j - 1] if j else ROOT,
+                                 req.prompt[j * b: (j + 1) * b]))
+        return out
 
-    def after_decode(self, decoding) -> None:
-        """After a plain decode step: each row whose cache would now end a block inside its
-        generated tokens copies that block out (the next step moves its rings on). Whether the
-        row was still decoding, and the block's tokens, are known when its outputs are read
-        back (`key_generated`)."""
+    def after_decode(self, decoding) -> list[tuple]:
+        """After a plain decode step: (request, row, j) of each row whose cache would now end
+        block j inside its generated tokens, to copy out (the next step moves its rings on).
+        Whether the row was still decoding, and the block's tokens, are known when its outputs
+        are read back (`key_generated`)."""
         if not self.keeps_generated:
-            return
-        b = self.pool.block
+            return []
+        b, out = self.pool.block, []
         for r in decoding:
             ends = r.dispatched % b == 0 and r.dispatched > len(r.prompt)
             if ends and (r.dispatched > b or self.first_generated):
-                j = r.dispatched // b - 1
-                self._generated.append((r, j, save_block(self.engine.cache, None, np.int32(r.slot), np.int32(j),
-                                                         **self.static)))
+                out.append((r, r.slot, r.dispatched // b - 1))
+        return out
 
-    def key_generated(self) -> None:
-        """Store the generated-token blocks whose rows had the block's last position cached by a
-        decoding step (the token after it was generated); drop those of requests that ended
-        before; keep the rest for later."""
-        b, waiting = self.pool.block, []
+    def copied(self, blocks) -> None:
+        """The runner's copies of `after_decode`'s blocks: (request, j, block)."""
+        self._generated += blocks
+
+    def key_generated(self) -> list[tuple]:
+        """The generated-token blocks whose rows had the block's last position cached by a
+        decoding step (the token after it was generated), as (key, parent, tokens, block) to
+        store where still reachable (`PrefixCache.insert_generated`); drop those of requests
+        that ended before; keep the rest for later."""
+        b, waiting, stores = self.pool.block, [], []
         for r, j, blk in self._generated:
             tokens = r.prompt + r.tokens
             if len(tokens) > (j + 1) * b:  # the chain goes on from the prompt's keys (and earlier replies')
                 keys = block_keys(tokens, b, j + 1, False, known=self._keys(r))
                 r.block_keys = max(keys, r.block_keys, key=len)
-                parent = keys[j - 1] if j else ROOT
-                if keys[j] not in self.pool and (parent == ROOT or parent in self.pool):  # reachable
-                    self.pool.insert(keys[j], parent, tokens[j * b: (j + 1) * b], blk)
-                    self.pool.counts["generated_blocks"] += 1
+                stores.append((keys[j], keys[j - 1] if j else ROOT, tokens[j * b: (j + 1) * b], blk))
             elif not r.done:
                 waiting.append((r, j, blk))
         self._generated = waiting
-
-    def warmup_steps(self) -> list:
-        """(what, thunk) of the two programs, run on a copy of row 0 (left as it was)."""
-        e = self.engine
-
-        def run():  # row 0 is empty before any request: putting its own block back changes nothing
-            blk = save_block(e.cache, self._drafter(), np.int32(0), np.int32(0), **self.static)
-            length, slots = np.asarray(e.cache.length), e.slots
-            e.cache, _, drafter = restore_block(
-                e.cache, jax.device_put(jax.tree.map(np.asarray, slots)), self._drafter(), blk,
-                np.zeros((1, self.pool.block), np.int32), np.int32(0), np.int32(0), admission([None]), **self.static)
-            if drafter is not None:
-                e.spec = e.spec.replace(mtp=drafter)
-            e.cache, e.slots = e.cache.replace(length=jax.device_put(length)), slots
-        return [("prefix cache: save and restore a block", run)]
+        return stores

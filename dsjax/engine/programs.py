@@ -1,7 +1,7 @@
 """The engine's jitted device programs: each takes the cache [slots, ...] and the `Slots`
 state (donated), runs one prefill chunk / decode step / verify step, and describes what
-it produced in a `StepOutput` stacked [steps, B]. Host-side scheduling lives in
-`dsjax.engine.engine`; these are pure functions of their arguments.
+it produced in a `DeviceOutput` stacked [steps, B]. The runner (`dsjax.engine.runner`)
+calls them; they are pure functions of their arguments.
 
 Plain engines: `prefill_step` (one slot's row, gathered from and scattered back into the
 cache), `prefill_rows` (every row at once: the path under a mesh, where one row of a
@@ -47,7 +47,9 @@ program = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 
 
 @struct.dataclass
-class StepOutput:
+class DeviceOutput:
+    """What one program produced, per step and row."""
+
     tokens: jax.Array  # [B]
     emitted: jax.Array  # [B] bool: a token was produced for this slot
     finished: jax.Array  # [B] bool
@@ -100,7 +102,7 @@ def emit_sampled(slots: Slots, tokens: jax.Array, positions: jax.Array, emitting
     logprob = top_values = top_ids = None
     if n_logprobs:  # a pass over the vocabulary per row: only for engines that report logprobs
         logprob, top_values, top_ids = top_logprobs(logits, tokens, n_logprobs)
-    return slots, StepOutput(tokens, emitting, finished, logprob, top_values, top_ids)
+    return slots, DeviceOutput(tokens, emitting, finished, logprob, top_values, top_ids)
 
 
 def _one_step(tree):
@@ -326,7 +328,7 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
             flat = top_logprobs(v.logits.reshape(b * (k + 1), -1), v.tokens.reshape(-1), n_logprobs)
             logprob, top_values, top_ids = (a.reshape(b, k + 1, *a.shape[1:]) for a in flat)
         j = jnp.arange(k + 1)[None]
-        out = StepOutput(v.tokens, j < v.count[:, None], v.finished[:, None] & (j == v.count[:, None] - 1), logprob,
+        out = DeviceOutput(v.tokens, j < v.count[:, None], v.finished[:, None] & (j == v.count[:, None] - 1), logprob,
                          top_values, top_ids, v.checked, v.accepted, spec.limit, judged)
         return (cache, spec, slots), out
 

@@ -54,7 +54,7 @@ class Request:
     state: str = "waiting"  # waiting | prefilling | decoding | finished | cancelled
     slot: int | None = None
     prefilled: int = 0
-    admitted: bool = False  # its first prefill chunk (which resets the slot) has been dispatched
+    admitted: bool = False  # its first prefill chunk (or restored block), which resets the slot, is planned
     dispatched: int = 0  # tokens the device will have cached (upper bound while decoding)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -68,8 +68,12 @@ class Request:
     block_keys: list | None = None  # the prefix cache's chain keys of its prompt's blocks
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])  # read back chunk by chunk
 
+    def __repr__(self) -> str:  # short, so that a printed StepPlan stays readable
+        return (f"Request({self.request_id!r}, {self.state}, slot={self.slot}, prompt={len(self.prompt)}, "
+                f"prefilled={self.prefilled}, tokens={len(self.tokens)})")
+
     def take_scores(self, host, row: int, start: int, n: int) -> None:
-        """The prompt logprobs of one prefill chunk (host copy of a `StepOutput`, row `row`): its
+        """The prompt logprobs of one prefill chunk (host copy of a `DeviceOutput`, row `row`): its
         positions start..start+n-1 each score the prompt token after them (the last position of
         the prompt scores nothing: its logits give the first generated token)."""
         top_n = self.params.prompt_logprobs
@@ -106,7 +110,7 @@ class Request:
         return self.prompt[self.prefilled: self.prefilled + min(n, self.prefill_len - self.prefilled)]
 
     def book(self, host, step: int, row: int) -> TokenEvent:
-        """Take the token at (step, row) of a host copy of a `StepOutput`; the last one
+        """Take the token at (step, row) of a host copy of a `DeviceOutput`; the last one
         (finished on the device) ends the request."""
         scores = self.prompt_logprobs if self.params.prompt_logprobs is not None and not self.tokens else None
         if self.params.max_tokens == 0:  # scored only: the token the device had to sample is dropped
@@ -134,11 +138,11 @@ _SETTINGS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, 
 
 
 def admission(rows: list[Request | None]) -> Admission:
-    """The `Admission` of one prefill call, per row: a request whose first chunk this is
-    (nothing prefilled yet) resets its slot to its settings; other rows (None: not
+    """The `Admission` of one prefill call, per row: a request (a row whose chunk is its
+    prompt's first) resets its slot to its settings; rows of None (a later chunk, or not
     prefilled in this call) keep theirs."""
     n = len(rows)
-    reset = np.array([r is not None and not r.admitted for r in rows])
+    reset = np.array([r is not None for r in rows])
     sampling = {k: np.zeros(n, dt) for k, dt in _SETTINGS.items()} | {"prompt_len": np.zeros(n, np.int32)}
     sampling |= {"bias_ids": np.zeros((n, MAX_LOGIT_BIAS), np.int32),
                  "bias_values": np.zeros((n, MAX_LOGIT_BIAS), np.float32)}

@@ -1,0 +1,222 @@
+"""The scheduler on the host alone (no model, no device call): admission order, slot reuse
+after a finish and a cancel, prompt chunks and their context buckets at bucket boundaries,
+prefix-block decisions, batch-invariant grouping, the plan of a speculative engine and the
+warm-up plans. Every expectation is derived by hand from the rules in
+dsjax/engine/scheduler.py and dsjax/engine/requests.py (chunk widths 16 x 4^i up to the
+prefill chunk, context buckets 256 x 4^i up to the capacity), not read off a run."""
+
+import ast
+import pathlib
+
+import numpy as np
+
+import dsjax.engine.scheduler as scheduler_module
+from dsjax.engine.policy import SpeculationPolicy
+from dsjax.engine.prefix_cache import ROOT, PrefixCache, PrefixCacheOptions, PrefixPlanner, block_keys
+from dsjax.engine.requests import Request
+from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.scheduler import DecodePlan, Scheduler
+
+VOCAB = 1000
+
+
+def _scheduler(*, max_slots=2, capacity=4096, prefill_chunk=256, k=0, policy="fixed", batch_invariant=False,
+               prefix=None, decode_steps=1, aligned=None):
+    rows = 8 * -(-max_slots // 8) if batch_invariant else max_slots
+    return Scheduler(max_slots=max_slots, rows=rows, capacity=capacity, prefill_chunk=prefill_chunk,
+                     prefill_rows=8 if batch_invariant else 1, batch_invariant=batch_invariant, on_mesh=False,
+                     decode_steps=decode_steps, policy=SpeculationPolicy(k, policy, None, rows), vocab_size=VOCAB,
+                     aligned_chunks=prefix is not None if aligned is None else aligned, prefix=prefix)
+
+
+def _request(name: str, n: int, first: int = 0, **params) -> Request:
+    return Request(name, list(range(first, first + n)), SamplingParams(**params), ())
+
+
+def _add(s: Scheduler, *reqs: Request):
+    for r in reqs:
+        s.add(r)
+    return reqs
+
+
+def test_scheduler_makes_no_device_call():
+    """The module imports no jax and no device module: plans are plain values."""
+    tree = ast.parse(pathlib.Path(scheduler_module.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m.split(".")[0] == "jax" or m in ("dsjax.engine.programs",
+                                                                          "dsjax.engine.runner")}
+
+
+def test_admission_is_first_come_and_slots_are_reused_after_finish_and_cancel():
+    s = _scheduler(max_slots=2)
+    a, b, c, d = _add(s, *(_request(x, 20) for x in "abcd"))
+    plan = s.schedule()  # a, b take slots 0 and 1; each prompt is one chunk (20 tokens), then they decode
+    assert [(call.row, [ch.request for ch in call.chunks]) for call in plan.prefills] == [(0, [a]), (1, [b])]
+    assert s.slot_owner == [a, b] and list(s.waiting) == [c, d] and s.free_slots == []
+    assert plan.decode.owners == {0: a, 1: b} and plan.decode.cancelled == ()
+    a.state = "finished"
+    s.finish(a)  # a's last token was delivered
+    s.cancel(b)
+    b.state = "cancelled"  # (the engine marks it)
+    assert s.free_slots == [0, 1] and s.cancelled == {1}
+    plan = s.schedule()  # c takes slot 0, d slot 1: the row d's first chunk resets needs no cancel
+    assert s.slot_owner == [c, d] and (c.slot, d.slot) == (0, 1) and not s.waiting
+    assert plan.decode.cancelled == () and plan.decode.owners == {0: c, 1: d}
+    s.cancel(d)
+    e, = _add(s, _request("e", 20))
+    s.cancel(e)  # a waiting request leaves the line, nothing reaches the device
+    assert s.cancelled == {1} and not s.waiting
+    plan = s.schedule()  # nothing to admit: the next decode step stops row 1
+    assert plan.prefills == [] and plan.decode.cancelled == (1,) and s.cancelled == set()
+
+
+def test_chunks_and_context_buckets_across_bucket_boundaries():
+    """prefill_chunk 256, capacity 4096 (buckets 256, 1024, 4096). A 1100-token prompt: a
+    first chunk of 1100 mod 256 = 76 tokens (width 256: 76 > 64), then four of 256, ending
+    at 332, 588, 844, 1100; a full chunk reads the bucket of max(end, 512): 1024 four times,
+    then 4096 (1100 > 1024). A 20-token prompt: one chunk of width 64 at bucket 256."""
+    s = _scheduler(max_slots=2)
+    long, short = _add(s, _request("long", 1100), _request("short", 20, first=7))
+    seen = []
+    while long.state != "decoding":
+        plan = s.schedule()
+        seen += [(call.row, call.width, call.bucket, [len(c.tokens) for c in call.chunks]) for call in plan.prefills]
+    assert seen == [(0, 256, 1024, [76]), (1, 64, 256, [20]), (0, 256, 1024, [256]), (0, 256, 1024, [256]),
+                    (0, 256, 1024, [256]), (0, 256, 4096, [256])]
+    assert long.prefilled == long.dispatched - 1 == 1100  # the last plan's decode step dispatched one more
+    assert s.prefill_calls() == []  # no request is prefilling now
+    # a chunk's following tokens are the prompt shifted by one (speculation's ring, prompt logprobs)
+    s2 = _scheduler()
+    r, = _add(s2, _request("r", 20, first=7))
+    chunk = s2.schedule().prefills[0].chunks[0]
+    assert chunk.tokens == list(range(7, 27)) and chunk.following == list(range(8, 27)) and chunk.is_last
+    assert chunk.admits and chunk.start == 0
+
+
+def test_decode_bucket_follows_the_longest_row():
+    """A decode step reads the bucket of max(dispatched) + decode_steps: a 254-token prompt
+    decodes at 256 while its rows end at most at 256, then at 1024."""
+    s = _scheduler(max_slots=1, decode_steps=2)
+    r, = _add(s, _request("r", 254))
+    buckets = [s.schedule().decode.bucket for _ in range(3)]  # dispatched 254 -> 256 -> 258
+    assert buckets == [256, 1024, 1024] and r.dispatched == 260
+
+
+def test_aligned_chunks_end_on_the_absolute_grid():
+    """aligned_chunks (a prefix cache; V4.1's key rule): a 270-token prompt runs 256 then 14
+    tokens (width 16; bucket of 272: 1024), the narrower chunk last."""
+    s = _scheduler(max_slots=1, aligned=True)
+    _add(s, _request("r", 270))
+    plans = [s.schedule() for _ in range(2)]
+    assert [(c.width, c.bucket, len(c.chunks[0].tokens)) for p in plans for c in p.prefills] == [(256, 1024, 256),
+                                                                                                  (16, 1024, 14)]
+
+
+def _prefix_scheduler(**kw):
+    pool = PrefixCache(PrefixCacheOptions(), 16, lookahead=False)
+    planner = PrefixPlanner(pool, keeps_generated=False, first_generated=True)
+    return _scheduler(prefill_chunk=16, capacity=256, prefix=planner, **kw), pool
+
+
+def _run_saves(pool: PrefixCache, plan):
+    """What the runner does with a plan's saves, with a host array for the block's copy."""
+    for call in plan.prefills:
+        for save in call.saves:
+            pool.keep(save.key, save.parent, save.tokens, lambda: np.zeros(4, np.float32))
+
+
+def test_prefix_blocks_saved_restored_and_shared_prefixes_computed_once():
+    """Blocks of 16: a 40-token prompt stores blocks 0 and 1 (chunks end at 16 and 32; its
+    last, 8 tokens, ends no block). A request with the same prompt arriving with it waits
+    while the first prefills those blocks (admitted on the third plan, restoring both: 32
+    cached tokens, 8 to prefill); a prompt sharing 35 tokens restores the same two."""
+    s, pool = _prefix_scheduler(max_slots=2)
+    prompt = list(range(100, 140))
+    a, c = _add(s, Request("a", prompt, SamplingParams(), ()), Request("c", prompt, SamplingParams(), ()))
+    keys = block_keys(prompt, 16, 2, False)
+    plans = []
+    for _ in range(3):
+        plans.append(s.schedule())
+        _run_saves(pool, plans[-1])
+    saves = [[(v.slot, v.j, v.key, v.parent, v.tokens) for call in p.prefills for v in call.saves] for p in plans]
+    assert saves[0] == [(0, 0, keys[0], ROOT, prompt[:16])] and saves[1] == [(0, 1, keys[1], keys[0], prompt[16:32])]
+    assert [p.restores for p in plans[:2]] == [[], []] and s.slot_owner[1] is c
+    restore, = plans[2].restores
+    assert (restore.slot, restore.request) == (1, c) and [e.key for e in restore.blocks] == keys
+    assert (c.cached_tokens, c.admitted, c.prefilled) == (32, True, 32 + 8)  # restored, then its last chunk
+    calls = plans[2].prefills  # a's last chunk and c's (no admission: its restored block 0 admitted it)
+    assert [(call.row, c_.start, len(c_.tokens), c_.admits) for call in calls for c_ in call.chunks] == [
+        (0, 32, 8, False), (1, 32, 8, False)]
+    assert [v for call in calls for v in call.saves] == []
+    b = Request("b", prompt[:35] + [7] * 5, SamplingParams(), ())
+    s.finish(a)
+    _add(s, b)
+    restore, = s.schedule().restores
+    assert restore.request is b and [e.key for e in restore.blocks] == keys and b.cached_tokens == 32
+    assert pool.metrics()["hits"] == 2 and pool.metrics()["prefill_tokens_saved"] == 64
+
+
+def test_batch_invariant_calls_take_one_width_and_one_tile():
+    """Batch-invariant (tiles of 8 rows, one bucket: the capacity): requests of 5 and 40
+    tokens in tile 0 run in two calls (widths 16 and 64), one of 5 tokens in slot 9 in a
+    third (tile 1, its row 1); each chunk at its row within the tile."""
+    s = _scheduler(max_slots=16, batch_invariant=True, capacity=1024)
+    reqs = _add(s, *[_request(f"r{i}", n) for i, n in enumerate([5, 40] + [60] * 7 + [5])])
+    plan = s.schedule()
+    calls = {(c.row, c.width): [(ch.row, ch.request.request_id) for ch in c.chunks] for c in plan.prefills}
+    assert calls == {(0, 16): [(0, "r0")], (0, 64): [(1, "r1")] + [(i, f"r{i}") for i in range(2, 8)],
+                     (8, 64): [(0, "r8")], (8, 16): [(1, "r9")]}
+    assert {c.bucket for c in plan.prefills} == {1024} and all(c.rows == 8 for c in plan.prefills)
+    assert plan.decode.bucket == 1024 and len(plan.decode.owners) == len(reqs)
+
+
+def test_speculative_plan_verifies_k_drafts_and_advances_k_plus_one():
+    """Fixed policy, 3 drafts: each verify step checks k = 3 and may write 4 positions per
+    row, so a row's dispatched count grows by 4 and the bucket covers it; a sampled row
+    picks the sampling variant. Confidence policy: the step verifies the largest k any
+    decoding row asked for."""
+    s = _scheduler(max_slots=2, k=3, capacity=1024)
+    g, t = _add(s, _request("g", 250), _request("t", 20, temperature=0.7))
+    d = s.schedule().decode
+    assert (d.k, d.sampled, d.bucket) == (3, True, 256) and (g.dispatched, t.dispatched) == (254, 24)
+    d = s.schedule().decode  # 254 + 4 = 258 > 256
+    assert (d.k, d.bucket) == (3, 1024) and g.dispatched == 258
+    c = _scheduler(max_slots=3, k=2, policy="confidence")
+    reqs = _add(c, *[_request(f"r{i}", 10) for i in range(3)])
+    assert c.schedule().decode.k == 2  # just admitted: each row asks for all K
+    c.policy.next_k = [0, 1, 0]
+    assert c.schedule().decode.k == 1
+    c.finish(reqs[1])
+    reqs[1].state = "finished"
+    assert c.schedule().decode.k == 0 and reqs[0].dispatched == 10 + 3 + 2 + 1
+
+
+def test_warmup_plans_count_every_program():
+    """The README's engine (capacity 4096, prefill_chunk 256): prefill at (16, 256), (64, 256),
+    (256, 1024), (256, 4096) and decode at 256, 1024, 4096: 7 programs; with structured output
+    a start, a split forward per bucket and its sampling half: 12. A speculative engine
+    (confidence, K = 2) compiles each in a greedy and a sampling variant and decode at
+    k = 0, 1, 2: (4 + 3 x 3) x 2 = 26. A prefix cache adds its save and restore."""
+    s = _scheduler(max_slots=8)
+    assert s.prefill_shapes() == [(16, 256), (64, 256), (256, 1024), (256, 4096)]
+    assert sum(i.programs for i in s.warmup_plans()) == 7
+    items = s.warmup_plans(constrained=True)
+    assert sum(i.programs for i in items) == 12
+    split = [i.plan.decode for i in items if i.plan.decode is not None and i.plan.decode.constrained]
+    assert [(d.bucket, d.cancelled) for d in split] == [(256, (0,)), (1024, ()), (4096, ())]
+    assert sum(i.programs for i in s.warmup_plans(scoring=True)) == 11
+    spec = _scheduler(max_slots=8, k=2, policy="confidence")
+    decodes = [(i.plan.decode.bucket, i.plan.decode.k, i.plan.decode.sampled) for i in spec.warmup_plans()
+               if i.plan.decode is not None]
+    assert len(spec.warmup_plans()) == 26 and len(set(decodes)) == 18
+    prefix, _ = _prefix_scheduler()  # capacity 256, chunk 16: widths 16 at bucket 256, and the round trip
+    assert [(i.what, i.programs) for i in prefix.warmup_plans()] == [
+        ("prefill 16 tokens, context 256", 1), ("decode, context 256", 1),
+        ("prefix cache: save and restore a block", 2)]
+
+
+def test_masks_without_constrained_rows_allow_every_token():
+    s = _scheduler(max_slots=2)
+    masks = s.masks(DecodePlan(256))
+    assert masks.shape == (2, -(-VOCAB // 32)) and (masks == -1).all()
