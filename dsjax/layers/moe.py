@@ -51,7 +51,7 @@ from dsjax.kernels.dispatch import kernel_choice
 from dsjax.kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
 from dsjax.kernels.stored_matmul import mgpu_stored_grouped_ffn
 from dsjax.params import ParamSpec
-from dsjax.sharding.rules import RULES, current_mesh, present_axes, reshape, spec
+from dsjax.sharding.rules import RULES, current_mesh, lookup, present_axes, reshape, spec
 
 
 @struct.dataclass
@@ -103,8 +103,8 @@ def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
     `moe.experts` (editable: forced routing takes the forced experts' scores) and `moe.weights`)."""
     rows = (lambda n: None) if lead is None else (lambda n: (*lead, n))  # noqa: E731
     scores = taps.tap("moe.scores", _score(linear_f32(x, p.router), cfg.scoring_func), rows(cfg.n_routed_experts))
-    if p.tid2eid is not None:
-        idx = p.tid2eid[token_ids]
+    if p.tid2eid is not None:  # under inspect on a mesh, route runs in the global view: `lookup` says how the rows lie
+        idx = lookup(p.tid2eid, token_ids) if taps.active() else p.tid2eid[token_ids]
     else:
         _, idx = jax.lax.top_k(scores + p.router_bias, cfg.num_experts_per_tok)
     idx = taps.tap("moe.experts", idx.astype(jnp.int32), rows(cfg.num_experts_per_tok))
@@ -117,8 +117,8 @@ def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
 def gained(weights: jax.Array, idx: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The routing weights the experts' outputs are scaled by: dsjax.inspect's `moe.expert_gain`
     [E] (0: that expert's output ablated, its routing weight kept) where an edit sets it."""
-    gain = taps.edit_point("moe.expert_gain", lambda: jnp.ones((cfg.n_routed_experts,), jnp.float32))
-    return weights if gain is None else weights * gain[idx]
+    gain = taps.optional_tap("moe.expert_gain", lambda: jnp.ones((cfg.n_routed_experts,), jnp.float32))
+    return weights if gain is None else weights * lookup(gain, idx)
 
 
 def lin4_down_input(h: jax.Array, weights: jax.Array) -> jax.Array:
@@ -316,12 +316,6 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
         raise ValueError(f"{cfg.n_routed_experts} routed experts cannot be split over expert={ep} devices")
     batch = P(present_axes(RULES.mesh_axes("batch"), mesh))
     in_specs = (_moe_in_specs(p, ep), P(*batch, None), batch)
-    if taps.active():  # dsjax.inspect: route in the global view, where its taps can read and edit it
-        weights, idx = route(p, x, token_ids, cfg, lead)
-        routed = jax.shard_map(lambda p, x, w, i: dispatch(p, x, w, i), in_specs=(*in_specs[:2], P(*batch, None),
-                               P(*batch, None)), out_specs=P(*batch, None))
-        return routed(_routed_only(p), x, gained(weights, idx, cfg), idx)
-
     def dispatch(p, x, weights, idx):
         if ep == 1:
             return routed_experts(p, x, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
@@ -332,6 +326,11 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
     def local(p, x, ids):
         return dispatch(p, x, *route(p, x, ids, cfg))
 
+    if taps.active():  # dsjax.inspect: route in the global view, where its taps can read and edit it
+        weights, idx = route(p, x, token_ids, cfg, lead)
+        routed = jax.shard_map(dispatch, in_specs=(*in_specs[:2], P(*batch, None), P(*batch, None)),
+                               out_specs=P(*batch, None))
+        return routed(_routed_only(p), x, gained(weights, idx, cfg), idx)
     return jax.shard_map(local, in_specs=in_specs, out_specs=P(*batch, None))(_routed_only(p), x, token_ids)
 
 

@@ -112,16 +112,23 @@ def _names(s: _Session, name: str) -> list[str]:
     return [f"layers.{i}.{name}" for i in s.layer[0]]
 
 
+def _broadcasts(shape: tuple, to: tuple) -> bool:
+    try:
+        return jnp.broadcast_shapes(shape, to) == tuple(to)
+    except ValueError:
+        return False
+
+
 def _apply(edit, value: jax.Array, full: str) -> jax.Array:
     shape = value.shape
     new = jnp.asarray(edit.value)
-    if jnp.broadcast_shapes(new.shape, shape) != shape:
+    if not _broadcasts(new.shape, shape):
         raise ValueError(f"edit of {full}: value shape {new.shape} does not broadcast to the tapped shape {shape}")
     new = (new + value if isinstance(edit, Add) else jnp.broadcast_to(new, shape)).astype(value.dtype)
     if edit.where is None:
         return new
     where = jnp.asarray(edit.where, bool)
-    if where.shape != shape[:where.ndim] and jnp.broadcast_shapes(where.shape, shape[:where.ndim]) != shape[:where.ndim]:
+    if where.ndim > len(shape) or not _broadcasts(where.shape, shape[:where.ndim]):
         raise ValueError(f"edit of {full}: `where` shape {where.shape} must broadcast to the tapped value's leading "
                          f"axes {shape[:where.ndim]} (tapped shape {shape})")
     return jnp.where(where.reshape(*where.shape, *(1,) * (len(shape) - where.ndim)), new, value)
@@ -161,10 +168,12 @@ def tap(name: str, value: jax.Array, shape: tuple[int, ...] | None = None) -> ja
         return value
     names = _names(s, name)
     own = value.shape
+    for full in names:
+        s.seen[full] = (own if shape is None else tuple(shape), value.dtype)
+    if not any(full in s.edits or s.wants(full) for full in names):
+        return value  # not asked for: the program stays the plain forward's
     if shape is not None:
         value = value.reshape(shape)
-    for full in names:
-        s.seen[full] = (value.shape, value.dtype)
     value = _edited(s, names, value)
     if any(s.wants(full) for full in names):
         if s.layer is not None and s.layer[1] is not None:  # inside a scan body: leaves as a scan output
@@ -179,9 +188,10 @@ def tap(name: str, value: jax.Array, shape: tuple[int, ...] | None = None) -> ja
     return value.reshape(own)
 
 
-def edit_point(name: str, make) -> jax.Array | None:
-    """A point that exists only to be edited (`moe.expert_gain`): `make()`'s value, tapped, when an
-    edit is aimed at it (or it is captured), else None (nothing is added to the program)."""
+def optional_tap(name: str, make) -> jax.Array | None:
+    """A point computed only when asked for: `make()`'s value, tapped, when an edit is aimed at it
+    or it is captured, else None (nothing is added to the program). For points that exist to be
+    edited (`moe.expert_gain`) or cost work of their own (`final.hidden`)."""
     s = _session()
     if s is None:
         return None

@@ -232,8 +232,7 @@ def forward_rows(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache
     hidden: the head's input rows instead of the logits."""
     streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
     streams = taps.tap("final.streams", streams)
-    if taps.active():
-        taps.tap("final.hidden", head_input(params.hc_head, params.norm, streams, cfg))
+    taps.optional_tap("final.hidden", lambda: head_input(params.hc_head, params.norm, streams, cfg))
     if last_only:
         streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
     if hidden:

@@ -23,7 +23,7 @@ from dsjax.layers.engram import BEFORE_START, dequant_rows, engram_fuse
 from dsjax.layers.hyper_connection import collapse
 from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
-from dsjax.layers import taps
+from dsjax.layers import taps as inspect_taps  # `taps` here names DSpark's
 from dsjax.model.block import DEFAULT_OPTIONS, block_apply, embed_streams, layer_slot
 from dsjax.model.cache import Cache
 from dsjax.model.head import last_valid, lm_head_weight, rows_logits
@@ -93,7 +93,7 @@ def _backbone(params, tokens, cfg, states, n_entries_of, attend_of, engram_rows,
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
     tapped, shared, new_states = {}, None, []
     for k, (run, blocks) in enumerate(zip(cfg.layer_runs, params.blocks)):
-        with taps.layer(run.first):  # dsjax.inspect's `layers.{i}.engram.*` (inert otherwise)
+        with inspect_taps.layer(run.first):  # dsjax.inspect's `layers.{i}.engram.*` (inert otherwise)
             streams = engram_before(params, run, streams, engram_rows, cfg, opts.round_trips)
         ratio = max(layer.compress_ratio for layer in run.layers)
         n_entries = n_entries_of(ratio) if ratio else 0
@@ -135,7 +135,7 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
             streams, pi, shared, state = c
             p, at = xs
             tap = _tap(streams) if wants else None
-            with taps.collect() as bodies[j], taps.layer(run.indices[j], at):
+            with inspect_taps.collect() as bodies[j], inspect_taps.layer(run.indices[j], at):
                 streams, pi, (state, shared) = block_apply(
                     p, streams, tokens, lambda pa, h: attends[j](pa, h, state, at, shared), cfg, opts, pi=pi,
                     fp8_acts=opts.round_trips)
@@ -146,12 +146,12 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
         streams, pi, shared, sts = c
         ps, r = xs
         tapped, new = [], list(sts)
-        with taps.collect() as bodies["copy"]:
+        with inspect_taps.collect() as bodies["copy"]:
             for j, p in enumerate(ps):
                 ats = r * run.inner[j] + jnp.arange(run.inner[j])
                 (streams, pi, shared, new[j]), (tap, found) = jax.lax.scan(position(j), (streams, pi, shared, new[j]),
                                                                            (p, ats))
-                taps.release(found, bodies[j])
+                inspect_taps.release(found, bodies[j])
                 tapped.append(tap)
         return (streams, pi, shared, tuple(new)), (tuple(tapped), bodies["copy"].values)
 
@@ -160,7 +160,7 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
     states = (None,) * len(run.layers) if states is None else tuple(states)
     (streams, pi, shared, states), (tapped, found) = jax.lax.scan(copy, (*carry, states),
                                                                   (stacked, jnp.arange(run.repeats)))
-    taps.release(found, bodies["copy"])
+    inspect_taps.release(found, bodies["copy"])
     out = {run.index_of(r, j, i): tapped[j][r, i] for r in range(run.repeats) for j in range(len(run.layers))
            for i in range(run.inner[j]) if run.index_of(r, j, i) in targets}
     return streams, pi, shared, states, out
@@ -260,9 +260,8 @@ def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig
     else:
         streams, pi, cache, hidden = v41_streams_cached(params, tokens, cfg, cache, ctx_bucket=ctx_bucket,
                                                         n_valid=n_valid, opts=opts, taps=taps)
-    streams = taps.tap("final.streams", streams)
-    if taps.active():
-        taps.tap("final.hidden", v41_head_input(params, streams, pi, cfg))
+    streams = inspect_taps.tap("final.streams", streams)
+    inspect_taps.optional_tap("final.hidden", lambda: v41_head_input(params, streams, pi, cfg))
     if last_only:
         n = jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid
         streams, pi = last_valid(streams, n), last_valid(pi, n)
