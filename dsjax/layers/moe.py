@@ -96,6 +96,9 @@ def _score(logits: jax.Array, func: str) -> jax.Array:
     return jax.nn.softmax(logits, axis=-1)
 
 
+ROUTING_POINTS = ("moe.scores", "moe.experts", "moe.weights", "moe.expert_gain")  # dsjax.inspect's names
+
+
 def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
           lead: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """x [T, D], token_ids [T] -> (weights [T, K] fp32, expert ids [T, K] int32).
@@ -103,8 +106,8 @@ def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
     `moe.experts` (editable: forced routing takes the forced experts' scores) and `moe.weights`)."""
     rows = (lambda n: None) if lead is None else (lambda n: (*lead, n))  # noqa: E731
     scores = taps.tap("moe.scores", _score(linear_f32(x, p.router), cfg.scoring_func), rows(cfg.n_routed_experts))
-    if p.tid2eid is not None:  # under inspect on a mesh, route runs in the global view: `lookup` says how the rows lie
-        idx = lookup(p.tid2eid, token_ids) if taps.active() else p.tid2eid[token_ids]
+    if p.tid2eid is not None:  # asked for on a mesh, route runs in the global view: `lookup` says how the rows lie
+        idx = lookup(p.tid2eid, token_ids) if taps.asks(*ROUTING_POINTS) else p.tid2eid[token_ids]
     else:
         _, idx = jax.lax.top_k(scores + p.router_bias, cfg.num_experts_per_tok)
     idx = taps.tap("moe.experts", idx.astype(jnp.int32), rows(cfg.num_experts_per_tok))
@@ -326,7 +329,7 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
     def local(p, x, ids):
         return dispatch(p, x, *route(p, x, ids, cfg))
 
-    if taps.active():  # dsjax.inspect: route in the global view, where its taps can read and edit it
+    if taps.asks(*ROUTING_POINTS):  # dsjax.inspect: route in the global view, where its taps can read and edit it
         weights, idx = route(p, x, token_ids, cfg, lead)
         routed = jax.shard_map(dispatch, in_specs=(*in_specs[:2], P(*batch, None), P(*batch, None)),
                                out_specs=P(*batch, None))

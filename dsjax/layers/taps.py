@@ -69,9 +69,11 @@ def _session() -> _Session | None:
     return getattr(_local, "session", None)
 
 
-def active() -> bool:
-    """Whether an inspect session is tracing (the layers skip a tap's extra work otherwise)."""
-    return _session() is not None
+def asks(*points: str) -> bool:
+    """Whether the session tracing (if any) captures or edits one of these points of the layer
+    running now (a layer that must take another path to expose them asks first)."""
+    s = _session()
+    return s is not None and any(full in s.edits or s.wants(full) for p in points for full in _names(s, p))
 
 
 @contextlib.contextmanager
