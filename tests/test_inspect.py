@@ -210,7 +210,8 @@ def test_bad_names_and_shapes(tiny):
         inspect.forward(tiny, x, capture="layers.*.moe.expert_ids")
     with pytest.raises(ValueError, match=r"layers\.9\.mhc\.streams_in'\]: no such point"):
         inspect.forward(tiny, x, edits=inspect.patch("layers.9.mhc.streams_in", np.zeros(4)))
-    with pytest.raises(ValueError, match=r"value shape \(3, 64\) does not broadcast to the tapped shape \(2, 80, 4, 64\)"):
+    with pytest.raises(ValueError, match=r"value shape \(3, 64\) does not broadcast to the tapped shape "
+                                         r"\(2, 80, 4, 64\)"):
         inspect.forward(tiny, x, edits=inspect.patch("layers.1.mhc.streams_in", np.zeros((3, 64), np.float32)))
     with pytest.raises(ValueError, match=r"`where` shape \(1, 7\)"):
         inspect.forward(tiny, x, edits=inspect.patch("layers.1.mhc.streams_in", 0.0, where=np.ones((1, 7), bool)))
@@ -233,3 +234,40 @@ def test_on_a_mesh_with_expert_parallelism(tiny):
         np.testing.assert_allclose(trace[name], want[name], atol=1e-5, rtol=0)
         shard = trace[name].sharding.shard_shape(trace[name].shape)
         assert shard[0] == 4 // sharded.batch_shards(), (name, trace[name].sharding)
+
+
+@pytest.mark.parametrize("name", ["scanned", "v41"])
+def test_taps_read_the_cached_forward_too(models, name):
+    """The hook the engine's per-token capture needs (not built): a session around the cached
+    forward's trace captures each layer's routing chunk by chunk: V4's is the full forward's;
+    V4.1's chunks follow the reference's key rule and round trips, so its routing is checked
+    against `route` recomputed from the chunk's own captured MoE input."""
+    from dsjax.layers import taps
+    from dsjax.model.cache_layout import init_cache
+    from dsjax.model.forward_pass import forward_traced
+
+    model = models[name]
+    cfg, x = model.config, ids(8, b=2, s=24)
+    points = ("layers.*.moe.experts", "layers.*.moe.in")
+
+    @jax.jit
+    def chunk(params, tokens, cache):
+        with taps.session(points, {}) as s:
+            _, cache = forward_traced(params, tokens, cfg, cache, opts=model.options, ctx_bucket=64)
+        return cache, s.found
+
+    cache = init_cache(cfg, 2, 64, jnp.float32)
+    found = []
+    for start, c in ((0, 16), (16, 8)):
+        cache, got = chunk(model.params, jnp.asarray(x[:, start:start + c]), cache)
+        found.append(got)
+        for layer in cfg.layers:
+            h, i = got[f"layers.{layer.index}.moe.in"], layer.index
+            _, e = route(layer_block(model.params, cfg, i).moe, h.reshape(-1, h.shape[-1]),
+                         jnp.asarray(x[:, start:start + c]).reshape(-1), cfg)
+            np.testing.assert_array_equal(got[f"layers.{i}.moe.experts"].reshape(e.shape), e)
+    assert set(found[0]) == {f"layers.{layer.index}.{p[9:]}" for layer in cfg.layers for p in points}
+    if name == "scanned":
+        _, want = inspect.forward(model, x, capture="layers.*.moe.experts")
+        for key in want:
+            np.testing.assert_array_equal(np.concatenate([f[key] for f in found], axis=1), want[key])

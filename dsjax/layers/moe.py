@@ -319,6 +319,7 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
         raise ValueError(f"{cfg.n_routed_experts} routed experts cannot be split over expert={ep} devices")
     batch = P(present_axes(RULES.mesh_axes("batch"), mesh))
     in_specs = (_moe_in_specs(p, ep), P(*batch, None), batch)
+
     def dispatch(p, x, weights, idx):
         if ep == 1:
             return routed_experts(p, x, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
@@ -365,7 +366,7 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
                                         lead=x.shape[:-1])
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg, x.shape[:-1])
-        routed = routed_experts(p, flat, gained(weights, idx, cfg), idx, cfg, None if rows is None else "grouped", kernels=kernels,
-                                layer=layer, rows=rows, fp8_acts=fp8_acts)
+        routed = routed_experts(p, flat, gained(weights, idx, cfg), idx, cfg, None if rows is None else "grouped",
+                                kernels=kernels, layer=layer, rows=rows, fp8_acts=fp8_acts)
     routed = routed.astype(x.dtype)
     return reshape(routed + shared_expert(p, flat, cfg, fp8_acts), x.shape)
