@@ -179,6 +179,8 @@ def compile_counter():
     """Counts of programs built (compiled or read from the persistent cache) and read from the cache meanwhile."""
     import jax
 
+    from dsjax.engine.executables import EXECUTABLE_LOADED
+
     counts = {"programs": 0, "cached": 0}
 
     def on_duration(event, duration, **kw):
@@ -187,6 +189,9 @@ def compile_counter():
 
     def on_event(event, **kw):
         if event == "/jax/compilation_cache/cache_hits":
+            counts["cached"] += 1
+        elif event == EXECUTABLE_LOADED:  # an engine program read whole from disk: built from the cache
+            counts["programs"] += 1
             counts["cached"] += 1
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
@@ -201,7 +206,7 @@ def compile_counter():
 def setup_cache(args):
     from dsjax.compile_cache import setup_compile_cache
 
-    return setup_compile_cache("off" if args.no_compile_cache else args.compile_cache)
+    return setup_compile_cache("off" if args.no_compile_cache else args.compile_cache, executables=True)
 
 
 WEIGHT_DTYPE_HELP = ("bfloat16: the projection matrices stored in bf16 under float32 activations (half the bytes a "

@@ -49,6 +49,8 @@ class CompileCache:
 
 
 _chosen: CompileCache | None = None  # the process's setting: jax's cache config is process-wide too
+_keep_executables = False
+EXECUTABLES_SUBDIR = "dsjax-executables"
 
 
 def default_directory() -> Path:
@@ -65,13 +67,18 @@ def current() -> CompileCache:
     return _chosen if _chosen is not None and not _chosen.enabled else CompileCache(None, "not set up")
 
 
-def setup_compile_cache(setting: str | os.PathLike | None = None) -> CompileCache:
+def setup_compile_cache(setting: str | os.PathLike | None = None, *, executables: bool | None = None) -> CompileCache:
     """Turn JAX's persistent compilation cache on (or off) for this process.
 
     setting: a directory, "off", or None (the environment / default, see the module doc).
     With None, a cache already configured in JAX - or by an earlier call - is kept, so
-    calling this again (every `load_model` does) changes nothing."""
-    global _chosen
+    calling this again (every `load_model` does) changes nothing.
+    executables: also keep the engine's compiled programs as executables beside the cache
+    (`dsjax.engine.executables`: a warm start then skips tracing and lowering them); the
+    commands (`dsjax serve`, `run`, `batch`) turn it on, None leaves it as it was."""
+    global _chosen, _keep_executables
+    if executables is not None:
+        _keep_executables = executables
     explicit = setting is not None
     if not explicit:
         if _chosen is not None:
@@ -101,3 +108,12 @@ def setup_compile_cache(setting: str | os.PathLike | None = None) -> CompileCach
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
     _chosen = CompileCache(str(directory), source)
     return _chosen
+
+
+def executable_directory() -> Path | None:
+    """Where the engine keeps executables (`dsjax.engine.executables`): beside the compile
+    cache, when a command asked for it and the cache is on; else None."""
+    cache = current()
+    if not _keep_executables or not cache.enabled:
+        return None
+    return Path(cache.directory) / EXECUTABLES_SUBDIR

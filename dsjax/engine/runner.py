@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax.compile_cache import executable_directory
 from dsjax.engine.constraints import mask_words
+from dsjax.engine.executables import Programs, Store
 from dsjax.engine.prefix_cache import PrefixCache, Restore
 from dsjax.engine.programs import (DeviceOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, restore_block, save_block, spec_decode_step, spec_prefill_rows,
@@ -85,8 +87,10 @@ class Runner:
             self.step_params = step_head_params(model.params, model.dtype, one_row=rows == 1 and not k,
                                                 screen=greedy_screen and not k and not max_logprobs
                                                 and worth_screening(model.params, rows))
-        cache, slots, spec = init_state(cfg=self.cfg, batch=rows, capacity=capacity, dtype=model.dtype,
-                                        num_draft_tokens=k)
+        store = executable_directory()
+        self.call = Programs(store and Store(store))  # every program below runs through it
+        cache, slots, spec = self.call(init_state, cfg=self.cfg, batch=rows, capacity=capacity, dtype=model.dtype,
+                                       num_draft_tokens=k)
         self.cache, self.slots, self.spec = self.place(cache), self.place(slots), self.place(spec)
         self.none_cancelled = self.place(jax.device_put(np.zeros(rows, bool)))
         self.block_static = None if pool is None else dict(block=block, layout=block_layout(self.cfg, capacity,
@@ -115,7 +119,7 @@ class Runner:
             for s in call.saves:
                 self.pool.keep(s.key, s.parent, s.tokens, lambda s=s: self._copy_block(s.slot, s.j, self._drafter()))
         for row, token in plan.starts:
-            self.slots = start_decoding(self.slots, np.int32(row), np.int32(token))
+            self.slots = self.call(start_decoding, self.slots, np.int32(row), np.int32(token))
         if plan.decode is not None:
             d = plan.decode
             out = self.split_decode(d, lambda: before_sample(output, d)) if d.constrained else self.decode(d)
@@ -155,43 +159,45 @@ class Runner:
             state = (params, self.model.mtp, self.cache, self.spec, self.slots)
             drafting = (self.policy.schedule, self.draft)
             if self.mesh is not None:
-                self.cache, self.spec, self.slots, out = spec_prefill_rows(*state, *self.place(chunk), *drafting,
-                                                                           sampled=call.sampled, **static)
+                self.cache, self.spec, self.slots, out = self.call(spec_prefill_rows, *state, *self.place(chunk),
+                                                                   *drafting, sampled=call.sampled, **static)
             else:
-                self.cache, self.spec, self.slots, out = spec_prefill_step(*state, slot, *chunk, *drafting,
-                                                                           sampled=call.sampled, **static)
+                self.cache, self.spec, self.slots, out = self.call(spec_prefill_step, *state, slot, *chunk,
+                                                                   *drafting, sampled=call.sampled, **static)
         elif self.mesh is not None:
-            self.cache, self.slots, out = prefill_rows(
-                params, self.cache, self.slots, *self.place((tokens, n_valid, is_last, admits, first_mask)),
+            self.cache, self.slots, out = self.call(
+                prefill_rows, params, self.cache, self.slots,
+                *self.place((tokens, n_valid, is_last, admits, first_mask)),
                 self.place(following) if call.score else None, **static)
         else:
-            self.cache, self.slots, out = prefill_step(params, self.cache, self.slots, slot, tokens, n_valid, is_last,
-                                                       admits, first_mask, following if call.score else None, **static)
+            self.cache, self.slots, out = self.call(prefill_step, params, self.cache, self.slots, slot, tokens, n_valid,
+                                                    is_last, admits, first_mask, following if call.score else None,
+                                                    **static)
         return out
 
     def decode(self, d: DecodePlan) -> DeviceOutput:
         """One decode step for every row (`decode_steps` tokens), or a verify step over d.k drafts."""
         cancelled = self._cancelled(d.cancelled)
         if self.spec is None:
-            self.cache, self.slots, out = decode_step(
-                self.step_params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts, ctx_bucket=d.bucket,
-                n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
+            self.cache, self.slots, out = self.call(
+                decode_step, self.step_params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts,
+                ctx_bucket=d.bucket, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
         else:
-            self.cache, self.spec, self.slots, out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled, self.policy.schedule,
-                self.draft, k=d.k, cfg=self.cfg, opts=self.opts, ctx_bucket=d.bucket, sampled=d.sampled,
-                n_logprobs=self.max_logprobs)
+            self.cache, self.spec, self.slots, out = self.call(
+                spec_decode_step, self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled,
+                self.policy.schedule, self.draft, k=d.k, cfg=self.cfg, opts=self.opts, ctx_bucket=d.bucket,
+                sampled=d.sampled, n_logprobs=self.max_logprobs)
         return out
 
     def split_decode(self, d: DecodePlan, masks: Callable[[], np.ndarray]) -> DeviceOutput:
         """A decode step in two dispatches: the forward, then (after `masks()`, which the host
         runs while the device runs the forward) the sampling under the packed masks [rows,
         words] int32."""
-        self.cache, self.slots, logits, positions = decode_forward(
-            self.step_params, self.cache, self.slots, self._cancelled(d.cancelled), cfg=self.cfg, opts=self.opts,
-            ctx_bucket=d.bucket)
-        self.slots, out = decode_sample(self.slots, logits, positions, self.place(masks().view(np.uint32)),
-                                        n_logprobs=self.max_logprobs)
+        self.cache, self.slots, logits, positions = self.call(
+            decode_forward, self.step_params, self.cache, self.slots, self._cancelled(d.cancelled), cfg=self.cfg,
+            opts=self.opts, ctx_bucket=d.bucket)
+        self.slots, out = self.call(decode_sample, self.slots, logits, positions, self.place(masks().view(np.uint32)),
+                                    n_logprobs=self.max_logprobs)
         return out
 
     # ------------------------------------------------------------------ prefix-cache blocks
@@ -200,7 +206,7 @@ class Runner:
 
     def _copy_block(self, row: int, j: int, drafter):
         """Block j of `row` (with the drafter's ring, or None), copied out at its end."""
-        return save_block(self.cache, drafter, np.int32(row), np.int32(j), **self.block_static)
+        return self.call(save_block, self.cache, drafter, np.int32(row), np.int32(j), **self.block_static)
 
     def restore(self, r: Restore) -> None:
         """Put a prompt's cached blocks into its row, as if their prompt chunks had run there
@@ -208,9 +214,9 @@ class Runner:
         b = self.block_static["block"]
         for j, entry in enumerate(r.blocks):
             tokens = np.asarray(r.request.prompt[j * b: (j + 1) * b], np.int32)[None]
-            self.cache, self.slots, drafter = restore_block(
-                self.cache, self.slots, self._drafter(), self.pool.device_block(entry), tokens, np.int32(r.slot),
-                np.int32(j), admission([r.request] if j == 0 else [None]), **self.block_static)
+            self.cache, self.slots, drafter = self.call(
+                restore_block, self.cache, self.slots, self._drafter(), self.pool.device_block(entry), tokens,
+                np.int32(r.slot), np.int32(j), admission([r.request] if j == 0 else [None]), **self.block_static)
             if drafter is not None:
                 self.spec = self.spec.replace(mtp=drafter)
 
@@ -224,8 +230,8 @@ class Runner:
         its own block back changes nothing); the state is left as it was."""
         blk = self._copy_block(0, 0, self._drafter())
         length, slots = np.asarray(self.cache.length), self.slots
-        self.cache, _, drafter = restore_block(
-            self.cache, jax.device_put(jax.tree.map(np.asarray, slots)), self._drafter(), blk,
+        self.cache, _, drafter = self.call(
+            restore_block, self.cache, jax.device_put(jax.tree.map(np.asarray, slots)), self._drafter(), blk,
             np.zeros((1, self.block_static["block"]), np.int32), np.int32(0), np.int32(0), admission([None]),
             **self.block_static)
         if drafter is not None:
@@ -244,9 +250,10 @@ class Runner:
                                jnp.asarray(calibration_centres(), jnp.float32))
 
         def verify(k: int):
-            self.cache, idle[0], idle[1], out = spec_decode_step(
-                self.model.params, self.model.mtp, self.cache, *idle, self.none_cancelled, placeholder, self.draft,
-                k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=False, n_logprobs=self.max_logprobs)
+            self.cache, idle[0], idle[1], out = self.call(
+                spec_decode_step, self.model.params, self.model.mtp, self.cache, *idle, self.none_cancelled,
+                placeholder, self.draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=False,
+                n_logprobs=self.max_logprobs)
             return self.cache, out
 
         self.policy.measure_costs(verify)

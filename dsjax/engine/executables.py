@@ -1,0 +1,251 @@
+"""The runner's programs as compiled executables, kept on disk so a warm start skips tracing.
+
+JAX's persistent compile cache (`dsjax.compile_cache`) is keyed by a program's lowered
+module, so even a hit first traces and lowers the program: for the engine's programs on a
+CPU that is 1-2 s each, most of a warm `dsjax serve` start. `Programs` calls each program
+through an executable it looks up by what determines the program without tracing it:
+
+    the program (module and name), its static arguments (repr), the argument pytree's
+    structure and every leaf's shape, dtype, weak type and sharding,
+    + the environment: dsjax's source files (hashed), jax / jaxlib versions, the backend,
+      its devices, XLA_FLAGS, the jax settings that change what is traced, the host CPU
+
+An executable is found, in order: in this runner's own table (a short key: the program,
+its static arguments, the top-level arguments' shapes and types: the runner's state has
+one shape for its life), in the process's table (the whole key; `jax.clear_caches()`
+empties it, as it does jit's), in the store on disk (`jax.experimental.serialize_executable`,
+when a command turned the store on: `compile_cache.setup_compile_cache(...,
+executables=True)`), and otherwise it is lowered and compiled: with the store on, JAX's
+persistent cache is skipped for it (see `_compile_fresh`) and the executable written to
+the store; one-device programs only (a mesh's are compiled per process). A short key that stops matching (an argument
+of another shape inside a pytree) is caught by the executable's own argument check and
+looked up again by the whole key, so a stale match cannot run.
+
+Programs read from the store are counted by `dsjax.command.compile_counter` as programs
+built from the cache (monitoring event `EXECUTABLE_LOADED`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import pickle
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+EXECUTABLE_LOADED = "/dsjax/executables/loaded"
+_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl",
+             "jax_numpy_dtype_promotion", "jax_dynamic_shapes")
+_SOURCE_SUFFIXES = (".py", ".c", ".cc", ".h", ".json")
+
+
+class _Table:
+    """The process's executables by whole key; registered so that `jax.clear_caches()`
+    drops them with jit's (the suite clears per module: XLA:CPU code mappings are finite)."""
+
+    def __init__(self):
+        self.entries: dict = {}
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def __setitem__(self, key, compiled):
+        self.entries[key] = compiled
+
+    def cache_clear(self):
+        self.entries.clear()
+
+    def cache_info(self):
+        return len(self.entries)
+
+    def cache_keys(self):
+        return list(self.entries)
+
+
+_process_table = _Table()
+try:  # private in jax: without it the table is only emptied by `clear()`
+    from jax._src.util import register_cache
+
+    register_cache(_process_table, "dsjax executables")
+except ImportError:  # pragma: no cover
+    pass
+
+
+def clear() -> None:
+    _process_table.cache_clear()
+
+
+@functools.cache
+def environment() -> str:
+    """What, beside the program and its arguments, decides the executable (hex digest)."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]  # the dsjax package
+    for path in sorted(p for p in root.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    import jaxlib
+
+    backend = jax.devices()[0].client
+    devices = [(d.id, d.device_kind, d.process_index) for d in jax.devices()]
+    settings = [(s, str(getattr(jax.config, s, None))) for s in _SETTINGS]
+    for part in (jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version, devices,
+                 os.environ.get("XLA_FLAGS", ""), settings, platform.machine(), _cpu_flags()):
+        h.update(repr(part).encode())
+    return h.hexdigest()
+
+
+def _cpu_flags() -> str:
+    """The host CPU's features: an XLA:CPU executable is compiled for them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _leaf(x) -> str:
+    if isinstance(x, jax.Array):
+        return f"{x.shape}{x.dtype}{int(x.weak_type)}{x.sharding}"
+    a = np.asarray(x)
+    return f"{a.shape}{a.dtype}{int(isinstance(x, (int, float, complex)) and not isinstance(x, bool))}"
+
+
+def whole_key(fn, args: tuple, static: dict) -> str | None:
+    """The program's key (hex), or None where a static argument's repr names an object's
+    address (such a program is compiled per process, never stored)."""
+    leaves, tree = jax.tree.flatten(args)
+    text = repr((fn.__module__, fn.__qualname__, sorted(static.items())))
+    if " at 0x" in text:
+        return None
+    h = hashlib.sha256(text.encode())
+    h.update(str(tree).encode())
+    for x in leaves:
+        h.update(_leaf(x).encode())
+    return h.hexdigest()
+
+
+class Store:
+    """Serialized one-device executables in `directory`/<environment>/<key>.exe (written
+    whole, then renamed: processes may share the directory)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory) / environment()[:32]
+
+    def load(self, key: str):
+        path = self.directory / f"{key}.exe"
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        try:
+            serialized, in_tree, out_tree, device = pickle.loads(blob)
+            compiled = deserialize_and_load(serialized, in_tree, out_tree,
+                                            execution_devices=[d for d in jax.devices() if d.id == device])
+        except Exception:  # a torn or foreign file costs a compile, nothing else
+            return None
+        jax.monitoring.record_event(EXECUTABLE_LOADED)
+        return compiled
+
+    def save(self, key: str, compiled) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        devices = {d for s in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+                   for d in s.device_set}
+        if len(devices) != 1:  # kept for one device (a mesh's programs are compiled per process)
+            return
+        try:
+            blob = pickle.dumps((*serialize(compiled), devices.pop().id))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self.directory / f"{key}.exe")
+        except (OSError, ValueError, NotImplementedError, pickle.PicklingError, TypeError):
+            pass  # not serializable here (or no room): it stays a per-process program
+
+
+@contextlib.contextmanager
+def _persistent_cache_skipped():
+    """JAX's persistent cache off for the compiles inside (private state; where it has moved,
+    nothing is skipped and `_compile_fresh` still refuses a re-read executable)."""
+    try:
+        from jax._src import compilation_cache as cc
+
+        lock, saved = cc._cache_initialized_mutex, (cc._cache_checked, cc._cache_used)
+    except (ImportError, AttributeError):  # pragma: no cover
+        yield
+        return
+    with lock:
+        cc._cache_checked, cc._cache_used = True, False
+    try:
+        yield
+    finally:
+        with lock:
+            cc._cache_checked, cc._cache_used = saved
+
+
+def _compile_fresh(lowered):
+    """(the executable, whether it was read from JAX's persistent cache). The store keeps only
+    executables compiled here: XLA:CPU (jax 0.10) serializes one read from JAX's cache without
+    some of its functions, which then fail at run time ("Function wrapped_broadcast not
+    found"); so the engine's programs, when stored, skip JAX's cache."""
+    hits = []
+    listener = lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None  # noqa: E731
+    jax.monitoring.register_event_listener(listener)
+    try:
+        with _persistent_cache_skipped():
+            compiled = lowered.compile()
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    return compiled, bool(hits)
+
+
+def _short(a) -> Any:
+    shape = getattr(a, "shape", None)
+    return type(a) if shape is None else (shape, getattr(a, "dtype", None))
+
+
+class Programs:
+    """Calls the runner's jitted programs through their executables: `programs(fn, *args,
+    **static)` == `fn(*args, **static)` (dynamic arguments positional, static ones by name)."""
+
+    def __init__(self, store: Store | None = None):
+        self.store = store
+        self.table: dict = {}
+
+    def __call__(self, fn: Callable, *args, **static):
+        short = (fn, *static.items(), *map(_short, args))
+        compiled = self.table.get(short)
+        if compiled is not None:
+            try:
+                return compiled(*args)
+            except (TypeError, ValueError):  # raised by the argument check, before anything runs
+                pass
+        compiled = self.table[short] = self._find(fn, args, static)
+        return compiled(*args)
+
+    def _find(self, fn, args, static):
+        key = whole_key(fn, args, static)
+        compiled = _process_table.get(key) if key else None
+        if compiled is None:
+            compiled = self.store.load(key) if self.store and key else None
+            if compiled is None:
+                lowered = fn.lower(*args, **static)
+                if self.store and key:
+                    compiled, reread = _compile_fresh(lowered)
+                    if not reread:
+                        self.store.save(key, compiled)
+                else:
+                    compiled = lowered.compile()
+            if key:
+                _process_table[key] = compiled
+        return compiled

@@ -1,0 +1,104 @@
+"""The runner's programs as stored executables (`dsjax.engine.executables`): a second start
+reads every program from the store instead of tracing it, and runs exactly the programs
+jit would have built."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+import dsjax
+from dsjax.command import compile_counter
+from dsjax.engine import executables
+from dsjax.engine.engine import Engine
+from dsjax.engine.executables import EXECUTABLE_LOADED, Programs, Store, whole_key
+from dsjax.engine.requests import SamplingParams
+
+
+@struct.dataclass
+class Box:
+    a: jax.Array
+    scale: float = struct.field(pytree_node=False)
+
+
+@jax.jit
+def _double(box: Box, x):
+    return box.a * box.scale + x
+
+
+_scaled = jax.jit(lambda x, *, k: x * k, static_argnames=("k",))
+
+
+@pytest.fixture
+def loads():
+    """How many executables were read from a store in the test."""
+    seen = []
+    listener = lambda event, **kw: seen.append(event) if event == EXECUTABLE_LOADED else None  # noqa: E731
+    jax.monitoring.register_event_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_listener(listener)
+
+
+def test_programs_equal_jit_and_the_store_gives_the_same_executable(tmp_path, loads):
+    box, x = Box(jnp.arange(4.0), 3.0), np.ones(4, np.float32)
+    executables.clear()
+    first = Programs(Store(tmp_path))
+    np.testing.assert_array_equal(first(_double, box, x), _double(box, x))
+    np.testing.assert_array_equal(first(_scaled, x, k=2.0), x * 2)
+    assert not loads
+    executables.clear()  # a new process: nothing in memory
+    second = Programs(Store(tmp_path))
+    np.testing.assert_array_equal(second(_double, box, x), _double(box, x))
+    np.testing.assert_array_equal(second(_scaled, x, k=2.0), x * 2)
+    assert len(loads) == 2
+    np.testing.assert_array_equal(second(_scaled, x, k=5.0), x * 5)  # another static argument: compiled anew
+    assert len(loads) == 2
+
+
+def test_the_key_sees_inside_pytrees_and_a_stale_short_match_cannot_run(tmp_path):
+    x = np.ones(4, np.float32)
+    small, wide, rescaled = Box(jnp.arange(4.0), 3.0), Box(jnp.arange(8.0).reshape(2, 4), 3.0), Box(jnp.arange(4.0), 2.0)
+    keys = {whole_key(_double, (b, x), {}) for b in (small, wide, rescaled)}
+    assert len(keys) == 3  # a leaf's shape, a static field: each another program
+    assert whole_key(_double, (small, x), {}) == whole_key(_double, (Box(jnp.zeros(4), 3.0), x), {})  # values: not
+    programs = Programs(Store(tmp_path))
+    np.testing.assert_array_equal(programs(_double, small, x), small.a * 3 + x)
+    # same top-level types and shapes (the runner's short key), another shape inside the pytree
+    np.testing.assert_array_equal(programs(_double, wide, x), wide.a * 3 + x)
+    np.testing.assert_array_equal(programs(_double, small, x), small.a * 3 + x)
+
+
+def test_a_torn_store_file_costs_a_compile_not_a_failure(tmp_path, loads):
+    x = np.ones(4, np.float32)
+    executables.clear()
+    Programs(Store(tmp_path))(_scaled, x, k=2.0)
+    (path,) = Store(tmp_path).directory.glob("*.exe")
+    path.write_bytes(path.read_bytes()[:100])
+    executables.clear()
+    np.testing.assert_array_equal(Programs(Store(tmp_path))(_scaled, x, k=2.0), x * 2)
+    assert not loads
+
+
+def test_a_warm_engine_start_reads_every_program_from_the_store(tmp_path, monkeypatch, loads):
+    """The second engine (as after a restart: nothing in memory) builds none of its programs,
+    loads them all, and generates the first one's tokens."""
+    tiny = dsjax.load_model("tiny", dtype="float32", seed=0)
+    monkeypatch.setattr("dsjax.engine.runner.executable_directory", lambda: tmp_path)
+    prompts = np.random.default_rng(1).integers(0, 200, (3, 11)).tolist()
+    sp = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.9, seed=4),
+          SamplingParams(max_tokens=6)]
+
+    def start_and_run():
+        executables.clear()
+        jax.clear_caches()
+        with compile_counter() as counts:
+            engine = Engine(tiny, max_slots=2, capacity=64, prefill_chunk=16)
+            engine.warmup()
+        return counts, engine.generate(prompts, sp)
+
+    cold, tokens = start_and_run()
+    assert cold["programs"] >= 3 and not loads  # the state, a prompt chunk, a decode step
+    warm, again = start_and_run()
+    assert warm["programs"] == warm["cached"] == len(loads) == cold["programs"]  # every one read whole
+    assert again == tokens and all(len(t) == 6 for t in tokens)
