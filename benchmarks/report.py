@@ -35,6 +35,7 @@ SCRIPTS = {
     "layer_layout": "layer_layout.py", "load": "load_bench.py", "prefix_cache": "prefix_cache_bench.py",
     "program_identity": "program_identity.py", "sampler": "sampler_bench.py", "serve_trial": "serve_trial.py",
     "sinkhorn_forms": "sinkhorn_forms.py", "spec": "spec_bench.py", "tinypy_report": "tinypy_report.py",
+    "tpu_roofline": "tpu_roofline.py",
 }
 MACHINE_KEYS = ("machine", "platform", "device", "devices", "backend", "cpus")
 MAX_STRING = 100      # longer strings are cut (the JSON keeps them whole)
@@ -138,6 +139,28 @@ def table(header, rows) -> list[str]:
     return lines
 
 
+def roofline_tables(d: dict) -> list[str]:
+    """tpu_roofline.json's tables: the chips' figures, each kernel call's expected time per
+    generation (its bound), the decode step per slice (also docs/kernels.md's tables)."""
+    gens = list(d["chips"])
+    keys = [k for k in d["chips"][gens[0]] if k != "source"]
+    lines = table(["chip"] + keys + ["source"], [[g] + [fmt(c[k]) for k in keys] + [c["source"]]
+                                                 for g, c in d["chips"].items()])
+    lines += ["", f"Kernel calls ({d['model']} shapes): MB and GFLOP per call (at {gens[0]}'s blocks), "
+              "expected us per generation (bound).", ""]
+    lines += table(["kernel", "shape", "MB", "GFLOP"] + [f"{g} us" for g in gens],
+                   [[r["kernel"], r["shape"], fmt(r[gens[0]]["mbytes"]), fmt(r[gens[0]]["gflop"])]
+                    + [f"{fmt(r[g]['expected_us'])} ({r[g]['bound']})" for g in gens] for r in d["kernels"]])
+    cols = [k for k in d["decode_step"][0] if k != "slice"]
+    lines += ["", f"One {d['model']} decode step per device (mesh expert=8).", ""]
+    lines += table(["slice"] + cols, [[r["slice"]] + [fmt(r[k]) for k in cols] for r in d["decode_step"]])
+    return lines
+
+
+# result file name prefix -> its own renderer (the tables after the heading and source line)
+RENDERERS = {"tpu_roofline": roofline_tables}
+
+
 def render_file(name: str, d) -> list[str]:
     stem = name[: -len(".json")]
     script = max((p for p in SCRIPTS if stem.startswith(p)), key=len, default=None)
@@ -145,6 +168,9 @@ def render_file(name: str, d) -> list[str]:
     src = f"[`results/{name}`](results/{name})"
     lines.append(f"From {src}" + (f", written by `benchmarks/{SCRIPTS[script]}`." if script else "."))
     lines.append("")
+    own = next((r for p, r in RENDERERS.items() if stem.startswith(p)), None)
+    if own is not None:
+        return lines + [f"{d['note']}.", ""] * ("note" in d) + own(d) + [""]
     if not isinstance(d, dict):
         d = {"value": d}
     path = main_collection(d)

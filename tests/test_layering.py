@@ -30,6 +30,7 @@ RANKS = {
     "dsjax.weights": 0,  # where bundled checkpoints live (paths only)
     "dsjax.params": 1,
     "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.kernels": 2, "dsjax.memory": 2,
+    "dsjax.sharding.expert_dispatch": 2,  # the expert-parallel exchange (rows there and back), below the MoE
     "dsjax.layers": 3,
     "dsjax.model": 4,
     "dsjax.checkpoint": 5, "dsjax.param_count": 5,
@@ -45,7 +46,8 @@ RANKS = {
 # Front ends: none imports another (equal ranks would allow it; the CLI, above them, may).
 FRONT_ENDS = ("dsjax.serving", "dsjax.batch")
 # Below the model, a mechanism file sees only these.
-LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.kernels", "dsjax.layers")
+LAYERS_MAY_IMPORT = ("dsjax.config", "dsjax.params", "dsjax.sharding.rules", "dsjax.sharding.expert_dispatch",
+                     "dsjax.kernels", "dsjax.layers")
 # The engine's one door into the model and the layers below it.
 MODEL_INTERFACE = "dsjax.model.interface"
 # Function-level imports of dsjax hide upward edges; only the CLI and the command helpers defer

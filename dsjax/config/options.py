@@ -11,6 +11,7 @@ import dataclasses
 
 KERNELS = ("reference", "pallas", "mosaic_gpu", "mosaic_tpu")
 QUANTIZED = ("dequantize", "resident")
+EP_DISPATCH = ("auto", "ragged", "padded")  # dsjax/sharding/expert_dispatch.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,10 @@ class RuntimeOptions:
     or "mosaic_tpu" (the Mosaic TPU kernels; TPU interpret mode off a TPU).
     moe_capacity_factor: cap expert-parallel send buffers at ceil(tokens * k / ep * factor)
     and drop assignments past it; None (default) = dropless.
+    ep_dispatch: how expert-parallel rows travel: "auto" (default; `jax.lax.ragged_all_to_all`
+    on TPU / GPU, each row sent once, and a padded all_to_all on CPU, chosen when the program
+    is lowered), "ragged" (on CPU over an emulated collective: checks, not speed) or "padded".
+    A capacity factor drops rows, which only the padded form does.
     batch_invariant: every cached forward runs tiles of a fixed number of rows (one program
     shape at any batch size or mesh layout), so a request's logits are bitwise independent
     of its neighbours, its slot and the mesh (docs/batch-invariance.md).
@@ -39,6 +44,7 @@ class RuntimeOptions:
 
     kernels: str = "reference"
     moe_capacity_factor: float | None = None
+    ep_dispatch: str = "auto"
     batch_invariant: bool = False
     quantized: str = "dequantize"
     index_keys_from_owner: bool = False
@@ -51,6 +57,11 @@ class RuntimeOptions:
         cf = self.moe_capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
             raise ValueError(f"moe_capacity_factor must be a positive number or None, got {cf!r}")
+        if self.ep_dispatch not in EP_DISPATCH:
+            raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {self.ep_dispatch!r}")
+        if cf is not None and self.ep_dispatch == "ragged":
+            raise ValueError("moe_capacity_factor drops assignments, which only ep_dispatch='padded' (or 'auto') "
+                             "does; ep_dispatch='ragged' is dropless")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         if self.compute_dtype not in (None, "float32", "bfloat16"):

@@ -14,23 +14,24 @@ XLA:CPU up to 16 assignments take a matrix-vector product each, reading the expe
 (`expert_ffn_each`). All are exact; the expert-parallel path is checked against them.
 
 Expert parallelism (`routed_experts_sharded`): the routed experts are sharded over the
-`expert` mesh axis, and tokens go to the devices that hold their experts and back with
-`all_to_all`. Inside `jax.shard_map` each device has its own tokens (the batch is split
-over `data` and `expert`) and E / ep experts. Per device (`dispatch_combine`):
+`expert` mesh axis, and tokens go to the devices that hold their experts and back.
+Inside `jax.shard_map` each device has its own tokens (the batch is split over `data` and
+`expert`) and E / ep experts. Per device (`dispatch_combine`):
 
     route locally                         -> (weight, expert) per assignment
-    bucket assignments by owner device    -> send buffer [ep, C, D] (+ local expert ids)
-    all_to_all over `expert`              -> the rows this device's experts must process
+    sort assignments by expert            -> rows grouped by owner device
+    exchange over `expert`                -> the rows this device's experts must process
     grouped matmul over local experts     (grouped_ffn)
-    all_to_all back, weight, scatter-add  -> [T_local, D]
+    exchange back, weight, scatter-add    -> [T_local, D]
 
-Dropless by default: C = T_local * K, enough for every assignment to go to one device
-(skewed routing stays correct). `capacity_factor` caps C at ceil(T_local * K / ep * cf)
-and drops assignments past it: an explicit option, never the default. XLA:CPU has no
-ragged all-to-all, so buffers are padded to C; padding rows carry expert id -1 and are not
-computed.
+The exchange (dsjax/sharding/expert_dispatch.py) is `jax.lax.ragged_all_to_all` on TPU / GPU
+(each row sent once, counts exchanged first) and a padded all_to_all on XLA:CPU, which has
+no ragged one: send buffers [ep, C, D] with C = T_local * K, enough for every assignment to
+go to one device (skewed routing stays correct). Both are dropless by default.
+`capacity_factor` (padded form) caps C at ceil(T_local * K / ep * cf) and drops assignments
+past it: an explicit option, never the default.
 
-Runtime options (`kernels`, `capacity_factor`) are keyword arguments, not config fields.
+Runtime options (`kernels`, `capacity_factor`, `ep_dispatch`) are keyword arguments, not config fields.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from dsjax.kernels.dispatch import kernel_choice
 from dsjax.kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
 from dsjax.kernels.stored_matmul import mgpu_stored_grouped_ffn
 from dsjax.params import ParamSpec
+from dsjax.sharding.expert_dispatch import padded_dispatch, ragged_dispatch
 from dsjax.sharding.rules import RULES, current_mesh, lookup, present_axes, reshape, spec
 
 
@@ -270,42 +272,32 @@ def _moe_in_specs(p: MoE, ep: int) -> MoE:
 
 def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig, ep: int,
                      capacity_factor: float | None, *, kernels: str = "reference", rows: int | None = None,
-                     fp8_acts: bool = False) -> jax.Array:
+                     fp8_acts: bool = False, ep_dispatch: str = "auto") -> jax.Array:
     """Per device (inside shard_map): x [T, D] local tokens, idx/weights [T, K] global
     expert ids; p.w1/w3/w2 hold this device's E / ep experts. -> [T, D] fp32.
+    ep_dispatch: how rows travel (dsjax/sharding/expert_dispatch.py: "padded", "ragged", or
+    "auto": ragged on TPU / GPU, padded on CPU); a capacity factor takes the padded form.
     fp8_acts: DeepSeek-V4.1's Lin4 (`lin4`): the weights travel with the rows, to apply before W2."""
     t, k = idx.shape
     x, after, down = lin4(x, weights, fp8_acts)
     d = x.shape[-1]
-    local_n = cfg.n_routed_experts // ep
-    a = t * k
-    cap = a if capacity_factor is None else max(1, math.ceil(a / ep * capacity_factor))
     flat_e = idx.reshape(-1)
-    dest = flat_e // local_n
     order = jnp.argsort(flat_e, stable=True)  # by device, and by expert within: a token's outputs are summed
     # in ascending expert order, as `routed_experts` sums them, on any expert-parallel layout
-    counts = jnp.bincount(dest, length=ep)
-    rank = jnp.arange(a) - (jnp.cumsum(counts) - counts)[dest[order]]  # position in its send block
-    slot = jnp.where(rank < cap, dest[order] * cap + rank, ep * cap)  # ep * cap: dropped
-    send_x = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(x[order // k], mode="drop")
-    send_e = jnp.full((ep * cap,), -1, jnp.int32).at[slot].set((flat_e % local_n)[order], mode="drop")
-    recv_x = jax.lax.all_to_all(send_x.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
-    recv_e = jax.lax.all_to_all(send_e.reshape(ep, cap), "expert", 0, 0).reshape(ep * cap)
-    # local grouped matmul: valid rows sorted by local expert, padding rows last (not computed)
-    key = jnp.where(recv_e >= 0, recv_e, local_n)
-    by_expert = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=local_n + 1)[:local_n].astype(jnp.int32)
     w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
-    scale = None
-    if down is not None:
-        send_s = jnp.zeros((ep * cap,), jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")
-        scale = jax.lax.all_to_all(send_s.reshape(ep, cap), "expert", 0, 0).reshape(ep * cap)[by_expert]
-    y_sorted = grouped_ffn(recv_x[by_expert], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, rows=rows,
-                           scale=scale, down=down)
-    y = jnp.zeros((ep * cap, d), jnp.float32).at[by_expert].set(y_sorted).astype(x.dtype)
-    back = jax.lax.all_to_all(y.reshape(ep, cap, d), "expert", 0, 0).reshape(ep * cap, d)
-    per_assignment = jnp.where((slot < ep * cap)[:, None], back[jnp.minimum(slot, ep * cap - 1)], 0)
-    contrib = per_assignment.astype(jnp.float32) * after.reshape(-1)[order][:, None]
+    ffn = lambda r, sizes, s: grouped_ffn(r, sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels,  # noqa: E731
+                                          rows=rows, scale=s, down=down)
+    args = (x[order // k], flat_e[order], None if down is None else weights.reshape(-1)[order], ffn)
+    cap = t * k if capacity_factor is None else max(1, math.ceil(t * k / ep * capacity_factor))
+    padded = lambda: padded_dispatch(*args, n_experts=cfg.n_routed_experts, cap=cap)  # noqa: E731
+    ragged = lambda: ragged_dispatch(*args, n_experts=cfg.n_routed_experts)  # noqa: E731
+    if capacity_factor is not None or ep_dispatch == "padded":
+        back = padded()
+    elif ep_dispatch == "ragged":
+        back = ragged()
+    else:  # chosen when the program is lowered for its platform (both traced, one lowered)
+        back = jax.lax.platform_dependent(cpu=padded, default=ragged)
+    contrib = back.astype(jnp.float32) * after.reshape(-1)[order][:, None]  # [T * K, D], dropped rows 0
     if fp8_acts:  # the single-device paths' summation order (`sum_by_expert`)
         return sum_by_expert(jnp.zeros_like(contrib).at[order].set(contrib).reshape(t, k, d), idx)
     return jnp.zeros((t, d), jnp.float32).at[order // k].add(contrib)
@@ -314,9 +306,9 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
 def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
                            kernels: str = "reference", capacity_factor: float | None = None,
                            rows: int | None = None, fp8_acts: bool = False,
-                           lead: tuple[int, ...] | None = None) -> jax.Array:
+                           lead: tuple[int, ...] | None = None, ep_dispatch: str = "auto") -> jax.Array:
     """x [T, D] and token_ids [T] batch-sharded under the current mesh -> routed-expert
-    output [T, D] fp32, same sharding. lead: as `route`'s."""
+    output [T, D] fp32, same sharding. lead: as `route`'s; ep_dispatch: `dispatch_combine`'s."""
     mesh = current_mesh()
     ep = mesh.shape["expert"]
     if cfg.n_routed_experts % ep:
@@ -329,7 +321,7 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
             return routed_experts(p, x, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
                                   rows=rows, fp8_acts=fp8_acts)
         return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels=kernels, rows=rows,
-                                fp8_acts=fp8_acts)
+                                fp8_acts=fp8_acts, ep_dispatch=ep_dispatch)
 
     def local(p, x, ids):
         return dispatch(p, x, *route(p, x, ids, cfg))
@@ -352,9 +344,10 @@ def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig, fp8_acts: bool = False
 @jax.named_scope("moe")  # a profile's op group (benchmarks/decode_trace.py)
 def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *, kernels: str = "reference",
                 capacity_factor: float | None = None, layer: jax.Array | None = None,
-                rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
+                rows: int | None = None, fp8_acts: bool = False, ep_dispatch: str = "auto") -> jax.Array:
     """x [B, S, D] (normed), token_ids [B, S] -> [B, S, D]. Under a mesh the routed experts
-    run expert-parallel (`routed_experts_sharded`; `capacity_factor` caps its send buffers).
+    run expert-parallel (`routed_experts_sharded`; `capacity_factor` caps its send buffers,
+    `ep_dispatch` picks padded or ragged all-to-all).
     `kernels` picks the grouped matmul's implementation (dsjax/kernels/dispatch.py).
     layer: the routed-expert weights w1 / w3 / w2 are stacked over a scanned layer run and
     this is layer `layer` of them (the other weights are this layer's own).
@@ -367,7 +360,7 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
         p = expert_layer(p, layer)
         routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, kernels=kernels,
                                         capacity_factor=capacity_factor, rows=rows, fp8_acts=fp8_acts,
-                                        lead=x.shape[:-1])
+                                        lead=x.shape[:-1], ep_dispatch=ep_dispatch)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg, x.shape[:-1])
         routed = routed_experts(p, flat, gained(weights, idx, cfg), idx, cfg, None if rows is None else "grouped",

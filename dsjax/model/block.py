@@ -106,5 +106,5 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     with jax.named_scope("mhc"):
         h = tap("moe.in", rms_norm(collapse(streams, f_pre if pi is None else a_pre), p.ffn_norm, cfg.rms_norm_eps))
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
-                    layer=expert_layer, rows=rows, fp8_acts=fp8_acts)
+                    layer=expert_layer, rows=rows, fp8_acts=fp8_acts, ep_dispatch=opts.ep_dispatch)
     return tap("mhc.streams_out", expand(tap("moe.out", y), streams, f_post, f_comb)), f_pre, state

@@ -4,7 +4,8 @@ Mesh axes: `data` (batch), `expert` (routed experts; also splits the batch outsi
 MoE), `tensor` (attention heads, grouped output projection, vocabulary, shared expert).
 Every weight declares logical axes (dsjax/params.py); activations and caches use the
 logical `batch` axis. `RULES` maps each logical name to mesh axes; nothing else in dsjax
-names a mesh axis, except the expert dispatch (dsjax/layers/moe.py, expert parallel).
+names a mesh axis, except the expert dispatch (dsjax/sharding/expert_dispatch.py, and
+dsjax/layers/moe.py's shard_map around it).
 
 Meshes use `AxisType.Explicit`: shardings are part of the array types, and the model code
 says how an ambiguous result is sharded with `spec(...)`, which is None without a mesh (so
