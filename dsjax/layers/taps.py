@@ -188,7 +188,7 @@ def tap(name: str, value: jax.Array, shape: tuple[int, ...] | None = None) -> ja
             s.collects[-1][(s.layer[0], name)] = (value, 0)
         elif s.collects:
             raise NotImplementedError(f"capture of {names[0]} inside a scan that is not over layers "
-                                      "(a batch-invariant tile loop?): inspect the full-sequence forward")
+                                      "(open its body with `apart()`): inspect the full-sequence forward")
         else:
             s.found[names[0]] = value
     return value.reshape(own)
