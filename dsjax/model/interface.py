@@ -40,6 +40,7 @@ from dsjax.model.cache_layout import block_layout, cache_bytes, init_cache, min_
 from dsjax.model.family import family_of
 from dsjax.model.forward_pass import forward, forward_traced
 from dsjax.model.head import head_dtype, lm_head_weight, screens, step_head_params
+from dsjax.sharding.rules import batch_sharding
 
 __all__ = [
     # forward
@@ -225,15 +226,20 @@ def capture_points(model: Model, capacity: int) -> dict[str, tuple]:
     cfg, rows = model.config, model.batch_shards()
     opts = model.options.replace(batch_invariant=False)  # (the same points; no tile of rows to fill)
 
-    def trace(params, tokens):
-        cache = init_cache(cfg, rows, capacity, model.dtype)
-        with taps.session((), {}) as s:
+    def trace(params, tokens, cache):
+        with taps.session(("layers.*",), {}) as s:  # (asked for: on an expert-parallel mesh routing then shows)
             forward_traced(params, tokens, cfg, cache, opts=opts, ctx_bucket=capacity, last_only=True)
         seen.update(s.seen)
 
+    def placed(a, axis=0):  # batch-major on a mesh, as the engine places its state and inputs
+        sharding = None if model.mesh is None else batch_sharding(model.mesh, a.ndim, axis)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
     seen: dict = {}
     with model.mesh_context():
-        jax.eval_shape(trace, model.params, jax.ShapeDtypeStruct((rows, 1), jnp.int32))
+        cache = jax.eval_shape(lambda: init_cache(cfg, rows, capacity, model.dtype))
+        jax.eval_shape(trace, model.params, placed(jax.ShapeDtypeStruct((rows, 1), jnp.int32)),
+                       jax.tree.map(placed, cache, batch_axes(cache)))
     return {name: (shape[2:], dtype) for name, (shape, dtype) in seen.items()
             if name.startswith("layers.") and len(shape) >= 2 and shape[:2] == (rows, 1)
             and not name.endswith(CONTEXT_SIZED)}
