@@ -28,7 +28,7 @@ import numpy as np
 from dsjax.api import Model
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers import taps
-from dsjax.layers.taps import EDITS, Add, Replace
+from dsjax.layers.taps import EDITS, Add, Replace, describe
 from dsjax.model.forward_pass import forward_traced
 from dsjax.sharding.rules import batch_sharding
 
@@ -70,19 +70,6 @@ def _order(name: str):
     """Layers in order, then the rest (`final.*`)."""
     m = re.match(r"layers\.(\d+)\.(.*)", name)
     return (0, int(m.group(1)), m.group(2)) if m else (1, 0, name)
-
-
-def describe(seen) -> str:
-    """The names a forward taps, one line per point with the layers that have it."""
-    points: dict[str, list[int]] = {}
-    for name in seen:
-        m = re.match(r"layers\.(\d+)\.(.*)", name)
-        points.setdefault(f"layers.{{i}}.{m.group(2)}" if m else name, []).append(int(m.group(1)) if m else -1)
-    lines = []
-    for point, layers in sorted(points.items()):
-        where = "" if layers == [-1] else f"  i in {sorted(set(layers))}"
-        lines.append(f"  {point}{where}")
-    return "\n".join(lines)
 
 
 def _check(seen: dict, capture: tuple[str, ...], edits: dict) -> None:

@@ -13,11 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dsjax
 import dsjax.batch
-from dsjax import cli
+from dsjax import cli, inspect
 from dsjax.batch.manifest import manifest_path
 from dsjax.batch.runner import context
 from dsjax.protocol import CHAT, prepare
@@ -344,3 +345,33 @@ def test_prefix_cache_job_computes_a_shared_prompt_once(tmp_path, capsys):
     assert outputs[0] == outputs[1]
     assert "prefix cache: 5 of 6 records hit, 480 prompt tokens taken from it" in said[0]
     assert "prefix cache: 0 of 6 records hit" in said[1]
+
+
+def test_record_routing_adds_each_records_expert_load(model, results, tmp_path, capsys):
+    """--record-routing: each line gains "expert_counts", which are the full forward's routing
+    (dsjax.inspect) over the record's prompt and tokens counted per layer and expert, split at the
+    prompt's last position (its step makes the first token); the rest of every line is the plain
+    job's, and the manifest records the flag. Refused with speculation."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    cmd = ["batch", "--input", str(inp), "--output", str(out), "--model", "tiny", "--dtype", "float32", "--quiet",
+           *SLOTS, "--record-routing"]
+    assert cli.main(cmd) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{k: v for k, v in line.items() if k != "expert_counts"} for line in lines] == results
+    assert json.loads(manifest_path(out).read_text())["settings"]["record_routing"] is True
+    cfg, checked = model.config, [(rec["prompt_ids"], line) for rec, line in zip(RECORDS, lines) if "prompt_ids" in rec]
+    seqs = [prompt + line["ids"][:-1] for prompt, line in checked]
+    padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)  # causal: what follows a position changes nothing
+    for row, seq in zip(padded, seqs):
+        row[: len(seq)] = seq
+    _, trace = inspect.forward(model, padded, capture="layers.*.moe.experts")
+    for n, (prompt, line) in enumerate(checked):
+        p, end = len(prompt) - 1, len(seqs[n])  # the prompt's last position's step makes the first token
+        for part, positions in (("prompt", slice(0, p)), ("generated", slice(p, end))):
+            want = [np.bincount(trace[f"layers.{i}.moe.experts"][n, positions].ravel(),
+                                minlength=cfg.n_routed_experts).tolist() for i in range(cfg.num_hidden_layers)]
+            assert line["expert_counts"][part] == want, (line["id"], part)
+    capsys.readouterr()
+    assert cli.main([*cmd[:4], str(tmp_path / "spec.jsonl"), *cmd[5:], "--num-draft-tokens", "1"]) == 1
+    assert "--record-routing is not supported with --num-draft-tokens" in capsys.readouterr().err

@@ -238,8 +238,9 @@ def test_on_a_mesh_with_expert_parallelism(tiny):
 
 @pytest.mark.parametrize("name", ["scanned", "v41"])
 def test_taps_read_the_cached_forward_too(models, name):
-    """The hook the engine's per-token capture needs (not built): a session around the cached
-    forward's trace captures each layer's routing chunk by chunk: V4's is the full forward's;
+    """What the engine's per-token capture stands on (tests/test_engine_capture.py): a session
+    around the cached forward's trace captures each layer's routing chunk by chunk: V4's is the
+    full forward's;
     V4.1's chunks follow the reference's key rule and round trips, so its routing is checked
     against `route` recomputed from the chunk's own captured MoE input."""
     from dsjax.layers import taps

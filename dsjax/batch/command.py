@@ -77,6 +77,9 @@ def add_parsers(sub, common, *, load, setup_cache, compiling, prefix_cache_args)
                    "its batch (a little slower): an interrupted and resumed job then equals an uninterrupted one "
                    "exactly, at any --max-slots")
     prefix_cache_args(b)
+    b.add_argument("--record-routing", action="store_true", help="add each record's expert load to its line: "
+                   '"expert_counts": {"prompt": [[n] * experts] * layers, "generated": ...}, the tokens each layer '
+                   "routed to each expert (not with --num-draft-tokens or --prefix-cache-mb)")
     b.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="bad input lines: write an error "
                    "line and go on (skip), or stop before running anything (fail, exit status 1)")
     b.add_argument("--ray", type=int, default=0, metavar="N", help="run on N model replicas with Ray Data (pip "
@@ -106,7 +109,8 @@ def _flag_settings(args, input_sha: str, name: str) -> dict:
             "prefill_chunk": args.prefill_chunk, "input_sha256": input_sha,
             **({"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens else {}),  # absent: 0
             # the prompt chunks' grid (a hit itself changes no bit): absent when off
-            **({"prefix_cache": True} if getattr(args, "prefix_cache_mb", 0) else {})}
+            **({"prefix_cache": True} if getattr(args, "prefix_cache_mb", 0) else {}),
+            **({"record_routing": True} if getattr(args, "record_routing", False) else {})}  # a field of each line
 
 
 def _settings(args, model, input_sha: str, name: str) -> dict:
@@ -142,7 +146,7 @@ def _prepare(args, say, helpers, data: bytes):
     engine = make_engine(model, checked, max_slots=args.max_slots, batch_invariant=args.batch_invariant or None,
                          decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
                          num_draft_tokens=args.num_draft_tokens,
-                         prefix_cache=prefix_cache)
+                         prefix_cache=prefix_cache, record_routing=getattr(args, "record_routing", False))
     helpers.compiling(say, cache)
     return checked, engine, current
 
@@ -196,6 +200,9 @@ def _batch(args, say, helpers) -> int:
         raise JobRefused("--ray and --ray-batch-size must be >= 0")
     if args.ray and args.prefix_cache_mb:
         raise JobRefused("--prefix-cache-mb is not supported with --ray yet (each replica would need its own)")
+    if args.record_routing and (args.num_draft_tokens or args.prefix_cache_mb):
+        raise JobRefused("--record-routing is not supported with --num-draft-tokens or --prefix-cache-mb yet "
+                         "(positions a verify step rejects or a cached block restores have no routing of their own)")
     if args.ray and jax.process_count() > 1:
         raise JobRefused("--ray runs replicas of one-process engines; it cannot be combined with a multi-process job")
     if args.ray:
@@ -280,7 +287,8 @@ def _on_ray(args, data: bytes, capacity: int, todo, output: Output, done: dict, 
                      kernels=args.kernels, name=args.served_model_name or Path(args.model).name,
                      max_new_tokens=args.max_new_tokens, max_slots=args.max_slots,
                      batch_invariant=args.batch_invariant or None, decode_steps=args.decode_steps,
-                     num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, capacity=capacity)
+                     num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, capacity=capacity,
+                     record_routing=args.record_routing)
     say(f"dispatching to {args.ray} Ray replica(s) ...")
     tokens = 0
     lines = [(r.line, json.dumps(objs[r.line])) for r in todo]
@@ -320,7 +328,8 @@ def _verify(args, say, helpers) -> int:
                         max_new_tokens=s["max_new_tokens"], max_slots=s["max_slots"],
                         decode_steps=s["decode_steps"], prefill_chunk=s["prefill_chunk"],
                         num_draft_tokens=s.get("num_draft_tokens", 0),
-                        prefix_cache_mb=256 if s.get("prefix_cache") else 0, prefix_host_mb=0)
+                        prefix_cache_mb=256 if s.get("prefix_cache") else 0, prefix_host_mb=0,
+                        record_routing=s.get("record_routing", False))
     data = Path(recorded["input"]).read_bytes()
     results = finished(out.read_bytes(), out)
     checked, engine, current = _prepare(job, say, helpers, data)

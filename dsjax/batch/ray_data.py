@@ -87,14 +87,15 @@ class RayPredictor:
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, mesh: str | None = None,
                  kernels: str = "reference", name: str | None = None, max_new_tokens: int = 256,
                  max_slots: int = 8, batch_invariant: bool | None = None, decode_steps: int = 4,
-                 prefill_chunk: int = 256, capacity: int | None = None, num_draft_tokens: int = 0):
+                 prefill_chunk: int = 256, capacity: int | None = None, num_draft_tokens: int = 0,
+                 record_routing: bool = False):
         self.model = load_model(model, dtype=dtype, seed=seed, mesh=mesh or None, kernels=kernels,
                                 **({"mtp": True} if num_draft_tokens else {}))
         self.tokenizer = load_tokenizer(model)
         self.settings = dict(seed=seed, name=name,
                              max_new_tokens=max_new_tokens, max_slots=max_slots, batch_invariant=batch_invariant,
                              decode_steps=decode_steps, prefill_chunk=prefill_chunk, capacity=capacity,
-                             num_draft_tokens=num_draft_tokens)
+                             num_draft_tokens=num_draft_tokens, record_routing=record_routing)
 
     def __call__(self, batch) -> dict[str, list]:
         work = items(batch)

@@ -11,6 +11,11 @@ lines through `dsjax.protocol.prepare` (deepseek-recipe's conversion, as served)
 
 A record without a seed gets one derived from the run's seed and its id (`derived_seed`),
 so its tokens do not depend on the order records run in.
+
+A job that records routing (`dsjax batch --record-routing`, `run(..., record_routing=True)`)
+adds each record's expert load to its output line: "expert_counts": {"prompt": [[n] * E] * L,
+"generated": ...}, the tokens each layer routed to each expert, over the prompt's positions
+but the last and over the steps that made the generated tokens (`dsjax.engine.capture`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import hashlib
 import json
 from typing import Any
 
+import numpy as np
+
 from dsjax.engine import SamplingParams, TokenEvent
+from dsjax.engine.capture import expert_counts
 from dsjax.generate import plan
 from dsjax.output import TextRun
 from dsjax.protocol import CHAT, COMPLETIONS, APIError, Context, prepare
@@ -52,9 +60,13 @@ class Record:
     _run: Any = None
     ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None  # raw records with prompt_logprobs: from the first event
+    routing: dict | None = None  # recording routing: "prompt" / "generated" -> expert counts [L, E]
 
-    def start(self) -> None:
+    def start(self, routing: tuple[int, int] | None = None) -> None:
+        """Reset the output state; routing: (layers, experts) to count expert load in (the
+        engine captures each token's experts), or None."""
         self.ids, self.prompt_logprobs = [], None
+        self.routing = None if routing is None else {k: np.zeros(routing, np.int64) for k in ("prompt", "generated")}
         if self._plan is not None:
             h = self._plan.healed[0]
             self._run = TextRun(self._plan.tokenizer, self._plan.stop, bool(self.params.logprobs),
@@ -75,6 +87,10 @@ class Record:
             self.prompt_logprobs = [None] + [{"token": t, "logprob": e[0], "rank": e[2],
                                               "top_logprobs": [{"token": i, "logprob": v} for i, v in e[1] or []]}
                                              for t, e in zip(self.prompt[1:], event.prompt_logprobs[1:])]
+        if self.routing is not None:
+            for part, trace in (("prompt", event.prompt_capture), ("generated", event.capture)):
+                if trace:
+                    self.routing[part] += expert_counts(trace, *self.routing[part].shape)
         if event.token is not None:
             self.ids.append(event.token)
         if self._plan is not None:
@@ -83,7 +99,14 @@ class Record:
             self._job.choices[0].translator.push([event])
 
     def result(self, finish_reason: str | None) -> dict:
-        """The output line (a dict): id, seed, text, ids, finish_reason, usage (+ logprobs, stop, response)."""
+        """The output line (a dict): id, seed, text, ids, finish_reason, usage (+ logprobs, stop,
+        response, expert_counts)."""
+        out = self._result(finish_reason)
+        if self.routing is not None:
+            out["expert_counts"] = {k: v.tolist() for k, v in self.routing.items()}
+        return out
+
+    def _result(self, finish_reason: str | None) -> dict:
         if self._plan is not None:
             c = self._plan.completion(0, self._run)
             out = {"id": self.id, "seed": self.seed, **c.to_dict()}

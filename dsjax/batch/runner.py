@@ -21,6 +21,7 @@ from tqdm import tqdm
 from dsjax.api import Model
 from dsjax.batch.records import Record, RecordError, parse, read_lines, record_id
 from dsjax.engine import Engine, PrefixCacheOptions
+from dsjax.engine.capture import ROUTING
 from dsjax.engine.requests import bucket_capacity, max_capacity
 from dsjax.protocol import Context, Limits
 from dsjax.tokenizer import Tokenizer, load_tokenizer
@@ -81,12 +82,15 @@ def check(model: Model, items: list[tuple[int, Any, str | None]], *, tokenizer: 
 
 def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_invariant: bool | None = None,
                 decode_steps: int = 4, prefill_chunk: int = 256, capacity: int | None = None,
-                num_draft_tokens: int = 0, prefix_cache: PrefixCacheOptions | None = None) -> Engine | None:
+                num_draft_tokens: int = 0, prefix_cache: PrefixCacheOptions | None = None,
+                record_routing: bool = False) -> Engine | None:
     """One engine for every record (capacity: the longest prompt + max_tokens over all of
     them, so a resumed run has the same shapes; or `capacity`, the whole job's, when these
     records are one part of it); records it refuses become error lines. num_draft_tokens >
     0: speculative decoding with the model's MTP layer (one decode step per dispatch).
-    prefix_cache: records sharing a prompt prefix compute it once (`Engine(prefix_cache=)`)."""
+    prefix_cache: records sharing a prompt prefix compute it once (`Engine(prefix_cache=)`).
+    record_routing: the engine captures each token's experts, and `execute` writes each
+    record's expert counts (not with speculation or a prefix cache)."""
     limit = model.config.max_position_embeddings
     for r in checked.records:  # before sizing: one over-long record must not size every slot's cache
         if len(r.prompt) + r.params.max_tokens > limit:
@@ -102,7 +106,7 @@ def make_engine(model: Model, checked: Checked, *, max_slots: int = 8, batch_inv
                     batch_invariant=batch_invariant, num_draft_tokens=num_draft_tokens,
                     decode_steps=effective_decode_steps(decode_steps, num_draft_tokens),
                     max_logprobs=max(max(r.params.logprobs, r.params.prompt_logprobs or 0) for r in checked.records),
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, capture=ROUTING if record_routing else ())
     kept = []
     for r in checked.records:
         try:
@@ -122,12 +126,16 @@ def effective_decode_steps(decode_steps: int, num_draft_tokens: int) -> int:
 def execute(engine: Engine, records: list[Record], on_result: Callable[[Record, dict], None], *,
             progress: bool | None = False) -> int:
     """Generate every record, calling on_result(record, output dict) as each finishes.
-    progress: a tqdm bar on stderr (None: only on a terminal). Returns the tokens made."""
+    progress: a tqdm bar on stderr (None: only on a terminal). An engine that captures routing
+    (`make_engine(record_routing=True)`): each output also has the record's expert counts.
+    Returns the tokens made."""
     order = sorted(records, key=lambda r: (len(r.prompt), r.line))
-    by_request = {}
+    cfg, by_request = engine.cfg, {}
+    routing = (cfg.num_hidden_layers, cfg.n_routed_experts) if engine.capture else None
     for r in order:
-        r.start()
-        by_request[engine.add_request(r.prompt, r.params, request_id=f"line-{r.line}",
+        r.start(routing)
+        params = dataclasses.replace(r.params, capture=True) if routing else r.params
+        by_request[engine.add_request(r.prompt, params, request_id=f"line-{r.line}",
                                       first_tokens=r.first_tokens)] = r
     tokens, start = 0, time.perf_counter()
     with tqdm(total=len(order), unit="rec", file=sys.stderr, disable=None if progress is None else not progress,
@@ -167,24 +175,27 @@ def as_items(records) -> list[tuple[int, Any, str | None]]:
 
 def run(model: Model, records, *, max_new_tokens: int = 256, seed: int = 0, max_slots: int = 8,
         batch_invariant: bool | None = None, decode_steps: int = 4, num_draft_tokens: int = 0, on_error: str = "skip",
-        tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False) -> list[dict]:
+        tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False,
+        record_routing: bool = False) -> list[dict]:
     """Run records (a list of dicts as `dsjax batch` reads them, see dsjax.batch.records, or
     of JSON strings; or the text of a JSONL file)
     and return one output dict per record, in input order: {"id", "seed", "text", "ids",
     "finish_reason", "usage", ...}, or {"id", "error": {"line", "message"}} for a record that
     cannot run (on_error="skip"; "fail": a ValueError listing every bad record, before
     anything runs). max_new_tokens / seed: defaults for records that do not say.
-    num_draft_tokens > 0: speculative decoding (the model needs its MTP layer)."""
+    num_draft_tokens > 0: speculative decoding (the model needs its MTP layer). record_routing:
+    each output also has "expert_counts" (dsjax.batch.records)."""
     return run_items(model, as_items(records), max_new_tokens=max_new_tokens, seed=seed, max_slots=max_slots,
                      batch_invariant=batch_invariant, decode_steps=decode_steps, num_draft_tokens=num_draft_tokens,
-                     on_error=on_error,
-                     tokenizer=tokenizer, name=name, progress=progress)
+                     on_error=on_error, tokenizer=tokenizer, name=name, progress=progress,
+                     record_routing=record_routing)
 
 
 def run_items(model: Model, items: list[tuple[int, Any, str | None]], *, max_new_tokens: int = 256, seed: int = 0,
               max_slots: int = 8, batch_invariant: bool | None = None, decode_steps: int = 4,
               num_draft_tokens: int = 0, prefill_chunk: int = 256, capacity: int | None = None, on_error: str = "skip",
-              tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False) -> list[dict]:
+              tokenizer: Tokenizer | None = None, name: str | None = None, progress: bool = False,
+              record_routing: bool = False) -> list[dict]:
     """`run` over check's items (line numbers given: one part of a larger job, as a Ray
     replica runs it; `capacity`: the whole job's engine capacity). Output dicts by line."""
     if on_error not in ("skip", "fail"):
@@ -194,7 +205,7 @@ def run_items(model: Model, items: list[tuple[int, Any, str | None]], *, max_new
                     max_new_tokens=max_new_tokens)
     engine = make_engine(model, checked, max_slots=max_slots, batch_invariant=batch_invariant,
                          decode_steps=decode_steps, prefill_chunk=prefill_chunk, capacity=capacity,
-                         num_draft_tokens=num_draft_tokens)
+                         num_draft_tokens=num_draft_tokens, record_routing=record_routing)
     if checked.errors and on_error == "fail":
         raise ValueError("bad records: " + "; ".join(checked.error_messages()))
     out = dict(checked.errors)

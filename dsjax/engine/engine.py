@@ -29,6 +29,11 @@ applied, one token per slot). Such steps make one token per dispatch whatever
 `decode_steps` says; steps without a constrained row run the fused `decode_step`. A
 constrained request's prefill leaves its prompt's last token to that first split step, so
 its first token is masked too. Constraints are refused with speculative decoding.
+
+Capture (`capture=` patterns of dsjax.inspect's names, `dsjax.engine.capture`): the forward
+programs also record those points per token (routing, indexer selections, streams) and a
+request with `SamplingParams(capture=True)` gets them in its events. It is a construction
+option: an engine without it runs exactly the programs it ran before.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from dsjax.engine.capture import resolve
 from dsjax.engine.constraints import Constraint
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
 from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
@@ -48,7 +54,7 @@ from dsjax.engine.requests import Request, TokenEvent, check_constraint, check_r
 from dsjax.engine.runner import Dispatch, Runner, StepOutput
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.scheduler import DecodePlan, Scheduler
-from dsjax.model.interface import INVARIANT_ROWS, Model, decodes_equal_prefill, reference_key_rule
+from dsjax.model.interface import INVARIANT_ROWS, Model, capture_points, decodes_equal_prefill, reference_key_rule
 from dsjax.sharding.distributed import to_host
 
 
@@ -109,13 +115,21 @@ class Engine:
     head's first maximum from a bf16 copy of it (the same tokens, bitwise; half the head's
     bytes again in memory); False saves that memory. Which weights the programs run with
     (`step_params`: the head packed for the CPU head kernel, screened, or transposed for one
-    row) is the runner's (`dsjax.engine.runner`)."""
+    row) is the runner's (`dsjax.engine.runner`).
+
+    capture: points of the forward to record for every token computed (`dsjax.inspect` names or
+    fnmatch patterns over them: "layers.*.moe.experts", "layers.*.moe.weights",
+    "layers.*.indexer.selected", any layer point with one value per token); requests with
+    SamplingParams(capture=True) receive them in their TokenEvents (`dsjax.engine.capture`).
+    A static argument of the forward programs: as many programs as without, each recording
+    them. Not with speculative decoding or a prefix cache (positions a verify step rejects or
+    a cached block restores have no capture of their own) yet."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
                  num_draft_tokens: int = 0, spec_policy: str | None = None, verify_costs: list[float] | None = None,
                  draft_vocab=None, device_memory_bytes: int | None = None,
-                 prefix_cache: PrefixCacheOptions | None = None, greedy_screen: bool = True):
+                 prefix_cache: PrefixCacheOptions | None = None, greedy_screen: bool = True, capture=()):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                           decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
@@ -156,9 +170,16 @@ class Engine:
             check_prefix_cache(cfg, prefill_chunk, self.mesh)
             pool = PrefixCache(prefix_cache, prefill_chunk, lookahead=bool(num_draft_tokens))
         check_cache_fits(model, self.rows, capacity, device_memory_bytes)
+        self.capture = ()  # full names the programs record
+        if capture:
+            for what, on in (("speculative decoding (num_draft_tokens)", num_draft_tokens), ("a prefix cache", pool)):
+                if on:
+                    raise ValueError(f"capture is not supported with {what} yet: construct the engine without it")
+            self.capture = resolve(capture, capture_points(model, capacity))
         self.runner = Runner(model, rows=self.rows, capacity=capacity, opts=self.opts, max_logprobs=max_logprobs,
                              decode_steps=decode_steps, policy=self.policy, draft_vocab=self.draft_vocab,
-                             prefill_rows=prefill_rows, greedy_screen=greedy_screen, pool=pool, block=prefill_chunk)
+                             prefill_rows=prefill_rows, greedy_screen=greedy_screen, pool=pool, block=prefill_chunk,
+                             capture=self.capture)
         self.prefix = None if pool is None else PrefixPlanner(
             pool, keeps_generated=not batch_invariant and not num_draft_tokens and decode_steps == 1,
             first_generated=decodes_equal_prefill(cfg, self.opts, prefill_chunk))
@@ -241,6 +262,8 @@ class Engine:
                              speculative=bool(self.num_draft_tokens))
         if params.prompt_logprobs is not None and self.mesh is not None:  # its scoring program is untested there
             raise ValueError("prompt_logprobs is not supported on a mesh yet; score on one device")
+        if params.capture and not self.capture:
+            raise ValueError("capture=True: this engine captures nothing; construct it with Engine(..., capture=names)")
         return stops
 
     def forget(self, request_id: str) -> None:
@@ -326,6 +349,8 @@ class Engine:
         host, owners, scored = to_host(dispatch.out), dispatch.owners, dispatch.scored
         for row, (req, start, n) in (scored or {}).items():
             req.take_scores(host, row, start, n)
+        for row, (req, start, n) in (dispatch.captured or {}).items():
+            req.take_capture(host, row, start, n)
         if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
             self.policy.count(host, {row: r for row, r in owners.items() if host.emitted[:, row].any()})
         for step in range(host.tokens.shape[0]):

@@ -12,6 +12,12 @@ batch-sharded cache cannot be sliced out) and `decode_step`. Speculative engines
 Prefix caching (`dsjax.engine.prefix_cache`) adds two: `save_block` copies a block of a row
 out, `restore_block` puts one back into a row (and admits its request with block 0).
 
+Capture (`Engine(capture=...)`, `dsjax.engine.capture`): the forward programs take the
+points to record (full dsjax.inspect names) as a static argument; with some, they run the
+forward through `forward_capturing` and their output carries each emitted token's values
+(`capture`) and, from a prefill, every chunk position's (`prompt_capture`). With none (every
+engine that does not ask) they are the programs they were: the same trace, the same outputs.
+
 Compile time is part of performance, so the engine's life needs no other program: the
 state is made by one program (`init_state`), a prompt's first chunk admits its request
 (the prefill programs take an `Admission`) and a cancel reaches the device with the next
@@ -30,9 +36,9 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import SamplingState, sample_tokens, top_logprobs
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
 from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
-from dsjax.model.interface import (INVARIANT_ROWS, Cache, CacheBlock, PackedHead, forward, greedy_tokens, head_product,
-                                   init_cache, over_tiles, put_block, put_rows, screens, step_head, take_block,
-                                   take_rows)
+from dsjax.model.interface import (INVARIANT_ROWS, Cache, CacheBlock, PackedHead, forward, forward_capturing,
+                                   greedy_tokens, head_product, init_cache, over_tiles, put_block, put_rows, screens,
+                                   step_head, take_block, take_rows)
 from dsjax.sharding.rules import current_mesh, per_row, rows
 
 # XLA:CPU vectorises the loops it emits itself (its matrix-vector products and fusions; library
@@ -64,6 +70,8 @@ class DeviceOutput:
     prompt_rank: jax.Array | None = None  # [B, C] int32: 1 + how many tokens are more likely
     prompt_top_values: jax.Array | None = None  # [B, C, n]
     prompt_top_ids: jax.Array | None = None
+    capture: dict | None = None  # name -> [B, ...]: what the forward that made each token recorded (capture)
+    prompt_capture: dict | None = None  # name -> [B, C, ...]: a prefill's every chunk position
 
 
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
@@ -117,17 +125,34 @@ def init_state(*, cfg: ModelConfig, batch: int, capacity: int, dtype, num_draft_
     return init_cache(cfg, batch, capacity, dtype), init_slots(batch, capacity), spec
 
 
+def _forward(params, tokens, cfg: ModelConfig, cache: Cache, capture: tuple[str, ...], **kw):
+    """`forward`, or with points to `capture` the forward recording them: (logits, cache, name ->
+    [B, C, ...] or None)."""
+    if not capture:
+        return *forward(params, tokens, cfg, cache, **kw), None
+    return forward_capturing(params, tokens, cfg, cache, capture=capture, **kw)
+
+
+def _at(found: dict | None, index: jax.Array | None = None) -> dict | None:
+    """Each captured [B, C, ...] at chunk position index [B] (None: 0) -> [B, ...]."""
+    if found is None:
+        return None
+    if index is None:
+        return {n: a[:, 0] for n, a in found.items()}
+    return {n: jnp.take_along_axis(a, index.reshape(-1, *(1,) * (a.ndim - 1)), axis=1)[:, 0] for n, a in found.items()}
+
+
 def _stop_cancelled(slots: Slots, cancelled: jax.Array) -> Slots:
     return slots.replace(active=slots.active & ~cancelled)
 
 
-@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "n_steps"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "n_steps", "capture"),
                    donate_argnames=("cache", "slots"))
 def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg: ModelConfig, opts: RuntimeOptions,
-                ctx_bucket: int, n_logprobs: int, n_steps: int = 1):
+                ctx_bucket: int, n_logprobs: int, n_steps: int = 1, capture: tuple[str, ...] = ()):
     """n_steps decode steps for every slot in one dispatch (a device-side loop; finished
     slots stop on the device). Rows `cancelled` [B] stop first. Outputs are stacked
-    [n_steps, B]."""
+    [n_steps, B] (the captured points too)."""
     slots = _stop_cancelled(slots, cancelled)
 
     screened = not n_logprobs and screens(params)  # the head's input rows, the screen's greedy tokens
@@ -135,16 +160,16 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
     def one(carry, _):
         cache, slots = carry
         active = slots.active
-        logits, cache = forward(params, slots.last_token[:, None], cfg, cache, opts=opts,
-                                n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True,
-                                hidden=screened)
+        logits, cache, found = _forward(params, slots.last_token[:, None], cfg, cache, capture, opts=opts,
+                                        n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True,
+                                        hidden=screened)
         if screened:  # (one device: per_row is the function itself)
             tokens = screened_tokens(logits[:, 0], step_head(params), slots.sampling, cache.length, active)
             slots, out = emit_sampled(slots, tokens, cache.length, active)
         else:
             emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
             slots, out = emit(slots, logits[:, 0], cache.length, active)
-        return (cache, slots), out
+        return (cache, slots), out.replace(capture=_at(found))
 
     if n_steps == 1:
         (cache, slots), out = one((cache, slots), None)
@@ -153,18 +178,22 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
     return cache, slots, out
 
 
-@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket"), donate_argnames=("cache", "slots"))
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "capture"),
+                   donate_argnames=("cache", "slots"))
 def decode_forward(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg: ModelConfig,
-                   opts: RuntimeOptions, ctx_bucket: int):
+                   opts: RuntimeOptions, ctx_bucket: int, capture: tuple[str, ...] = ()):
     """The forward half of a decode step, for batches with a constrained row (structured
     output): rows `cancelled` [B] stop first; -> (cache, slots, next-token logits [B, V],
     their positions [B]). While the device runs it, the host brings the constrained rows'
     grammars up to the last token and computes their masks; `decode_sample` then samples.
-    Together: `decode_step` with n_steps=1 and a mask."""
+    Together: `decode_step` with n_steps=1 and a mask. With capture, a fifth output: the
+    captured points [1, B, ...] (for the sampling half's output)."""
     slots = _stop_cancelled(slots, cancelled)
-    logits, cache = forward(params, slots.last_token[:, None], cfg, cache, opts=opts,
-                            n_valid=slots.active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True)
-    return cache, slots, logits[:, 0], cache.length
+    logits, cache, found = _forward(params, slots.last_token[:, None], cfg, cache, capture, opts=opts,
+                                    n_valid=slots.active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True)
+    if found is None:
+        return cache, slots, logits[:, 0], cache.length
+    return cache, slots, logits[:, 0], cache.length, _one_step(_at(found))
 
 
 @functools.partial(program, static_argnames=("n_logprobs",), donate_argnames=("slots",))
@@ -206,12 +235,13 @@ def prompt_scores(logits: jax.Array, following: jax.Array, n: int):
 
 
 def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admission: Admission, first_mask,
-             cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int, following=None):
+             cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int, following=None,
+             capture: tuple[str, ...] = ()):
     slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
     cache = cache.admit(length, admission.reset)
     score = following is not None  # the chunk's every position through the head, not its last only
-    logits, cache = forward(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
-                            last_only=not score)
+    logits, cache, found = _forward(params, tokens, cfg, cache, capture, opts=opts, n_valid=n_valid,
+                                    ctx_bucket=ctx_bucket, last_only=not score)
     last = logits[:, 0]
     if score:  # the logits the first token is sampled from: the chunk's last valid position's
         last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -220,37 +250,42 @@ def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admis
     if score:
         chosen, rank, values, ids = prompt_scores(logits, following, n_logprobs)
         out = out.replace(prompt_logprob=chosen, prompt_rank=rank, prompt_top_values=values, prompt_top_ids=ids)
+    if found is not None:  # the first token's: the chunk's last valid position
+        out = out.replace(capture=_at(found, jnp.maximum(n_valid - 1, 0)), prompt_capture=found)
     return cache, slots, _one_step(out)
 
 
-@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "capture"),
                    donate_argnames=("cache", "slots"))
 def prefill_rows(params, cache: Cache, slots: Slots, tokens: jax.Array, n_valid: jax.Array, is_last: jax.Array,
                  admission: Admission, first_mask: jax.Array, following: jax.Array | None = None, *,
-                 cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+                 cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int,
+                 capture: tuple[str, ...] = ()):
     """A prompt chunk for every slot at once (tokens [B, C]; rows with n_valid 0 untouched);
     rows whose prompt starts here (admission.reset [B]) take their request first, rows whose
     prompt ends here (is_last [B]) sample their first token among those first_mask [B,
     ceil(V/32)] uint32 allows (all ones but for a token-healed request). following [B, C]
     (the prompt token after each position) asks for prompt logprobs (`prompt_scores`): the
     head then runs at every position of the chunk, and the output carries them; None (the
-    usual program) reads the head at the last position only."""
+    usual program) reads the head at the last position only. capture: the points to record
+    (the output's `capture` at each row's last valid position, `prompt_capture` at all)."""
     return _prefill(params, cache, slots, tokens, n_valid, is_last, admission, first_mask, cfg, opts, ctx_bucket,
-                    n_logprobs, following)
+                    n_logprobs, following, capture)
 
 
-@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs"),
+@functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "n_logprobs", "capture"),
                    donate_argnames=("cache", "slots"))
 def prefill_step(params, cache: Cache, slots: Slots, slot: jax.Array, tokens: jax.Array, n_valid: jax.Array,
                  is_last: jax.Array, admission: Admission, first_mask: jax.Array, following: jax.Array | None = None,
-                 *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int):
+                 *, cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, n_logprobs: int,
+                 capture: tuple[str, ...] = ()):
     """prefill_rows for the n rows from `slot` on (tokens [n, C], n_valid [n], is_last [n],
     admission rows [n], first_mask [n, W], following [n, C] or None; n = 1, or a
     batch-invariant tile): the cost of those rows, not of the whole batch."""
     n = tokens.shape[0]  # one row, or (batch-invariant) the slot's tile
     row_cache, row_slots, out = _prefill(params, take_rows(cache, slot, n), take_rows(slots, slot, n), tokens,
                                          n_valid, is_last, admission, first_mask, cfg, opts, ctx_bucket, n_logprobs,
-                                         following)
+                                         following, capture)
     return put_rows(cache, row_cache, slot), put_rows(slots, row_slots, slot), out
 
 

@@ -40,6 +40,10 @@ class TokenEvent:
     # a request's first event, with SamplingParams.prompt_logprobs: per prompt token, None for the first, else
     # (logprob, top [(id, logprob)] or None, rank) of the raw distribution the tokens before it give
     prompt_logprobs: list | None = None
+    # SamplingParams.capture (an engine with capture=...): name -> this token's values, the forward step's that
+    # made it (`dsjax.engine.capture`); a request's first event: name -> [P - 1, ...] its earlier prompt positions'
+    capture: dict | None = None
+    prompt_capture: dict | None = None
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: two requests may share an id, never an object
@@ -67,6 +71,7 @@ class Request:
     replayed_tokens: int = 0  # prompt tokens a cached block held but that were prefilled again
     block_keys: list | None = None  # the prefix cache's chain keys of its prompt's blocks
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])  # read back chunk by chunk
+    prompt_capture: dict = dataclasses.field(default_factory=dict)  # name -> chunks [n, ...] read back
 
     def __repr__(self) -> str:  # short, so that a printed StepPlan stays readable
         return (f"Request({self.request_id!r}, {self.state}, slot={self.slot}, prompt={len(self.prompt)}, "
@@ -83,6 +88,13 @@ class Request:
                 ids, values = host.prompt_top_ids[0, row, i, :top_n], host.prompt_top_values[0, row, i, :top_n]
                 top = [(int(t), float(v)) for t, v in zip(ids, values)]
             self.prompt_logprobs.append((float(host.prompt_logprob[0, row, i]), top, int(host.prompt_rank[0, row, i])))
+
+    def take_capture(self, host, row: int, start: int, n: int) -> None:
+        """The captured points of one prefill chunk (host copy of a `DeviceOutput`, row `row`) at
+        positions start..start+n-1, but for the prompt's last (its first token's event has it)."""
+        keep = min(n, len(self.prompt) - 1 - start)
+        for name, values in host.prompt_capture.items():
+            self.prompt_capture.setdefault(name, []).append(values[0, row, :keep])
 
     @property
     def done(self) -> bool:
@@ -112,10 +124,18 @@ class Request:
     def book(self, host, step: int, row: int) -> TokenEvent:
         """Take the token at (step, row) of a host copy of a `DeviceOutput`; the last one
         (finished on the device) ends the request."""
-        scores = self.prompt_logprobs if self.params.prompt_logprobs is not None and not self.tokens else None
+        first = not self.tokens
+        scores = self.prompt_logprobs if self.params.prompt_logprobs is not None and first else None
+        prompt_capture = capture = None
+        if self.params.capture:
+            if first:
+                prompt_capture = {n: np.concatenate(v) for n, v in self.prompt_capture.items()}
+            if host.capture is not None:
+                capture = {n: v[step, row] for n, v in host.capture.items()}
         if self.params.max_tokens == 0:  # scored only: the token the device had to sample is dropped
             self.state, self.finish_reason = "finished", "length"
-            return TokenEvent(self.request_id, None, None, None, "length", self.cached_tokens, scores)
+            return TokenEvent(self.request_id, None, None, None, "length", self.cached_tokens, scores,
+                              prompt_capture=prompt_capture)
         token = int(host.tokens[step, row])
         top = None
         if self.params.logprobs:
@@ -129,7 +149,7 @@ class Request:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         return TokenEvent(self.request_id, token, logprob, top, finish,
-                          self.cached_tokens if len(self.tokens) == 1 else None, scores)
+                          self.cached_tokens if len(self.tokens) == 1 else None, scores, capture, prompt_capture)
 
 
 _SETTINGS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,

@@ -53,11 +53,13 @@ from dsjax.sharding.rules import batch_sharding
 @dataclasses.dataclass
 class Dispatch:
     """One program's outputs to read back: rows -> the requests they belong to (`owners`),
-    and rows whose prompt logprobs it made (`scored`: row -> (request, first position, n))."""
+    and rows whose prompt logprobs it made (`scored`: row -> (request, first position, n)) or
+    whose prompt's captured points (`captured`, alike)."""
 
     out: DeviceOutput
     owners: dict[int, Request]
     scored: dict | None = None
+    captured: dict | None = None
 
 
 @dataclasses.dataclass
@@ -75,8 +77,9 @@ class Runner:
 
     def __init__(self, model: Model, *, rows: int, capacity: int, opts, max_logprobs: int, decode_steps: int,
                  policy, draft_vocab, prefill_rows: int, greedy_screen: bool, pool: PrefixCache | None = None,
-                 block: int = 0):
+                 block: int = 0, capture: tuple[str, ...] = ()):
         self.model, self.cfg, self.mesh, self.opts = model, model.config, model.mesh, opts
+        self.capture = capture  # full names the forward programs record (a static argument; () for most engines)
         self.rows, self.capacity, self.prefill_rows = rows, capacity, prefill_rows
         self.max_logprobs, self.decode_steps, self.policy, self.pool = max_logprobs, decode_steps, policy, pool
         k = policy.num_draft_tokens
@@ -114,8 +117,8 @@ class Runner:
             self.restore(restore)
         for call in plan.prefills:
             out = self.prefill(call)
-            if call.owners or call.scored:  # (scores are read back before the first token: the queue keeps order)
-                output.dispatches.append(Dispatch(out, call.owners, call.scored))
+            if call.owners or call.scored or call.captured:  # (read back before the first token: the queue keeps order)
+                output.dispatches.append(Dispatch(out, call.owners, call.scored, call.captured))
             for s in call.saves:
                 self.pool.keep(s.key, s.parent, s.tokens, lambda s=s: self._copy_block(s.slot, s.j, self._drafter()))
         for row, token in plan.starts:
@@ -154,6 +157,7 @@ class Runner:
         admits = admission(admits)
         params, slot = (self.model.params if call.score else self.step_params), np.int32(call.row)
         static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=call.bucket, n_logprobs=self.max_logprobs)
+        plain = {**static, **self._capture()}  # (capture: plain engines only)
         if self.spec is not None:
             chunk = (tokens, following, n_valid, is_last, admits, first_mask)
             state = (params, self.model.mtp, self.cache, self.spec, self.slots)
@@ -168,11 +172,11 @@ class Runner:
             self.cache, self.slots, out = self.call(
                 prefill_rows, params, self.cache, self.slots,
                 *self.place((tokens, n_valid, is_last, admits, first_mask)),
-                self.place(following) if call.score else None, **static)
+                self.place(following) if call.score else None, **plain)
         else:
             self.cache, self.slots, out = self.call(prefill_step, params, self.cache, self.slots, slot, tokens, n_valid,
                                                     is_last, admits, first_mask, following if call.score else None,
-                                                    **static)
+                                                    **plain)
         return out
 
     def decode(self, d: DecodePlan) -> DeviceOutput:
@@ -181,7 +185,7 @@ class Runner:
         if self.spec is None:
             self.cache, self.slots, out = self.call(
                 decode_step, self.step_params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts,
-                ctx_bucket=d.bucket, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
+                ctx_bucket=d.bucket, n_logprobs=self.max_logprobs, n_steps=self.decode_steps, **self._capture())
         else:
             self.cache, self.spec, self.slots, out = self.call(
                 spec_decode_step, self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled,
@@ -193,12 +197,17 @@ class Runner:
         """A decode step in two dispatches: the forward, then (after `masks()`, which the host
         runs while the device runs the forward) the sampling under the packed masks [rows,
         words] int32."""
-        self.cache, self.slots, logits, positions = self.call(
+        self.cache, self.slots, logits, positions, *found = self.call(
             decode_forward, self.step_params, self.cache, self.slots, self._cancelled(d.cancelled), cfg=self.cfg,
-            opts=self.opts, ctx_bucket=d.bucket)
+            opts=self.opts, ctx_bucket=d.bucket, **self._capture())
         self.slots, out = self.call(decode_sample, self.slots, logits, positions, self.place(masks().view(np.uint32)),
                                     n_logprobs=self.max_logprobs)
-        return out
+        return out.replace(capture=found[0]) if found else out
+
+    def _capture(self) -> dict:
+        """The capture argument of the plain programs: absent when the engine captures nothing, so
+        their calls (and programs) are what they were without it."""
+        return {"capture": self.capture} if self.capture else {}
 
     # ------------------------------------------------------------------ prefix-cache blocks
     def _drafter(self):

@@ -42,6 +42,7 @@ class SamplingParams:
     seed: int = 0
     prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob (and the top n)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs added to the logits
+    capture: bool = False  # events carry the points the engine captures (Engine(capture=...); dsjax.engine.capture)
 
     def __post_init__(self):
         """Types and ranges, each checked here, at construction; what depends on the model
@@ -69,8 +70,9 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, 0, INT32_MAX, " (top logprobs per token)")
         if not (is_int(self.seed) and 0 <= self.seed <= UINT32_MAX):
             _fail("seed", "an int in [0, 2**32 - 1]", self.seed)
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            _fail("ignore_eos", "a bool", self.ignore_eos)
+        for flag in ("ignore_eos", "capture"):
+            if not isinstance(getattr(self, flag), (bool, np.bool_)):
+                _fail(flag, "a bool", getattr(self, flag))
         if not isinstance(self.stop_token_ids, (tuple, list, np.ndarray)) or np.ndim(self.stop_token_ids) != 1:
             _fail("stop_token_ids", "a tuple of int token ids", self.stop_token_ids)
         for i, token in enumerate(self.stop_token_ids):

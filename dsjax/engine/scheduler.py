@@ -71,6 +71,12 @@ class PrefillCall:
         return {c.row: c.request for c in self.chunks if c.is_last}
 
     @property
+    def captured(self) -> dict[int, tuple[Request, int, int]]:
+        """Rows whose request asks for its prompt's captured points (SamplingParams.capture) ->
+        (request, first position, tokens)."""
+        return {c.row: (c.request, c.start, len(c.tokens)) for c in self.chunks if c.request.params.capture}
+
+    @property
     def scored(self) -> dict[int, tuple[Request, int, int]]:
         """Rows whose prompt logprobs this call makes -> (request, first position, tokens)."""
         return {c.row: (c.request, c.start, len(c.tokens)) for c in self.chunks

@@ -17,13 +17,17 @@ as Python values, so the body opens `collect()`, returns what it collected as st
 outputs, and the caller hands them back with `release(...)`, which stacks them into the
 enclosing scan's outputs or, at the top, cuts them into per-layer names. Edits inside a scan
 body are stacked over the run's layers ([L, ...], zeros where a layer has none) and the
-layer's slice is applied where it has one.
+layer's slice is applied where it has one. A scan that is not over layers (batch-invariant row
+tiles, an engine's decode steps) traces its body as a forward of its own with `apart()`: what
+the body captures comes back under full names, for the body to return among its scan outputs
+and the caller to hand back, reshaped as it needs, with `found(...)`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import re
 import threading
 
 import jax
@@ -184,7 +188,7 @@ def tap(name: str, value: jax.Array, shape: tuple[int, ...] | None = None) -> ja
             s.collects[-1][(s.layer[0], name)] = (value, 0)
         elif s.collects:
             raise NotImplementedError(f"capture of {names[0]} inside a scan that is not over layers "
-                                      "(a batch-invariant tile loop?): inspect the full-sequence forward")
+                                      "(open its body with `apart()`): inspect the full-sequence forward")
         else:
             s.found[names[0]] = value
     return value.reshape(own)
@@ -204,6 +208,54 @@ def optional_tap(name: str, make) -> jax.Array | None:
             s.seen.setdefault(full, (made.shape, made.dtype))
         return None
     return tap(name, make())
+
+
+class Apart:
+    """What a scan body opened with `apart()` captured: `values` (full name -> array)."""
+
+    def __init__(self):
+        self.values: dict[str, jax.Array] = {}
+
+
+@contextlib.contextmanager
+def apart():
+    """Open the body of a scan that is not over layers (row tiles, decode steps): inside, taps
+    capture as at the top of a forward; after the block the yielded `Apart` holds what they
+    captured (full names), to return among the scan's outputs and pass, stacked and reshaped, to
+    `found`. Without a session it holds nothing and adds no output."""
+    out = Apart()
+    s = _session()
+    if s is None:
+        yield out
+        return
+    if s.collects or s.layer is not None:
+        raise NotImplementedError("a scan that is not over layers inside a layer's own scan")
+    outer, s.found = s.found, {}
+    try:
+        yield out
+    finally:
+        out.values, s.found = s.found, outer
+
+
+def found(values: dict) -> None:
+    """Hand what `apart()` bodies captured (stacked by their scan, reshaped by the caller) to the
+    session as if captured here."""
+    s = _session()
+    if s is not None:
+        s.found.update(values)
+
+
+def describe(seen) -> str:
+    """The names a forward taps, one line per point with the layers that have it."""
+    points: dict[str, list[int]] = {}
+    for name in seen:
+        m = re.match(r"layers\.(\d+)\.(.*)", name)
+        points.setdefault(f"layers.{{i}}.{m.group(2)}" if m else name, []).append(int(m.group(1)) if m else -1)
+    lines = []
+    for point, layers in sorted(points.items()):
+        where = "" if layers == [-1] else f"  i in {sorted(set(layers))}"
+        lines.append(f"  {point}{where}")
+    return "\n".join(lines)
 
 
 class Collected:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.layers import taps
 from dsjax.layers.linear import gemm_only, kernels_for_stored_weights
 from dsjax.model.block import DEFAULT_OPTIONS, INVARIANT_ROWS
 from dsjax.model.cache import Cache, over_tiles
@@ -70,10 +71,12 @@ def _forward(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only, h
     n_valid = jnp.full((b,), tokens.shape[1], jnp.int32) if n_valid is None else n_valid
 
     def tile(cache, x):
-        logits, cache = _forward_rows(params, x[0], cfg, cache, opts, x[1], ctx_bucket, last_only, hidden)
-        return cache, logits
+        with taps.apart() as tapped:  # dsjax.inspect's captures leave the tile loop as its outputs (inert otherwise)
+            logits, cache = _forward_rows(params, x[0], cfg, cache, opts, x[1], ctx_bucket, last_only, hidden)
+        return cache, (logits, tapped.values)
 
-    cache, logits = over_tiles(tile, cache, (tokens, n_valid), INVARIANT_ROWS)
+    cache, (logits, tapped) = over_tiles(tile, cache, (tokens, n_valid), INVARIANT_ROWS)
+    taps.found(tapped)  # [B, ...]: over_tiles joined the tiles' rows
     return logits, cache
 
 

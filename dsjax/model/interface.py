@@ -10,6 +10,7 @@ engine runs a DeepSeek-V4 / V4.1 model with, and nothing of how the model comput
     head               the step programs' head (`step_head_params`), the greedy screen, its product
     drafters           `Drafter` (MTP: model/v4/mtp.py, DSpark: model/v41/dspark.py), `drafter_for(cfg)`
     rules              what the model asks of the engine's scheduling (published-key rule, draft limits)
+    capture            the forward with dsjax.inspect's taps recording named points per token
 
 What differs between V4 and V4.1 is the config's `ModelFamily` (dsjax/model/family.py); the
 functions here ask it, so the engine never tests which generation it runs.
@@ -30,14 +31,16 @@ from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.engram import kept_history
 from dsjax.layers.linear import linear
 from dsjax.kernels.cpu import PackedHead
+from dsjax.layers import taps
 from dsjax.model.block import DEFAULT_OPTIONS, INVARIANT_ROWS
 from dsjax.model.cache import Block as CacheBlock
 from dsjax.model.cache import (Cache, batch_axes, over_tiles, put_block, put_rows, restore_rows, save_rows, take_block,
                                take_rows)
 from dsjax.model.cache_layout import block_layout, cache_bytes, init_cache, min_ring
 from dsjax.model.family import family_of
-from dsjax.model.forward_pass import forward
+from dsjax.model.forward_pass import forward, forward_traced
 from dsjax.model.head import head_dtype, lm_head_weight, screens, step_head_params
+from dsjax.sharding.rules import batch_sharding
 
 __all__ = [
     # forward
@@ -52,6 +55,8 @@ __all__ = [
     "Drafter", "DraftSampling", "drafter_for",
     # rules
     "reference_key_rule", "decodes_equal_prefill", "draft_block_limit", "drafter_takes_vocab",
+    # capture
+    "capture_points", "forward_capturing", "describe_points",
 ]
 
 
@@ -203,3 +208,67 @@ def draft_block_limit(cfg: ModelConfig) -> int | None:
 def drafter_takes_vocab(cfg: ModelConfig) -> bool:
     """Whether the model's drafter can draft from a reduced vocabulary (V4's MTP; not DSpark)."""
     return family_of(cfg).drafter_takes_vocab
+
+
+# ----------------------------------------------------------------------------- capture
+# Points with a value per token whose size follows the context read (a program's bucket), not
+# the token: an engine does not capture them (dsjax.inspect's full forward does).
+CONTEXT_SIZED = ("indexer.scores", "indexer.visible")
+SELECTED = "indexer.selected"
+describe_points = taps.describe
+
+
+def capture_points(model: Model, capacity: int) -> dict[str, tuple]:
+    """Every point the engine's cached forward can capture per token (dsjax.inspect's names: a
+    layer's points with a leading [B, S]) -> (per-token shape, dtype), from an abstract trace of
+    one token at the largest context, `capacity` (a CSA layer's `indexer.selected` exists once
+    a query may see more compressed entries than it keeps)."""
+    cfg, rows = model.config, model.batch_shards()
+    opts = model.options.replace(batch_invariant=False)  # (the same points; no tile of rows to fill)
+
+    def trace(params, tokens, cache):
+        with taps.session(("layers.*",), {}) as s:  # (asked for: on an expert-parallel mesh routing then shows)
+            forward_traced(params, tokens, cfg, cache, opts=opts, ctx_bucket=capacity, last_only=True)
+        seen.update(s.seen)
+
+    def placed(a, axis=0):  # batch-major on a mesh, as the engine places its state and inputs
+        sharding = None if model.mesh is None else batch_sharding(model.mesh, a.ndim, axis)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    seen: dict = {}
+    with model.mesh_context():
+        cache = jax.eval_shape(lambda: init_cache(cfg, rows, capacity, model.dtype))
+        jax.eval_shape(trace, model.params, placed(jax.ShapeDtypeStruct((rows, 1), jnp.int32)),
+                       jax.tree.map(placed, cache, batch_axes(cache)))
+    return {name: (shape[2:], dtype) for name, (shape, dtype) in seen.items()
+            if name.startswith("layers.") and len(shape) >= 2 and shape[:2] == (rows, 1)
+            and not name.endswith(CONTEXT_SIZED)}
+
+
+def forward_capturing(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *, capture: tuple[str, ...],
+                      opts: RuntimeOptions, n_valid: jax.Array, ctx_bucket: int, last_only: bool = False,
+                      hidden: bool = False) -> tuple[jax.Array, Cache, dict[str, jax.Array]]:
+    """`forward` over a cached chunk tokens [B, C], traced inline (inside the caller's program:
+    a nested jit would be traced apart from the taps) with the points named in `capture` (full
+    names, from `capture_points`) recorded -> (logits, cache, name -> [B, C, ...]).
+    `indexer.selected` lists the compressed entries each query attends, -1 past the visible
+    ones (top-k pads with hidden entries when fewer are visible), and where this program's
+    context keeps every visible entry (no selection: C's bucket / ratio <= index_topk) the
+    visible ones in order."""
+    start = cache.length  # [B] the chunk's first position
+    selected = [n for n in capture if n.endswith(SELECTED)]
+    visible = tuple(n[: -len(SELECTED)] + "indexer.visible" for n in selected)
+    with taps.session(tuple(capture) + visible, {}) as s:
+        logits, cache = forward_traced(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
+                                       last_only=last_only, hidden=hidden)
+    found = {n: s.found[n] for n in capture if n in s.found}
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, C]
+    for name, seen in zip(selected, visible):
+        if name in found:
+            top = found[name]
+            found[name] = jnp.where(jnp.take_along_axis(s.found[seen], top, axis=-1), top, -1)
+        else:  # every visible entry is attended: w < (p + 1) // ratio
+            ratio = cfg.layers[int(name.split(".")[1])].compress_ratio
+            entry = jnp.arange(cfg.index_topk, dtype=jnp.int32)
+            found[name] = jnp.where(entry < ((positions + 1) // ratio)[..., None], entry, -1)
+    return logits, cache, found
