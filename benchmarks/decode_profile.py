@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from results_io import median_seconds, write_result  # noqa: E402
-from roofline import decode_step_bytes, memory_bandwidth, screened_step_bytes  # noqa: E402
+from roofline import memory_bandwidth, screened_step_bytes  # noqa: E402
+
+from dsjax.model.cache_layout import decode_step_bytes  # noqa: E402
 
 import dsjax
 from dsjax.config import CSA, HCA, SLIDING

@@ -29,7 +29,9 @@ import numpy as np
 
 from decode_profile import bench_config  # noqa: E402
 from results_io import write_result  # noqa: E402
-from roofline import decode_step_bytes, memory_bandwidth, screened_step_bytes  # noqa: E402
+from roofline import memory_bandwidth, screened_step_bytes  # noqa: E402
+
+from dsjax.model.cache_layout import decode_step_bytes  # noqa: E402
 
 import dsjax
 from dsjax.engine.engine import Engine

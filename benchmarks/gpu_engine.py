@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from host_share import capacity_for, decoding_engine, step_split
 from results_io import write_result
-from roofline import decode_step_bytes
+from dsjax.model.cache_layout import decode_step_bytes
 
 import dsjax
 from dsjax.config import to_hf_dict

@@ -3,7 +3,7 @@ one decode step must read, so a measured tokens/s can be put as a fraction of th
 memory-bound step could do.
 
     bandwidth = memory_bandwidth()                     # bytes/s, the best of several readers
-    need = decode_step_bytes(cfg, batch=1, context=128, dtype=jnp.float32)
+    need = decode_step_bytes(cfg, batch=1, context=128, dtype=jnp.float32)  # dsjax.model.cache_layout
     roofline_tokens_per_s = batch * bandwidth / need
 
 A step reads every weight once but the routed experts (only those its tokens pick: the
@@ -22,9 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig
-from dsjax.model import model_specs
-from dsjax.model.cache_layout import cache_shapes
-from dsjax.params import spec_leaves, weight_group
 
 
 MATVEC_ROW = 4096  # floats per row of the matrix-vector reader
@@ -69,26 +66,6 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict:
            "numpy_threads": best(threaded)}
     out["best"] = max(out.values())
     return out
-
-
-def decode_step_bytes(cfg: ModelConfig, *, batch: int, context: int, dtype=jnp.float32, specs=None) -> dict:
-    """Bytes one decode step reads at `batch` rows of `context` cached tokens, by group.
-    specs: the weights as held (default: model_specs at `dtype`; a resident spec tree counts
-    the stored bytes, FP8 / MXFP4 codes and their exponents); the cache is at `dtype`."""
-    groups: dict[str, float] = {}
-    for path, spec in spec_leaves(model_specs(cfg, dtype) if specs is None else specs):
-        group = weight_group(path)
-        groups[group] = groups.get(group, 0.0) + float(spec.nbytes)
-    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    groups["routed_experts"] = groups.get("routed_experts", 0.0) * (1 - (1 - k / e) ** batch)  # distinct experts hit
-    groups["embed"] = groups.get("embed", 0.0) / cfg.vocab_size * batch  # one row per token
-    if cfg.tie_word_embeddings:  # the head reads the whole matrix
-        groups["lm_head"] = cfg.vocab_size * cfg.hidden_size * jnp.dtype(dtype).itemsize
-    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
-    capacity = -(-context // ratio) * ratio
-    groups["cache"] = sum(float(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-                          for s in jax.tree.leaves(cache_shapes(cfg, batch, capacity, dtype)))
-    return {"total": sum(groups.values()), "by_group": groups}
 
 
 def screened_step_bytes(need: dict, cfg: ModelConfig) -> dict:

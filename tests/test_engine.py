@@ -12,7 +12,7 @@ import dsjax
 from dsjax.model.cache_layout import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
 from dsjax.engine.programs import decode_step
-from dsjax.engine.requests import Request, chunk_length
+from dsjax.engine.requests import MIN_BUCKET, Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
 from dsjax.kernels import cpu as cpu_kernels
 from dsjax.kernels.cpu import PackedHead
@@ -430,13 +430,16 @@ def test_cache_bytes_v4_flash():
 README_ENGINE = dict(max_slots=8, capacity=4096, prefill_chunk=256, decode_steps=4)
 
 
-def test_prefill_shapes_cover_every_prompt(tiny):
+@pytest.mark.parametrize("min_bucket, shapes", [(MIN_BUCKET, [(16, 256), (64, 256), (256, 1024), (256, 4096)]),
+                                                (None, [(16, 1024), (64, 1024), (256, 1024), (256, 4096)])])
+def test_prefill_shapes_cover_every_prompt(tiny, min_bucket, shapes):
     """Every chunk of every prompt length the README's engine accepts runs a shape that
     warmup() compiles; only a prompt's first chunk is narrower than prefill_chunk, and the
-    chunks cover the prompt in order."""
-    engine = Engine(tiny, **README_ENGINE)
-    shapes = engine.prefill_shapes()
-    assert shapes == [(16, 256), (64, 256), (256, 1024), (256, 4096)]
+    chunks cover the prompt in order. Every context bucket from 256, and the buckets worth
+    their programs (None: 8 rows of tiny's cache read 20 % of a decode step's weight bytes at
+    4096 tokens, 5 % at 1024)."""
+    engine = Engine(tiny, **README_ENGINE, min_bucket=min_bucket)
+    assert engine.prefill_shapes() == shapes
     used = set()
     for n in range(1, engine.capacity):
         req = Request("r", list(range(n)), SamplingParams(), ())
@@ -460,7 +463,7 @@ def test_readme_engine_warmup_compiles_eight_programs_and_serving_none(tiny, rng
     jax.clear_caches()  # count from nothing, whatever ran before in this process
     heard = []
     with count_compiles() as warm:
-        engine = Engine(tiny, **README_ENGINE)
+        engine = Engine(tiny, **README_ENGINE, min_bucket=MIN_BUCKET)  # every bucket (the default: one, on tiny)
         assert engine.warmup(progress=lambda i, n, what: heard.append((i, n, what))) == 7
     assert warm["n"] <= 8, warm["names"]
     assert [(i, n) for i, n, _ in heard] == [(i, 7) for i in range(1, 8)]  # a line per program, as it starts
@@ -496,7 +499,7 @@ def test_prefix_cache_shapes_cover_every_prompt_and_serving_compiles_nothing(tin
     of prefill_shapes() (the README's engine; host logic only). And a tiny engine (the shapes
     of test_prefix_cache's) compiles nothing after warmup() while requests hit, miss, store
     and restore blocks."""
-    engine = Engine(tiny, **README_ENGINE, prefix_cache=dsjax.PrefixCacheOptions())
+    engine = Engine(tiny, **README_ENGINE, prefix_cache=dsjax.PrefixCacheOptions(), min_bucket=MIN_BUCKET)
     shapes, block, used = engine.prefill_shapes(), engine.prefill_chunk, set()
     for n in range(1, engine.capacity):
         for hit in range(0, n, block):

@@ -13,7 +13,7 @@ import numpy as np
 import dsjax.engine.scheduler as scheduler_module
 from dsjax.engine.policy import SpeculationPolicy
 from dsjax.engine.prefix_cache import ROOT, PrefixCache, PrefixCacheOptions, PrefixPlanner, block_keys
-from dsjax.engine.requests import Request
+from dsjax.engine.requests import Request, context_bucket, context_buckets, smallest_useful_bucket
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.scheduler import DecodePlan, Scheduler
 
@@ -220,3 +220,15 @@ def test_masks_without_constrained_rows_allow_every_token():
     s = _scheduler(max_slots=2)
     masks = s.masks(DecodePlan(256))
     assert masks.shape == (2, -(-VOCAB // 32)) and (masks == -1).all()
+
+
+def test_smallest_useful_bucket_closed_form():
+    """Buckets whose whole cache costs at most 1/8 of the step's weight bytes merge into the
+    largest such bucket: with a cache of c bytes per token and w bytes of weights, that is the
+    largest bucket b (256 x 4^i) with c b <= w / 8."""
+    for per_token, weights in [(1.0, 8 * 4096), (1.0, 8 * 4095), (3.0, 8 * 3 * 256), (1.0, 100.0), (0.0, 1.0)]:
+        got = smallest_useful_bucket(lambda ctx: (per_token * ctx, weights), 65536)
+        fits = [b for b in (256, 1024, 4096, 16384, 65536) if per_token * b <= weights / 8]
+        assert got == (fits[-1] if fits else 256)
+    assert context_buckets(65536, 4096) == [4096, 16384, 65536] and context_bucket(5000, 65536, 4096) == 16384
+    assert context_buckets(3000, smallest_useful_bucket(lambda ctx: (0.0, 1.0), 3000)) == [3000]

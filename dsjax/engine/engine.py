@@ -50,11 +50,13 @@ from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefi
 from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
 from dsjax.engine.prefix_cache import PrefixCache, PrefixCacheOptions, PrefixPlanner
 from dsjax.engine.programs import DeviceOutput
-from dsjax.engine.requests import Request, TokenEvent, check_constraint, check_request, first_tokens_mask, stop_ids
+from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_request, first_tokens_mask,
+                                   smallest_useful_bucket, stop_ids)
 from dsjax.engine.runner import Dispatch, Runner, StepOutput
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.scheduler import DecodePlan, Scheduler
-from dsjax.model.interface import INVARIANT_ROWS, Model, capture_points, decodes_equal_prefill, reference_key_rule
+from dsjax.model.interface import (INVARIANT_ROWS, Model, capture_points, decodes_equal_prefill, reference_key_rule,
+                                   step_bytes)
 from dsjax.sharding.distributed import to_host
 
 
@@ -123,13 +125,19 @@ class Engine:
     SamplingParams(capture=True) receive them in their TokenEvents (`dsjax.engine.capture`).
     A static argument of the forward programs: as many programs as without, each recording
     them. Not with speculative decoding or a prefix cache (positions a verify step rejects or
-    a cached block restores have no capture of their own) yet."""
+    a cached block restores have no capture of their own) yet.
+
+    min_bucket: the smallest context bucket (a prefill and a decode program per bucket);
+    None: the smallest whose whole cache a decode step of `max_slots` rows reads in more than
+    1/8 of its weight bytes (`requests.smallest_useful_bucket`: for a small model, one bucket,
+    the capacity)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, capacity: int = 4096, prefill_chunk: int = 256,
                  batch_invariant: bool | None = None, max_logprobs: int = 0, overlap: bool = True, decode_steps: int = 1,
                  num_draft_tokens: int = 0, spec_policy: str | None = None, verify_costs: list[float] | None = None,
                  draft_vocab=None, device_memory_bytes: int | None = None,
-                 prefix_cache: PrefixCacheOptions | None = None, greedy_screen: bool = True, capture=()):
+                 prefix_cache: PrefixCacheOptions | None = None, greedy_screen: bool = True, capture=(),
+                 min_bucket: int | None = None):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                           decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
@@ -189,7 +197,9 @@ class Engine:
         self.scheduler = Scheduler(max_slots=max_slots, rows=self.rows, capacity=capacity, prefill_chunk=prefill_chunk,
                                    prefill_rows=prefill_rows, batch_invariant=batch_invariant,
                                    on_mesh=self.mesh is not None, decode_steps=decode_steps, policy=self.policy,
-                                   vocab_size=cfg.vocab_size, aligned_chunks=self.aligned_chunks, prefix=self.prefix)
+                                   vocab_size=cfg.vocab_size, aligned_chunks=self.aligned_chunks, prefix=self.prefix,
+                                   smallest_bucket=min_bucket or smallest_useful_bucket(
+                                       lambda ctx: step_bytes(cfg, self.rows, ctx, model.dtype), capacity))
         self.requests: dict[str, Request] = {}  # by id: the latest request of each id
         self._pending: collections.deque[Dispatch] = collections.deque()  # on the device
         self._outbox: collections.deque[tuple[Request, DeviceOutput, int, int]] = collections.deque()  # read back

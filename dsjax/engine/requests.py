@@ -183,25 +183,45 @@ def stop_ids(params: SamplingParams, eos_token_ids) -> tuple[int, ...]:
     return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))))
 
 
-def context_bucket(tokens_needed: int, capacity: int | None = None) -> int:
+def context_bucket(tokens_needed: int, capacity: int | None = None, smallest: int = MIN_BUCKET) -> int:
     """How many cached tokens a step may read (static per compiled program): the smallest
-    MIN_BUCKET x SHAPE_GROWTH^i holding `tokens_needed`, capped at the capacity. A step's
+    `smallest` x SHAPE_GROWTH^i holding `tokens_needed`, capped at the capacity. A step's
     cost follows the longest sequence in the batch, not the cache capacity, and
     steady-state decode reuses one program per bucket."""
-    bucket = MIN_BUCKET
+    bucket = smallest
     while bucket < tokens_needed:
         bucket *= SHAPE_GROWTH
     return bucket if capacity is None else min(bucket, capacity)
 
 
-def context_buckets(capacity: int) -> list[int]:
+def context_buckets(capacity: int, smallest: int = MIN_BUCKET) -> list[int]:
     """Every context bucket of a `capacity`-token cache (capacity 4096: 256, 1024, 4096;
-    1M: 7 buckets)."""
-    buckets, bucket = [], MIN_BUCKET
+    1M: 7 buckets; from `smallest` on)."""
+    buckets, bucket = [], smallest
     while bucket < capacity:
         buckets.append(bucket)
         bucket *= SHAPE_GROWTH
     return buckets + [capacity]
+
+
+# A bucket below which reading the whole bucket's cache adds at most this share of a decode
+# step's weight bytes is not worth its programs (each bucket is a prefill and a decode program
+# per shape, 5-15 s of XLA:CPU compile each for the built-in model).
+BUCKET_WORTH = 1 / 8
+
+
+def smallest_useful_bucket(step_bytes: Callable[[int], tuple[float, float]], capacity: int) -> int:
+    """The smallest context bucket worth a program of its own: buckets at which reading the
+    cache costs at most BUCKET_WORTH of the step's weight bytes run at the largest such
+    bucket instead. step_bytes(context) -> (cache bytes, weight bytes) of a decode step of
+    the engine's rows."""
+    smallest = MIN_BUCKET
+    for bucket in context_buckets(capacity)[1:]:
+        cache, weights = step_bytes(bucket)
+        if cache > BUCKET_WORTH * weights:
+            break
+        smallest = bucket
+    return smallest
 
 
 def bucket_capacity(tokens: int, cfg: ModelConfig) -> int:

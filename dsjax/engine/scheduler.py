@@ -35,7 +35,8 @@ import numpy as np
 from dsjax.engine.constraints import fill_masks, mask_words
 from dsjax.engine.policy import SpeculationPolicy
 from dsjax.engine.prefix_cache import BlockSave, PrefixPlanner, Restore
-from dsjax.engine.requests import Request, chunk_length, chunk_lengths, context_bucket, context_buckets
+from dsjax.engine.requests import (MIN_BUCKET, Request, chunk_length, chunk_lengths, context_bucket,
+                                   context_buckets)
 from dsjax.model.interface import INVARIANT_ROWS
 
 
@@ -127,8 +128,10 @@ class Scheduler:
 
     def __init__(self, *, max_slots: int, rows: int, capacity: int, prefill_chunk: int, prefill_rows: int,
                  batch_invariant: bool, on_mesh: bool, decode_steps: int, policy: SpeculationPolicy,
-                 vocab_size: int, aligned_chunks: bool, prefix: PrefixPlanner | None = None):
+                 vocab_size: int, aligned_chunks: bool, prefix: PrefixPlanner | None = None,
+                 smallest_bucket: int = MIN_BUCKET):
         self.max_slots, self.rows, self.capacity, self.prefill_chunk = max_slots, rows, capacity, prefill_chunk
+        self.smallest_bucket = smallest_bucket
         self.prefill_rows, self.batch_invariant, self.on_mesh = prefill_rows, batch_invariant, on_mesh
         self.decode_steps, self.policy, self.vocab_size = decode_steps, policy, vocab_size
         self.speculative = policy.enabled
@@ -165,10 +168,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ shapes
     def bucket(self, tokens_needed: int) -> int:
-        return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity)
+        return self.capacity if self.batch_invariant else context_bucket(tokens_needed, self.capacity,
+                                                                          self.smallest_bucket)
 
     def buckets(self) -> list[int]:
-        return [self.capacity] if self.batch_invariant else context_buckets(self.capacity)
+        return [self.capacity] if self.batch_invariant else context_buckets(self.capacity, self.smallest_bucket)
 
     def next_chunk(self, r: Request) -> list[int]:
         return r.next_chunk(self.prefill_chunk, aligned=self.aligned_chunks)

@@ -11,6 +11,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.engram import BEFORE_START
 from dsjax.model.cache import DEAD, Cache
 from dsjax.model.family import family_of
+from dsjax.params import spec_leaves, weight_group
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> Cache:
@@ -88,3 +89,21 @@ def block_layout(cfg: ModelConfig, capacity: int, dtype=jnp.bfloat16) -> tuple[i
     return tuple(codes)
 
 
+def decode_step_bytes(cfg: ModelConfig, *, batch: int, context: int, dtype=jnp.float32, specs=None) -> dict:
+    """Bytes one decode step reads at `batch` rows of `context` cached tokens, by group.
+    specs: the weights as held (default: model_specs at `dtype`; a resident spec tree counts
+    the stored bytes, FP8 / MXFP4 codes and their exponents); the cache is at `dtype`."""
+    groups: dict[str, float] = {}
+    for path, spec in spec_leaves(family_of(cfg).param_specs(cfg, dtype) if specs is None else specs):
+        group = weight_group(path)
+        groups[group] = groups.get(group, 0.0) + float(spec.nbytes)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    groups["routed_experts"] = groups.get("routed_experts", 0.0) * (1 - (1 - k / e) ** batch)  # distinct experts hit
+    groups["embed"] = groups.get("embed", 0.0) / cfg.vocab_size * batch  # one row per token
+    if cfg.tie_word_embeddings:  # the head reads the whole matrix
+        groups["lm_head"] = cfg.vocab_size * cfg.hidden_size * jnp.dtype(dtype).itemsize
+    ratio = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+    capacity = -(-context // ratio) * ratio
+    groups["cache"] = sum(float(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+                          for s in jax.tree.leaves(cache_shapes(cfg, batch, capacity, dtype)))
+    return {"total": sum(groups.values()), "by_group": groups}

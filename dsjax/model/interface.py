@@ -36,7 +36,7 @@ from dsjax.model.block import DEFAULT_OPTIONS, INVARIANT_ROWS
 from dsjax.model.cache import Block as CacheBlock
 from dsjax.model.cache import (Cache, batch_axes, over_tiles, put_block, put_rows, restore_rows, save_rows, take_block,
                                take_rows)
-from dsjax.model.cache_layout import block_layout, cache_bytes, init_cache, min_ring
+from dsjax.model.cache_layout import block_layout, cache_bytes, decode_step_bytes, init_cache, min_ring
 from dsjax.model.family import family_of
 from dsjax.model.forward_pass import forward, forward_traced
 from dsjax.model.head import head_dtype, lm_head_weight, screens, step_head_params
@@ -272,3 +272,10 @@ def forward_capturing(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache,
             entry = jnp.arange(cfg.index_topk, dtype=jnp.int32)
             found[name] = jnp.where(entry < ((positions + 1) // ratio)[..., None], entry, -1)
     return logits, cache, found
+
+
+def step_bytes(cfg: ModelConfig, rows: int, context: int, dtype) -> tuple[float, float]:
+    """(cache bytes, weight bytes) one decode step of `rows` rows reads at `context` cached
+    tokens (`decode_step_bytes`: the routed experts its tokens are expected to pick)."""
+    need = decode_step_bytes(cfg, batch=rows, context=context, dtype=dtype)
+    return need["by_group"]["cache"], need["total"] - need["by_group"]["cache"]
