@@ -321,7 +321,8 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
         slots = _stop_cancelled(slots, cancelled)
         judged = spec.drafts.confidence[:, :k] if schedule is not None else None
         cache, spec, slots, v = verify(params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket,
-                                       schedule=schedule, sampled=sampled, vocab=vocab, opts=opts)
+                                       schedule=schedule, sampled=sampled, vocab=vocab, opts=opts,
+                                       screen=not n_logprobs)
         logprob = top_values = top_ids = None
         if n_logprobs:  # of every position; the host reads those emitted
             b = v.tokens.shape[0]

@@ -17,7 +17,8 @@ The plan of one step (`Scheduler.schedule`):
   3. constrained requests whose prompt is cached but for its last token start decoding from
      it (`starts`), so that their first token is sampled under the grammar's mask;
   4. one decode step for every decoding slot (`DecodePlan`): its context bucket, the drafts
-     k a verify step checks (`SpeculationPolicy.step_k`), the greedy or sampling variant,
+     k a verify step checks (`SpeculationPolicy.step_k`; 0: the confidence policy's plain
+     step), the greedy or sampling variant,
      the rows cancelled since the last one, and whether it is split for structured output
      (a constrained row decodes: the masks are made while the device runs the forward).
 
@@ -88,6 +89,13 @@ class DecodePlan:
     cancelled: tuple[int, ...] = ()  # rows the step stops first
     constrained: bool = False  # split in two programs, the sampling under packed masks
     copies: list[tuple[Request, int, int]] = dataclasses.field(default_factory=list)  # generated blocks (row, j)
+    # speculation: k = 0 is the confidence policy's plain step (the plain decode program); rows
+    # whose drafts predate a plain step (their outcomes are not booked); a probe step before
+    # the probe's last (`SpeculationPolicy.step_schedule`)
+    stale: frozenset = frozenset()
+    probe: bool = False
+    clean: bool = True  # no prefill chunk runs in the same plan (its wall time is the step's)
+    index: int = 0  # decode plans made before this one
 
 
 @dataclasses.dataclass
@@ -130,6 +138,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slot_owner: list[Request | None] = [None] * rows
         self.cancelled: set[int] = set()  # rows cancelled while decoding: stopped by the next decode step
+        self.decode_plans = 0
 
     # ------------------------------------------------------------------ requests and slots
     def add(self, req: Request) -> None:
@@ -192,7 +201,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan; its parts in order (each moves the requests' state on)."""
         restores = self.admit()
-        return StepPlan(restores, self.prefill_calls(), self.start_constrained(), self.decode())
+        plan = StepPlan(restores, self.prefill_calls(), self.start_constrained(), self.decode())
+        if plan.decode is not None:
+            plan.decode.clean, plan.decode.index = not (plan.restores or plan.prefills), self.decode_plans
+            self.decode_plans += 1
+        return plan
 
     def admit(self) -> list[Restore]:
         """Give free slots to waiting requests; the prefix blocks each restores."""
@@ -287,7 +300,7 @@ class Scheduler:
         n = k + 1 if self.speculative else self.decode_steps  # positions written per slot, at most
         needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
         plan = DecodePlan(self.bucket(needed), k, any(r.params.temperature > 0 for r in decoding), owners,
-                          self._take_cancelled())
+                          self._take_cancelled(), stale=self.policy.last_stale, probe=self.policy.last_probe)
         for r in decoding:
             r.dispatched += n
         if self.prefix is not None:
@@ -319,6 +332,9 @@ class Scheduler:
         for bucket, k, sampled in [(b, k, v) for b in self.buckets() for k in ks for v in variants]:
             what = f"decode, context {bucket}" + (f", {k} drafts" if self.speculative else "")
             items.append(WarmupItem(what, StepPlan(decode=DecodePlan(bucket, k, sampled))))
+        if self.policy.plain_steps:  # the confidence policy's plain steps: the plain decode program
+            items += [WarmupItem(f"decode, context {b}, plain", StepPlan(decode=DecodePlan(b, 0)))
+                      for b in self.buckets()]
         if constrained:  # row 0 starts decoding, and the next step's cancel stops it
             items.append(WarmupItem("structured output: start a slot", StepPlan(starts=[(0, 0)])))
             items += [WarmupItem(f"structured output: decode, context {b}",
