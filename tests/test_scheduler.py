@@ -304,3 +304,24 @@ def test_policy_costs_measured_interleaved_and_refreshed_from_observed_steps():
     pinned = SpeculationPolicy(3, "confidence", verify_costs=[1.0, 2.0, 2.2, 2.4])
     pinned.observe(0, 0.5)
     assert pinned.verify_costs == [1.0, 2.0, 2.2, 2.4]
+
+
+def test_measured_policy_times_plain_steps_while_verifying_and_follows_them():
+    """Costs measured, not pinned: warm-up says a verify step costs 1.5x a plain one, so with
+    drafts accepted the policy verifies, but takes PLAIN_PROBE plain steps after PROBE_GAP
+    verify steps (then every PLAIN_EVERY once OBSERVED_MIN plain steps were timed). When the
+    steps as served show verify at 5x a plain step (host work the warm-up missed), it switches
+    to plain steps."""
+    s = _scheduler(max_slots=1, k=3, policy="confidence")
+    s.policy.measure_costs(lambda k: np.zeros(()), rounds=1, calls=1)
+    s.policy.warm = np.array([1.0, 1.5, 1.5, 1.5])
+    s.policy._set_seconds(s.policy.warm)
+    _add(s, _request("a", 10))
+    gap, n = policy_module.PROBE_GAP, policy_module.PLAIN_PROBE
+    ks = [d.k for d in _run_decodes(s, gap + n + 1, accepted=3)]
+    assert ks == [3] * gap + [0] * n + [1]  # (the first verify steps are the first probe's)
+    for k, t in [(0, 1.0)] * 4 + [(3, 5.0)] * 4:  # as served: a verify step is 5x a plain one
+        s.policy.observe(k, t)
+    # k = 1, 2 not observed: scaled by the median move of the observed kinds (1 and 5 / 1.5)
+    assert s.policy.verify_costs == pytest.approx([1.0, 3.25, 3.25, 5.0])
+    assert [d.k for d in _run_decodes(s, gap + 2, accepted=3)] == [0] * gap + [1, 3]  # then a probe

@@ -25,7 +25,10 @@ Plain steps leave the drafter behind (its ring misses their positions and the pe
 are for old ones: still lossless, only accepted less), so a switch to plain decoding lasts
 `probe_gap` steps (PROBE_GAP doubling up to MAX_PROBE_GAP while plain keeps winning), then a
 probe of PROBE_STEPS verify steps redrafts and measures again; the first verify after plain
-steps (stale drafts) checks one draft and is not booked in the acceptance statistics.
+steps (stale drafts) checks one draft and is not booked in the acceptance statistics. While
+verify steps win, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps (unless the costs are
+pinned) keep the plain step's observed time current: warm-up times steps over idle rows, and
+the ratio of the two kinds as served (host work included) may differ.
 
 The drafter's confidence is calibrated online: every judged draft's confidence and outcome
 are binned, and the acceptance observed per bin (shrunk toward the bin's centre by
@@ -58,6 +61,10 @@ RECENT_DECAY = 0.9  # the recent acceptance counts, per verify step
 RECENT_PRIOR = 2.0  # pseudo-drafts at 1/2 per draft position
 SWITCH_MARGIN = 1.05  # plain decoding must look this much faster to switch to it
 PROBE_GAP, MAX_PROBE_GAP, PROBE_STEPS = 8, 256, 3
+# while verifying, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps (every PROBE_GAP until
+# OBSERVED_MIN plain steps were timed): the observed costs then compare the two kinds as served,
+# host overhead included (warm-up times idle rows, which may flatter a verify step)
+PLAIN_EVERY, PLAIN_PROBE = 64, 2
 
 
 def max_drafts(cfg: ModelConfig) -> int:
@@ -149,6 +156,7 @@ class SpeculationPolicy:
         # plain steps left before the next probe, verify steps left in the probe (the first
         # steps are one: the costs are measured, the acceptance not yet), the next plain run
         self.plain_left, self.probe_left, self.probe_gap = 0, PROBE_STEPS, PROBE_GAP
+        self.verify_run = 0  # verify steps since the last plain one (plain probes)
         self.last_stale, self.last_probe = frozenset(), False  # (`step_k`)
         self.calibration = np.zeros((2, CALIBRATION_BINS), np.int64)  # [judged, accepted] per confidence bin
         self.recent = np.zeros((2, k))  # [judged, accepted] per draft position, decayed
@@ -263,13 +271,21 @@ class SpeculationPolicy:
             return self._plain(slots)
         else:
             self.probe_gap = PROBE_GAP  # verifying wins: a later switch to plain decoding probes early again
+            every = PLAIN_EVERY if len(self.observed[0]) >= OBSERVED_MIN else PROBE_GAP
+            if not self.pinned and self.verify_run >= every:  # time plain steps as served
+                self.plain_left, self.probe_left = PLAIN_PROBE - 1, 1
+                self.stale.update(slots)
+                self.verify_run = 0
+                return 0
+        self.verify_run += 1
         self.stale.difference_update(slots)  # this step drafts them anew
         return 1 if self.last_stale else max(1, asked)
 
     def _plain(self, slots: list[int]) -> int:
-        if not self.plain_left:
+        if not self.plain_left and not self.probe_left:
             self.probe_left = PROBE_STEPS
         self.stale.update(slots)
+        self.verify_run = 0
         return 0
 
     def measure_costs(self, step: Callable[[int], object], rounds: int = 6, calls: int = 4) -> None:
