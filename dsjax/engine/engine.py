@@ -178,7 +178,8 @@ class Engine:
         self._outbox: collections.deque[tuple[Request, DeviceOutput, int, int]] = collections.deque()  # read back
         self._ids = itertools.count()
         self.steps = 0
-        self._last_read = None  # (decode plan index, time) of the last decode step read back (`_book`)
+        self._last_read = None  # (decode plan index, time, verify?) of the last decode step read back (`_book`)
+        self._latest_decode = None  # the decode plan dispatched last
 
     # the device state is the runner's, the queue and slots the scheduler's (read, and in
     # benchmarks replaced, under these names)
@@ -306,6 +307,8 @@ class Engine:
             if self.prefix is not None:  # blocks of generated tokens, now that those are read back
                 self.runner.store(self.prefix.key_generated())
             plan = self.scheduler.schedule()
+            if plan.decode is not None:
+                self._latest_decode = plan.decode
             output = self.runner.execute(plan, self._before_sample)
             self._pending.extend(output.dispatches)
             if self.prefix is not None:
@@ -342,12 +345,16 @@ class Engine:
 
     def _book(self, host, d: DecodePlan) -> None:
         """A speculative engine's decode step read back, booked with the policy: its outcome, and
-        its wall time when it is known (the time since the read-back before, of a decode step
-        dispatched one step earlier, neither beside a prefill chunk: the device ran this step
-        alone)."""
+        its wall time when it is known: the time since the read-back before, where the decode
+        steps dispatched just before and just after it (already dispatched: outputs are read
+        while the next step runs) are of its kind (plain or verify) and it ran beside no prefill
+        chunk. An interval between two read-backs then holds one step of that kind whichever
+        step's work the device and the host spent it on."""
         now = time.perf_counter()
-        last, self._last_read = self._last_read, (d.index, now)
-        if last is not None and last[0] == d.index - 1 and d.clean:
+        last, self._last_read = self._last_read, (d.index, now, bool(d.k))
+        nxt = self._latest_decode
+        if (last is not None and last[0] == d.index - 1 and last[2] == bool(d.k) and d.clean
+                and nxt is not None and nxt.index == d.index + 1 and bool(nxt.k) == bool(d.k)):
             self.policy.observe(d.k, now - last[1])
         emitted = {row: r for row, r in d.owners.items() if host.emitted[:, row].any()}
         if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
