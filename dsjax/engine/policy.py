@@ -59,7 +59,9 @@ COUNTERS = ("target_steps", "plain_steps", "row_steps", "drafts_proposed", "draf
 OBSERVED, OBSERVED_MIN = 16, 4  # step times of each kind a cost is the median of, at most / at least
 RECENT_DECAY = 0.9  # the recent acceptance counts, per verify step
 RECENT_PRIOR = 2.0  # pseudo-drafts at 1/2 per draft position
-SWITCH_MARGIN = 1.05  # plain decoding must look this much faster to switch to it
+# a verify step must look this much cheaper a token than a plain step to be chosen: plain steps
+# carry no cost the model misses (a speculative prefill's drafting, stale drafts after a switch)
+VERIFY_MARGIN = 1.2
 PROBE_GAP, MAX_PROBE_GAP, PROBE_STEPS = 8, 256, 3
 # while verifying, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps (every PROBE_GAP until
 # OBSERVED_MIN plain steps were timed): the observed costs then compare the two kinds as served,
@@ -243,9 +245,10 @@ class SpeculationPolicy:
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
 
     def plain_is_better(self) -> bool:
-        """A plain step's seconds a token against the best verify step's (`expected_tokens`)."""
+        """A plain step's seconds a token against the best verify step's (`expected_tokens`),
+        the verify step held to VERIFY_MARGIN."""
         per_token = self.seconds / self.expected_tokens()
-        return per_token[0] * SWITCH_MARGIN < per_token[1:].min()
+        return per_token[0] < per_token[1:].min() * VERIFY_MARGIN
 
     def step_k(self, slots: list[int]) -> int:
         """Drafts the next decode step verifies for these decoding slots; 0: a plain step
