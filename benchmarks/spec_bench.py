@@ -20,6 +20,7 @@ step times) and how many of its steps were plain.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from pathlib import Path
@@ -114,7 +115,8 @@ def main():
     checkpoint = Path(resolve(args.model)).resolve()
     draft = {"num_draft_tokens": args.k, "draft_vocab": model.draft_vocab}
     result = {
-        "platform": platform.processor() or platform.machine(), "cpu": _cpu_name(), "jax": jax.__version__,
+        "machine": _cpu_name(), "load_average_at_start": list(os.getloadavg()),
+        "platform": platform.processor() or platform.machine(), "jax": jax.__version__,
         "devices": str(jax.devices()), "model": f"{args.model} (float32) from {checkpoint}",
         "prompts": {name: s[1] for name, s in sets.items()}, "new_tokens": args.new_tokens, "decoding": "greedy",
         "draft_vocab": None if model.draft_vocab is None else int(len(model.draft_vocab)), "k": args.k,
@@ -142,6 +144,7 @@ def main():
                 f"plain steps {runs['confidence'].get('plain_steps')} of {runs['confidence'].get('target_steps')}",
                 flush=True)
     result["seconds_total"] = time.perf_counter() - t0
+    result["load_average_at_end"] = list(os.getloadavg())
     write_result(result, args.out)
 
 
