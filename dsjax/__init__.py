@@ -8,6 +8,7 @@
     text = dsjax.generate(model, ["The capital of France is"], 8)      # text in, text out
     ll = dsjax.score(model, ["The capital of France is"], [" Paris"])  # log-likelihoods (evaluation)
     tok = dsjax.load_tokenizer()                            # encode / decode, bos_id / eos_id
+    logits, trace = dsjax.inspect.forward(model, [[0, 100, 200]], capture="layers.*.moe.experts")
 """
 
 from dsjax.api import Model, load_model, store_weights
@@ -16,10 +17,11 @@ from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ConfigError, ModelConfig, RuntimeOptions, load_config
 from dsjax.engine import Engine, PrefixCacheOptions, SamplingParams, TokenEvent
 from dsjax.generate import Completion, generate
+from dsjax import inspect  # capture and edit intermediates: dsjax.inspect.forward (docs/inspect.md)
 from dsjax.scoring import Score, score
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Chat", "Completion", "ConfigError", "Engine", "Model", "ModelConfig", "PrefixCacheOptions",
-           "RuntimeOptions", "SamplingParams", "Score", "TokenEvent", "Tokenizer", "generate", "load_config", "load_model",
+           "RuntimeOptions", "SamplingParams", "Score", "TokenEvent", "Tokenizer", "generate", "inspect", "load_config", "load_model",
            "load_tokenizer", "score", "setup_compile_cache", "store_weights"]
 __version__ = "0.1.0"

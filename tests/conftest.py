@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # `--dist loadfile`), which take whole modules in collection order: starting the longest ones
 # first keeps both busy to the end (a long module collected last ran alone for ~5 minutes).
 LONGEST_FIRST = ("test_speculative.py", "test_v41_speculative.py", "test_engine.py", "test_sharding.py",
-                 "test_batch.py", "test_notebooks.py", "test_cli.py", "test_v41_checkpoint.py", "test_v41_resident.py",
-                 "test_serving.py", "test_serving_fields.py")
+                 "test_mosaic_tpu.py", "test_inspect.py", "test_batch.py", "test_notebooks.py", "test_cli.py",
+                 "test_v41_checkpoint.py", "test_v41_resident.py", "test_serving.py", "test_serving_fields.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -36,7 +36,7 @@ RANKS = {
     "dsjax.engine": 6,
     "dsjax.api": 7,
     "dsjax.output": 8,  # the output processor: token events -> text, stop strings, logprobs
-    "dsjax.generate": 9, "dsjax.chat": 9, "dsjax.scoring": 9, "dsjax": 9,
+    "dsjax.generate": 9, "dsjax.chat": 9, "dsjax.scoring": 9, "dsjax.inspect": 9, "dsjax": 9,
     "dsjax.protocol": 9,  # the OpenAI / Anthropic translation, served and batched alike
     "dsjax.command": 10,  # how every command runs, its common flags, loading
     "dsjax.serving": 11, "dsjax.batch": 11, "dsjax.train": 11, "dsjax.testing": 11,

@@ -309,7 +309,7 @@ def test_v4_flash_programs_export_for_tpu_with_the_kernels(s, mesh, monkeypatch)
     from dsjax.config import RuntimeOptions
     from dsjax.kernels import dispatch
     from dsjax.model import batch_axes, cache_shapes, forward
-    from dsjax.model.decoder import model_specs
+    from dsjax.model.v4.decoder import model_specs
     from dsjax.params import abstract_params
     from dsjax.sharding.rules import batch_sharding, make_mesh, shardings_for
 

@@ -33,7 +33,7 @@ scattered into the full vocabulary (zero outside D): still the distribution the 
 drawn from, so the acceptance test above stays exact. The target verifies with its full
 head as before; only the drafts change (greedy outputs are plain decoding's whatever D is).
 
-DeepSeek-V4.1 (`dsjax.model.dspark.DSparkDrafter`): the committed positions' taps feed the
+DeepSeek-V4.1 (`dsjax.model.v41.dspark.DSparkDrafter`): the committed positions' taps feed the
 DSpark stages' key rings, and one DSpark call drafts the block after the next token, each
 draft drawn (as above, with the request's keys) from the processed Markov-corrected logits
 given the drafts before it; its confidence head gives the confidence policy sigma(c_k). The

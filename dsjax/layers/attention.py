@@ -27,6 +27,7 @@ from dsjax.layers.linear import linear, merge_last_two
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
+from dsjax.layers.taps import tap
 from dsjax.kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape, spec
@@ -152,10 +153,11 @@ def attend(p: Attention, q, cq, x, cos, sin, positions, keys, lo, hi, entries, i
         n = entries.shape[1]
         e_lo, e_hi = entry_intervals(lo, n, layer.compress_ratio)
         if layer.has_indexer and cfg.index_topk < n:
-            scores = index_scores(index_queries(p.indexer, cq, cos, sin, cfg), index_keys,
-                                  index_weights(p.indexer, x, cfg), cfg, kernels=kernels)
-            top, mask_pq = select_topk_indices(scores, compressed_visible(positions, n, layer.compress_ratio),
-                                               cfg.index_topk)
+            scores = tap("indexer.scores", index_scores(index_queries(p.indexer, cq, cos, sin, cfg), index_keys,
+                                                        index_weights(p.indexer, x, cfg), cfg, kernels=kernels))
+            visible = tap("indexer.visible", compressed_visible(positions, n, layer.compress_ratio))
+            top, mask_pq = select_topk_indices(scores, visible, cfg.index_topk)
+            top = tap("indexer.selected", top)
             kv_pq = jnp.take_along_axis(entries[:, None], top[..., None], axis=2)  # [B, S, k, hd]
         else:
             keys = jnp.concatenate([keys, entries], axis=1)

@@ -33,6 +33,7 @@ import numpy as np
 from flax import struct
 
 from dsjax.layers.linear import linear
+from dsjax.layers.taps import tap
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import lookup
 
@@ -303,10 +304,12 @@ def engram_fuse(p: Engram, streams: jax.Array, rows: jax.Array, image_mask: jax.
     if tuple(p.wkv.shape) != ((n + 1) * d, width):
         raise ValueError(f"engram: wkv {tuple(p.wkv.shape)} must be [(N+1) D, n_hash head_dim] = "
                          f"{((n + 1) * d, width)}")
+    rows = tap("engram.rows", rows)  # a dsjax.inspect point (inert otherwise)
     kv = project(rows.reshape(*lead, width).astype(streams.dtype), p.wkv)  # [B, S, (N+1) D] (bf16 in the model)
     keys = kv[..., : n * d].reshape(*lead, n, d)
     value = kv[..., n * d:].astype(jnp.float32)  # [B, S, D], shared by all streams
-    gate = engram_gate(p.q_weight.astype(jnp.float32) * p.k_weight.astype(jnp.float32), streams, keys, eps)
+    gate = tap("engram.gate", engram_gate(p.q_weight.astype(jnp.float32) * p.k_weight.astype(jnp.float32), streams,
+                                          keys, eps))
     out = (streams.astype(jnp.float32) + gate[..., None] * value[..., None, :]).astype(streams.dtype)
     if image_mask is None:
         return out

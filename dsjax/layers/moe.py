@@ -46,11 +46,12 @@ from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
 from dsjax.layers.linear import cpu_forms, linear, linear_f32
 from dsjax.layers.quantized import dense, stored_form, take
 from dsjax.layers.qdq import qdq_fp8
+from dsjax.layers import taps
 from dsjax.kernels.dispatch import kernel_choice
 from dsjax.kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
 from dsjax.kernels.stored_matmul import mgpu_stored_grouped_ffn
 from dsjax.params import ParamSpec
-from dsjax.sharding.rules import RULES, current_mesh, present_axes, reshape, spec
+from dsjax.sharding.rules import RULES, current_mesh, lookup, present_axes, reshape, spec
 
 
 @struct.dataclass
@@ -95,17 +96,32 @@ def _score(logits: jax.Array, func: str) -> jax.Array:
     return jax.nn.softmax(logits, axis=-1)
 
 
-def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """x [T, D], token_ids [T] -> (weights [T, K] fp32, expert ids [T, K] int32)."""
-    scores = _score(linear_f32(x, p.router), cfg.scoring_func)  # [T, E]
-    if p.tid2eid is not None:
-        idx = p.tid2eid[token_ids]
+ROUTING_POINTS = ("moe.scores", "moe.experts", "moe.weights", "moe.expert_gain")  # dsjax.inspect's names
+
+
+def route(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
+          lead: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [T, D], token_ids [T] -> (weights [T, K] fp32, expert ids [T, K] int32).
+    lead: the tokens' [B, S], the shape dsjax.inspect's taps show them in (`moe.scores` [B, S, E],
+    `moe.experts` (editable: forced routing takes the forced experts' scores) and `moe.weights`)."""
+    rows = (lambda n: None) if lead is None else (lambda n: (*lead, n))  # noqa: E731
+    scores = taps.tap("moe.scores", _score(linear_f32(x, p.router), cfg.scoring_func), rows(cfg.n_routed_experts))
+    if p.tid2eid is not None:  # asked for on a mesh, route runs in the global view: `lookup` says how the rows lie
+        idx = lookup(p.tid2eid, token_ids) if taps.asks(*ROUTING_POINTS) else p.tid2eid[token_ids]
     else:
         _, idx = jax.lax.top_k(scores + p.router_bias, cfg.num_experts_per_tok)
+    idx = taps.tap("moe.experts", idx.astype(jnp.int32), rows(cfg.num_experts_per_tok))
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
+    return taps.tap("moe.weights", w * cfg.routed_scaling_factor, rows(cfg.num_experts_per_tok)), idx
+
+
+def gained(weights: jax.Array, idx: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The routing weights the experts' outputs are scaled by: dsjax.inspect's `moe.expert_gain`
+    [E] (0: that expert's output ablated, its routing weight kept) where an edit sets it."""
+    gain = taps.optional_tap("moe.expert_gain", lambda: jnp.ones((cfg.n_routed_experts,), jnp.float32))
+    return weights if gain is None else weights * lookup(gain, idx)
 
 
 def lin4_down_input(h: jax.Array, weights: jax.Array) -> jax.Array:
@@ -297,9 +313,10 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
 
 def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
                            kernels: str = "reference", capacity_factor: float | None = None,
-                           rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
+                           rows: int | None = None, fp8_acts: bool = False,
+                           lead: tuple[int, ...] | None = None) -> jax.Array:
     """x [T, D] and token_ids [T] batch-sharded under the current mesh -> routed-expert
-    output [T, D] fp32, same sharding."""
+    output [T, D] fp32, same sharding. lead: as `route`'s."""
     mesh = current_mesh()
     ep = mesh.shape["expert"]
     if cfg.n_routed_experts % ep:
@@ -307,14 +324,21 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
     batch = P(present_axes(RULES.mesh_axes("batch"), mesh))
     in_specs = (_moe_in_specs(p, ep), P(*batch, None), batch)
 
-    def local(p, x, ids):
-        weights, idx = route(p, x, ids, cfg)
+    def dispatch(p, x, weights, idx):
         if ep == 1:
             return routed_experts(p, x, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
                                   rows=rows, fp8_acts=fp8_acts)
         return dispatch_combine(p, x, weights, idx, cfg, ep, capacity_factor, kernels=kernels, rows=rows,
                                 fp8_acts=fp8_acts)
 
+    def local(p, x, ids):
+        return dispatch(p, x, *route(p, x, ids, cfg))
+
+    if taps.asks(*ROUTING_POINTS):  # dsjax.inspect: route in the global view, where its taps can read and edit it
+        weights, idx = route(p, x, token_ids, cfg, lead)
+        routed = jax.shard_map(dispatch, in_specs=(*in_specs[:2], P(*batch, None), P(*batch, None)),
+                               out_specs=P(*batch, None))
+        return routed(_routed_only(p), x, gained(weights, idx, cfg), idx)
     return jax.shard_map(local, in_specs=in_specs, out_specs=P(*batch, None))(_routed_only(p), x, token_ids)
 
 
@@ -342,10 +366,11 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
     if current_mesh() is not None:
         p = expert_layer(p, layer)
         routed = routed_experts_sharded(p, flat, reshape(token_ids, (-1,)), cfg, kernels=kernels,
-                                        capacity_factor=capacity_factor, rows=rows, fp8_acts=fp8_acts)
+                                        capacity_factor=capacity_factor, rows=rows, fp8_acts=fp8_acts,
+                                        lead=x.shape[:-1])
     else:
-        weights, idx = route(p, flat, token_ids.reshape(-1), cfg)
-        routed = routed_experts(p, flat, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
-                                layer=layer, rows=rows, fp8_acts=fp8_acts)
+        weights, idx = route(p, flat, token_ids.reshape(-1), cfg, x.shape[:-1])
+        routed = routed_experts(p, flat, gained(weights, idx, cfg), idx, cfg, None if rows is None else "grouped",
+                                kernels=kernels, layer=layer, rows=rows, fp8_acts=fp8_acts)
     routed = routed.astype(x.dtype)
     return reshape(routed + shared_expert(p, flat, cfg, fp8_acts), x.shape)

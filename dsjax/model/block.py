@@ -25,11 +25,13 @@ from dsjax.layers.attention import AttentionProjections
 from dsjax.layers.hyper_connection import HyperConnection, collapse, expand, hc_mixes
 from dsjax.layers.moe import MoE, moe_forward
 from dsjax.layers.norms import rms_norm
+from dsjax.layers.taps import tap
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import lookup
 
 DEFAULT_OPTIONS = RuntimeOptions()
 INVARIANT_ROWS = 8  # rows per batch-invariant tile (see `dsjax.model.forward`)
+MIXES = ("pre", "post", "comb")  # the mHC mixes of a sublayer, as dsjax.inspect names them
 
 
 @struct.dataclass
@@ -94,14 +96,15 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     expert_layer: p.moe's routed-expert weights are still stacked over the layer run and this
     is layer `expert_layer`. rows, fp8_acts: `moe_forward`'s (batch-invariant tiles; V4.1's
     FP8 activations)."""
-    a_pre, a_post, a_comb = hc_mixes(p.attn_hc, streams, cfg)
+    streams = tap("mhc.streams_in", streams)  # `tap`: a named point for dsjax.inspect (inert otherwise)
+    a_pre, a_post, a_comb = (tap(f"attn_hc.{k}", m) for k, m in zip(MIXES, hc_mixes(p.attn_hc, streams, cfg)))
     with jax.named_scope("mhc"):  # the sublayer's input norm counts with its collapse in a profile
         h = rms_norm(collapse(streams, a_pre if pi is None else pi), p.attn_norm, cfg.rms_norm_eps)
     out, state = attend(p.attn, h)
-    streams = expand(out, streams, a_post, a_comb)
-    f_pre, f_post, f_comb = hc_mixes(p.ffn_hc, streams, cfg)
+    streams = tap("mhc.streams_mid", expand(tap("attn.out", out), streams, a_post, a_comb))
+    f_pre, f_post, f_comb = (tap(f"ffn_hc.{k}", m) for k, m in zip(MIXES, hc_mixes(p.ffn_hc, streams, cfg)))
     with jax.named_scope("mhc"):
-        h = rms_norm(collapse(streams, f_pre if pi is None else a_pre), p.ffn_norm, cfg.rms_norm_eps)
+        h = tap("moe.in", rms_norm(collapse(streams, f_pre if pi is None else a_pre), p.ffn_norm, cfg.rms_norm_eps))
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
                     layer=expert_layer, rows=rows, fp8_acts=fp8_acts)
-    return expand(y, streams, f_post, f_comb), f_pre, state
+    return tap("mhc.streams_out", expand(tap("moe.out", y), streams, f_post, f_comb)), f_pre, state

@@ -40,6 +40,15 @@ def forward(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None = N
     XLA:CPU picks how a reduction or product sums by the operand shapes, so a fixed shape
     makes a row's results depend on its own tokens only, not on the batch size, its slot
     or its neighbours (see docs/batch-invariance.md)."""
+    return forward_traced(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket,
+                          last_only=last_only, hidden=hidden)
+
+
+def forward_traced(params, tokens: jax.Array, cfg: ModelConfig, cache: Cache | None = None, *,
+                   opts: RuntimeOptions = DEFAULT_OPTIONS, n_valid: jax.Array | None = None,
+                   ctx_bucket: int | None = None, last_only: bool = False, hidden: bool = False):
+    """`forward`'s body, not jitted: for a caller that traces it inside a program of its own
+    (dsjax/inspect.py opens its taps around it; a nested jit would trace it apart from them)."""
     if cache is not None and ctx_bucket is None:
         raise ValueError("forward with a cache needs ctx_bucket (how many cached tokens a query may read)")
     with kernels_for_stored_weights(opts.kernels):  # FP8 projections: the kernel reading stored bytes, if chosen

@@ -30,6 +30,7 @@ from dsjax.layers.attention import attention_extend, attention_forward, attentio
 from dsjax.layers.hyper_connection import HyperHead, hyper_connection_specs, hyper_head_specs
 from dsjax.layers.linear import whole_weights
 from dsjax.layers.moe import moe_specs
+from dsjax.layers import taps
 from dsjax.model.block import (DEFAULT_OPTIONS, INVARIANT_ROWS, Block, LayerByLayer, block_apply, embed_streams,
                                norm_spec)
 from dsjax.model.cache import Cache
@@ -182,14 +183,15 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
         new = []
         for j, block in enumerate(blocks):
             attend = attends[j] if states is None else attends[j](states[j], at)
-            if at is None or whole:  # whole: this repeat's own weights (`LayerByLayer`)
-                streams, state = v4_block(block, streams, tokens, attend, cfg, opts)
-            else:  # this repeat's slice of the weights; the routed experts are read from the stack
-                moe = block.moe
-                with jax.named_scope("layer_weights"):  # a profile's op group (benchmarks/decode_trace.py)
-                    own = jax.tree.map(lambda a: a[at], block.replace(moe=moe.replace(w1=None, w3=None, w2=None)))
-                own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
-                streams, state = v4_block(own, streams, tokens, attend, cfg, opts, expert_layer=at)
+            with taps.layer(run.indices[j], at):  # which layer dsjax.inspect's taps name (inert otherwise)
+                if at is None or whole:  # whole: this repeat's own weights (`LayerByLayer`)
+                    streams, state = v4_block(block, streams, tokens, attend, cfg, opts)
+                else:  # this repeat's slice of the weights; the routed experts are read from the stack
+                    moe = block.moe
+                    with jax.named_scope("layer_weights"):  # a profile's op group (benchmarks/decode_trace.py)
+                        own = jax.tree.map(lambda a: a[at], block.replace(moe=moe.replace(w1=None, w3=None, w2=None)))
+                    own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
+                    streams, state = v4_block(own, streams, tokens, attend, cfg, opts, expert_layer=at)
             new.append(state)
         return streams, tuple(new)
 
@@ -207,14 +209,20 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
         streams, new = period(streams, first(blocks), None if states is None else first(states))
         return streams, jax.tree.map(lambda a: a[None], new)
 
-    def step(carry, _):  # stacked states ride in the carry; each layer writes its rows in place
-        x, sts, r = carry
-        x, new = period(x, blocks, sts, at=r)
-        if sts is None:  # full sequence: what the attend calls returned besides their output (probes)
-            return (x, None, r + 1), new
-        return (x, new, r + 1), None
+    body = None
 
-    (streams, states, _), found = jax.lax.scan(step, (streams, states, jnp.int32(0)), None, length=run.repeats)
+    def step(carry, _):  # stacked states ride in the carry; each layer writes its rows in place
+        nonlocal body
+        x, sts, r = carry
+        with taps.collect() as body:  # dsjax.inspect's captures leave the scan as stacked outputs
+            x, new = period(x, blocks, sts, at=r)
+        if sts is None:  # full sequence: what the attend calls returned besides their output (probes)
+            return (x, None, r + 1), (new, body.values)
+        return (x, new, r + 1), (None, body.values)
+
+    (streams, states, _), (found, tapped) = jax.lax.scan(step, (streams, states, jnp.int32(0)), None,
+                                                         length=run.repeats)
+    taps.release(tapped, body)
     return streams, found if states is None else states
 
 
@@ -223,6 +231,8 @@ def forward_rows(params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache
     """`dsjax.model.forward` for a V4 config over one tile of rows -> (logits fp32, cache);
     hidden: the head's input rows instead of the logits."""
     streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
+    streams = taps.tap("final.streams", streams)
+    taps.optional_tap("final.hidden", lambda: head_input(params.hc_head, params.norm, streams, cfg))
     if last_only:
         streams = last_valid(streams, jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid)
     if hidden:

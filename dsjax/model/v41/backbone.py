@@ -23,6 +23,7 @@ from dsjax.layers.engram import BEFORE_START, dequant_rows, engram_fuse
 from dsjax.layers.hyper_connection import collapse
 from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
+from dsjax.layers import taps as inspect_taps  # `taps` here names DSpark's
 from dsjax.model.block import DEFAULT_OPTIONS, block_apply, embed_streams, layer_slot
 from dsjax.model.cache import Cache
 from dsjax.model.head import last_valid, lm_head_weight, rows_logits
@@ -92,7 +93,8 @@ def _backbone(params, tokens, cfg, states, n_entries_of, attend_of, engram_rows,
     targets = cfg.v41.dspark.target_layer_ids if (taps and cfg.v41.dspark) else ()
     tapped, shared, new_states = {}, None, []
     for k, (run, blocks) in enumerate(zip(cfg.layer_runs, params.blocks)):
-        streams = engram_before(params, run, streams, engram_rows, cfg, opts.round_trips)
+        with inspect_taps.layer(run.first):  # dsjax.inspect's `layers.{i}.engram.*` (inert otherwise)
+            streams = engram_before(params, run, streams, engram_rows, cfg, opts.round_trips)
         ratio = max(layer.compress_ratio for layer in run.layers)
         n_entries = n_entries_of(ratio) if ratio else 0
         if ratio and (shared is None or shared.entries.shape[1] != n_entries):
@@ -124,6 +126,8 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
     (each layer writes its rows in place at its index `at` along the stacked axis).
     -> (streams, pi, shared, states, {target layer: tap})."""
 
+    bodies = {}  # dsjax.inspect: what each scan body captured (static, read back by `taps.release`)
+
     def position(j):
         wants = _taps_at(run, j, targets)
 
@@ -131,27 +135,33 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
             streams, pi, shared, state = c
             p, at = xs
             tap = _tap(streams) if wants else None
-            streams, pi, (state, shared) = block_apply(
-                p, streams, tokens, lambda pa, h: attends[j](pa, h, state, at, shared), cfg, opts, pi=pi,
-                fp8_acts=opts.round_trips)
-            return (streams, pi, shared, state), tap
+            with inspect_taps.collect() as bodies[j], inspect_taps.layer(run.indices[j], at):
+                streams, pi, (state, shared) = block_apply(
+                    p, streams, tokens, lambda pa, h: attends[j](pa, h, state, at, shared), cfg, opts, pi=pi,
+                    fp8_acts=opts.round_trips)
+            return (streams, pi, shared, state), (tap, bodies[j].values)
         return step
 
     def copy(c, xs):
         streams, pi, shared, sts = c
         ps, r = xs
-        taps, new = [], list(sts)
-        for j, p in enumerate(ps):
-            ats = r * run.inner[j] + jnp.arange(run.inner[j])
-            (streams, pi, shared, new[j]), tap = jax.lax.scan(position(j), (streams, pi, shared, new[j]), (p, ats))
-            taps.append(tap)
-        return (streams, pi, shared, tuple(new)), tuple(taps)
+        tapped, new = [], list(sts)
+        with inspect_taps.collect() as bodies["copy"]:
+            for j, p in enumerate(ps):
+                ats = r * run.inner[j] + jnp.arange(run.inner[j])
+                (streams, pi, shared, new[j]), (tap, found) = jax.lax.scan(position(j), (streams, pi, shared, new[j]),
+                                                                           (p, ats))
+                inspect_taps.release(found, bodies[j])
+                tapped.append(tap)
+        return (streams, pi, shared, tuple(new)), (tuple(tapped), bodies["copy"].values)
 
     stacked = tuple(jax.tree.map(lambda a, n=n: a.reshape(run.repeats, n, *a.shape[1:]), blocks[j])
                     for j, n in enumerate(run.inner))  # [repeats * inner, ...] -> [repeats, inner, ...]
     states = (None,) * len(run.layers) if states is None else tuple(states)
-    (streams, pi, shared, states), taps = jax.lax.scan(copy, (*carry, states), (stacked, jnp.arange(run.repeats)))
-    out = {run.index_of(r, j, i): taps[j][r, i] for r in range(run.repeats) for j in range(len(run.layers))
+    (streams, pi, shared, states), (tapped, found) = jax.lax.scan(copy, (*carry, states),
+                                                                  (stacked, jnp.arange(run.repeats)))
+    inspect_taps.release(found, bodies["copy"])
+    out = {run.index_of(r, j, i): tapped[j][r, i] for r in range(run.repeats) for j in range(len(run.layers))
            for i in range(run.inner[j]) if run.index_of(r, j, i) in targets}
     return streams, pi, shared, states, out
 
@@ -250,6 +260,8 @@ def v41_forward_rows(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig
     else:
         streams, pi, cache, hidden = v41_streams_cached(params, tokens, cfg, cache, ctx_bucket=ctx_bucket,
                                                         n_valid=n_valid, opts=opts, taps=taps)
+    streams = inspect_taps.tap("final.streams", streams)
+    inspect_taps.optional_tap("final.hidden", lambda: v41_head_input(params, streams, pi, cfg))
     if last_only:
         n = jnp.full(tokens.shape[:1], tokens.shape[1]) if n_valid is None else n_valid
         streams, pi = last_valid(streams, n), last_valid(pi, n)

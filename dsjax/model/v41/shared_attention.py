@@ -31,6 +31,7 @@ from dsjax.layers.linear import linear, linear_f32
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.qdq import qdq_fp4_e4m3, qdq_fp4_e8m0, qdq_fp8
 from dsjax.layers.rope import apply_rope, rope_cos_sin
+from dsjax.layers.taps import tap
 from dsjax.kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import batch_major, reshape
@@ -208,8 +209,9 @@ def index_select(p: SharedAttention, layer: LayerSpec, cq, x, shared: Shared, vi
         shared = shared.replace(candidates=candidate_mask(
             scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size))
     restrict = shared.candidates if layer.sharing.candidates_from is not None else None
-    top, valid = select_entries(scores, visible, shared.top.shape[-1], restrict)
-    return shared.replace(top=top, top_valid=valid)
+    top, valid = select_entries(tap("indexer.scores", scores), tap("indexer.visible", visible), shared.top.shape[-1],
+                                restrict)
+    return shared.replace(top=tap("indexer.selected", top), top_valid=valid)
 
 
 def attend_and_project(p: SharedAttention, q, keys, lo, hi, positions, shared: Shared | None, cos, sin,
