@@ -200,9 +200,9 @@ def test_warmup_plans_count_every_program():
     (256, 1024), (256, 4096) and decode at 256, 1024, 4096: 7 programs; with structured output
     a start, a split forward per bucket and its sampling half: 12. A speculative engine
     (confidence, K = 2) compiles each in a greedy and a sampling variant and verify steps at
-    k = 1, 2, and the plain decode step per bucket (one program for both variants):
-    (4 + 3 x 2) x 2 + 3 = 23; fixed (k = 2 only): (4 + 3) x 2 = 14. A prefix cache adds its
-    save and restore."""
+    k = 1, 2, and the plain engine's programs for its plain runs, the decode step per bucket and
+    the prefill per shape (one program for both variants): (4 + 3 x 2) x 2 + 3 + 4 = 27; fixed
+    (k = 2 only): (4 + 3) x 2 = 14. A prefix cache adds its save and restore."""
     s = _scheduler(max_slots=8)
     assert s.prefill_shapes() == [(16, 256), (64, 256), (256, 1024), (256, 4096)]
     assert sum(i.programs for i in s.warmup_plans()) == 7
@@ -214,8 +214,10 @@ def test_warmup_plans_count_every_program():
     spec = _scheduler(max_slots=8, k=2, policy="confidence")
     decodes = [(i.plan.decode.bucket, i.plan.decode.k, i.plan.decode.sampled) for i in spec.warmup_plans()
                if i.plan.decode is not None]
-    assert len(spec.warmup_plans()) == 23 and len(set(decodes)) == 15
+    assert len(spec.warmup_plans()) == 27 and len(set(decodes)) == 15
     assert sorted(d for d in decodes if d[1] == 0) == [(256, 0, False), (1024, 0, False), (4096, 0, False)]
+    plain_prefills = [(c.width, c.bucket) for i in spec.warmup_plans() for c in i.plan.prefills if not c.draft]
+    assert plain_prefills == spec.prefill_shapes()
     assert len(_scheduler(max_slots=8, k=2).warmup_plans()) == 14
     prefix, _ = _prefix_scheduler()  # capacity 256, chunk 16: widths 16 at bucket 256, and the round trip
     assert [(i.what, i.programs) for i in prefix.warmup_plans()] == [
@@ -325,3 +327,45 @@ def test_measured_policy_times_plain_steps_while_verifying_and_follows_them():
     # k = 1, 2 not observed: scaled by the median move of the observed kinds (1 and 5 / 1.5)
     assert s.policy.verify_costs == pytest.approx([1.0, 3.25, 3.25, 5.0])
     assert [d.k for d in _run_decodes(s, gap + 2, accepted=3)] == [0] * gap + [1, 3]  # then a probe
+
+
+def test_plain_runs_prefill_with_the_plain_program_and_cold_rows_check_no_drafts():
+    """A request admitted during a run of plain steps is prefilled by the plain engine's
+    program (no drafter); its pending drafts are then an earlier request's, so the probe's
+    first verify step marks its row cold (it checks none) as well as stale; the step after
+    drafts it anew. Admitted while verify steps run, a prompt goes through the drafter."""
+    s = _scheduler(max_slots=3, k=3, policy="confidence", costs=[1.0, 4.0, 4.1, 4.2])
+    _add(s, _request("a", 10, max_tokens=200), _request("b", 12, max_tokens=200))
+    first = s.schedule()
+    assert [c.draft for c in first.prefills] == [True, True]  # (the first probe: verify steps)
+    s.policy.count(_verified(first.decode, 3), first.decode.owners, first.decode.stale)
+    gap, probe = policy_module.PROBE_GAP, policy_module.PROBE_STEPS
+    plans = _run_decodes(s, probe, accepted=3)  # the probe's end: a plain run begins
+    assert plans[-1].k == 0
+    (c,) = _add(s, _request("c", 9, max_tokens=200))
+    plan = s.schedule()
+    assert [(p.draft, p.chunks[0].request.request_id) for p in plan.prefills] == [(False, "c")]
+    assert plan.decode.k == 0 and s.policy.cold == {c.slot} and s.policy.totals["plain_prefills"] == 1
+    s.policy.count_plain(types.SimpleNamespace(emitted=np.ones((1, 3), bool)), plan.decode.owners)
+    plans = _run_decodes(s, gap, accepted=3)
+    resumed = [d for d in plans if d.k][0]
+    assert resumed.k == 1 and resumed.cold == {c.slot} and resumed.stale == {0, 1, 2}
+    after = plans[plans.index(resumed) + 1]
+    assert after.k == 3 and after.cold == frozenset() and not s.policy.cold
+
+
+def test_a_draining_batch_runs_at_its_slowest_rows_pace():
+    """Row 0's drafts are always accepted, row 1's never. Per row on average a verify step
+    over 3 drafts at 1.4x a plain step wins; but with nothing waiting the batch finishes when
+    row 1 does, near one token a step either way, so plain steps win. When row 1 has a token left,
+    row 0's pace decides again."""
+    policy = SpeculationPolicy(3, "confidence", verify_costs=[1.0, 1.2, 1.3, 1.4], max_slots=2)
+    req = lambda: Request("r", [1], SamplingParams(), ())  # noqa: E731
+    for _ in range(8):
+        host = types.SimpleNamespace(drafts_checked=np.array([3, 3]), drafts_accepted=np.array([3, 0]),
+                                     emitted=np.array([[1, 1], [1, 0], [1, 0], [1, 0]], bool),
+                                     next_limit=np.array([3, 3]), draft_confidence=None)
+        policy.count(host, {0: req(), 1: req()})
+    assert not policy.plain_is_better()
+    assert policy.plain_is_better({0: 40, 1: 40})
+    assert not policy.plain_is_better({0: 40, 1: 1})

@@ -162,9 +162,10 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     assert spec == plain
     m = engine.spec_metrics()
     assert 0 < m["drafts_proposed"] < 2 * m["row_steps"]  # not always the maximum
-    # the calibration booked every judged draft, each once, and the accepted ones
+    # the calibration booked every judged draft, each once, and the accepted ones (all but those
+    # of stale drafts, verified after a plain step: the draining batch's last steps may be plain)
     assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
-    assert sum(m["calibration"]["accepted"]) == m["drafts_accepted"]
+    assert sum(m["calibration"]["accepted"]) == engine.policy.by_position[1].sum() > 0
     measured = _engine(small_vocab, num_draft_tokens=2)  # the same step shapes: no new compiles
     measured.runner.measure_costs(measured.scheduler.bucket(1))
     assert len(measured.verify_costs) == 3 and measured.verify_costs[0] == 1.0

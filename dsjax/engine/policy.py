@@ -55,10 +55,12 @@ from dsjax.model.interface import draft_block_limit, drafter_takes_vocab, min_ri
 
 SPEC_POLICIES = ("confidence", "fixed")
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per bin at the bin's centre: the raw confidence until drafts are judged
-COUNTERS = ("target_steps", "plain_steps", "row_steps", "drafts_proposed", "drafts_accepted", "decode_tokens")
+COUNTERS = ("target_steps", "plain_steps", "row_steps", "drafts_proposed", "drafts_accepted", "decode_tokens",
+            "plain_prefills")
 OBSERVED, OBSERVED_MIN = 16, 4  # step times of each kind a cost is the median of, at most / at least
 RECENT_DECAY = 0.9  # the recent acceptance counts, per verify step
 RECENT_PRIOR = 2.0  # pseudo-drafts at 1/2 per draft position
+ROW_PRIOR = 4.0  # a row's own recent acceptance, shrunk toward the batch's by this many pseudo-drafts
 # a verify step must look this much cheaper a token than a plain step to be chosen: plain steps
 # carry no cost the model misses (a speculative prefill's drafting, stale drafts after a switch)
 VERIFY_MARGIN = 1.2
@@ -155,13 +157,17 @@ class SpeculationPolicy:
         self.observed = [collections.deque(maxlen=OBSERVED) for _ in range(k + 1)]
         self.next_k = [k] * max_slots
         self.stale: set[int] = set()  # slots whose drafts predate a plain step
+        # slots whose prompt was prefilled by the plain program (`drafting`): their pending drafts
+        # are an earlier request's, so their first verify step checks none of them
+        self.cold: set[int] = set()
         # plain steps left before the next probe, verify steps left in the probe (the first
         # steps are one: the costs are measured, the acceptance not yet), the next plain run
         self.plain_left, self.probe_left, self.probe_gap = 0, PROBE_STEPS, PROBE_GAP
         self.verify_run = 0  # verify steps since the last plain one (plain probes)
-        self.last_stale, self.last_probe = frozenset(), False  # (`step_k`)
+        self.last_stale, self.last_cold, self.last_probe = frozenset(), frozenset(), False  # (`step_k`)
         self.calibration = np.zeros((2, CALIBRATION_BINS), np.int64)  # [judged, accepted] per confidence bin
         self.recent = np.zeros((2, k))  # [judged, accepted] per draft position, decayed
+        self.row_recent = np.zeros((max_slots, 2, k))  # the same per slot (since its request's admission)
         self._schedule = self._costs = None
         self.reset()
 
@@ -236,28 +242,62 @@ class SpeculationPolicy:
     def admit(self, slot: int) -> None:
         self.next_k[slot] = self.num_draft_tokens
         self.stale.discard(slot)  # its prefill drafts after its prompt
+        self.cold.discard(slot)
+        self.row_recent[slot] = 0
 
-    def expected_tokens(self) -> np.ndarray:
+    def drafting(self) -> bool:
+        """Whether a prompt chunk planned now goes through the drafter (the speculative
+        prefill program, which drafts after the prompt): not while a run of plain steps goes
+        on (the prefill is then the plain engine's program, and the row catches up when verify
+        steps resume: its first checks none of its pending drafts, `prefilled`)."""
+        return not (self.plain_steps and self.plain_left > 0)
+
+    def prefilled(self, slot: int, drafted: bool, last: bool) -> None:
+        """A prompt chunk of `slot` was planned, through the drafter or not (`drafting`); `last`:
+        its prompt ends there (a drafted last chunk drafts after the first token)."""
+        if not drafted:
+            self.cold.add(slot)
+            self.stale.add(slot)
+            self.totals["plain_prefills"] += 1
+        elif last:
+            self.cold.discard(slot)
+            self.stale.discard(slot)
+
+    def expected_tokens(self, remaining: dict[int, int] | None = None) -> np.ndarray:
         """E_k [K + 1]: tokens a row expects from a verify step over k drafts, from the
-        recent acceptance at each draft position (E_0 = 1: a plain step)."""
+        recent acceptance at each draft position (E_0 = 1: a plain step). remaining (slot ->
+        tokens it has left; given when no request waits, so the batch drains): the rate at
+        which the batch finishes, max_r n_r / max_r (n_r / E_k,r) with E_k,r each row's own
+        (its recent acceptance shrunk toward the batch's by ROW_PRIOR pseudo-drafts): a plain
+        step advances every row by one, so a batch of rows that all must finish runs at its
+        slowest row's pace, and the steps the faster rows save sit idle."""
         judged, accepted = self.recent
         a = (accepted + RECENT_PRIOR / 2) / (judged + RECENT_PRIOR)
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
+        batch = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
+        if not remaining or len(remaining) < 2:
+            return batch
+        slots = list(remaining)
+        judged, accepted = self.row_recent[slots, 0], self.row_recent[slots, 1]  # [R, K]
+        rows = (accepted + ROW_PRIOR * a) / (judged + ROW_PRIOR)
+        e = 1.0 + np.concatenate([np.zeros((len(slots), 1)), np.cumsum(np.cumprod(rows, axis=1), axis=1)], axis=1)
+        n = np.array([max(remaining[s], 1) for s in slots], np.float64)[:, None]
+        return np.minimum(batch, n.max() / (n / e).max(axis=0))
 
-    def plain_is_better(self) -> bool:
+    def plain_is_better(self, remaining: dict[int, int] | None = None) -> bool:
         """A plain step's seconds a token against the best verify step's (`expected_tokens`),
         the verify step held to VERIFY_MARGIN."""
-        per_token = self.seconds / self.expected_tokens()
+        per_token = self.seconds / self.expected_tokens(remaining)
         return per_token[0] < per_token[1:].min() * VERIFY_MARGIN
 
-    def step_k(self, slots: list[int]) -> int:
+    def step_k(self, slots: list[int], remaining: dict[int, int] | None = None) -> int:
         """Drafts the next decode step verifies for these decoding slots; 0: a plain step
-        (confidence policy). Called once per dispatched decode step; `last_stale` then holds
+        (confidence policy). remaining: tokens each slot has left, when no request waits
+        (`expected_tokens`). Called once per dispatched decode step; `last_stale` then holds
         the slots whose drafts it verifies were made before a plain step, `last_probe` whether
         it is a probe step before the probe's last (`step_schedule`)."""
         k = self.num_draft_tokens
         self.last_stale = frozenset(self.stale.intersection(slots))
-        self.last_probe = False
+        self.last_cold, self.last_probe = frozenset(), False
         if self.name == "fixed" or not self.enabled or self.seconds is None:
             return k
         fresh = [s for s in slots if s not in self.stale]
@@ -268,7 +308,7 @@ class SpeculationPolicy:
         if self.probe_left:  # verify whatever the numbers say: they are what the probe renews
             self.probe_left -= 1
             self.last_probe = self.probe_left > 0  # so that the next probe step's rows check all their drafts
-        elif self.plain_is_better():
+        elif self.plain_is_better(remaining):
             self.plain_left = self.probe_gap - 1
             self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
             return self._plain(slots)
@@ -281,7 +321,9 @@ class SpeculationPolicy:
                 self.verify_run = 0
                 return 0
         self.verify_run += 1
+        self.last_cold = frozenset(self.cold.intersection(slots))
         self.stale.difference_update(slots)  # this step drafts them anew
+        self.cold.difference_update(slots)
         return 1 if self.last_stale else max(1, asked)
 
     def _plain(self, slots: list[int]) -> int:
@@ -370,6 +412,9 @@ class SpeculationPolicy:
             self.by_position[1, :accepted] += 1
             self.recent[0, :judged] += 1
             self.recent[1, :accepted] += 1
+            self.row_recent[row] *= RECENT_DECAY
+            self.row_recent[row, 0, :judged] += 1
+            self.row_recent[row, 1, :accepted] += 1
             if host.draft_confidence is not None and judged:
                 bins = np.minimum((host.draft_confidence[row, :judged] * CALIBRATION_BINS).astype(int),
                                   CALIBRATION_BINS - 1)

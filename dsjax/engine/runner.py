@@ -130,7 +130,8 @@ class Runner:
             self.pool.settle()  # host-tier copies, now that the device has work
         return output
 
-    def _cancelled(self, rows: tuple[int, ...]):
+    def _cancelled(self, rows) -> jax.Array:
+        """A [rows] bool mask of these rows (cancelled rows; a verify step's cold rows)."""
         if not rows:
             return self.none_cancelled
         return self.place(np.isin(np.arange(self.rows), list(rows)))
@@ -155,7 +156,7 @@ class Runner:
         admits = admission(admits)
         params, slot = (self.model.params if call.score else self.step_params), np.int32(call.row)
         static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=call.bucket, n_logprobs=self.max_logprobs)
-        if self.spec is not None:
+        if self.spec is not None and call.draft:
             chunk = (tokens, following, n_valid, is_last, admits, first_mask)
             state = (params, self.model.mtp, self.cache, self.spec, self.slots)
             drafting = (self.policy.schedule, self.draft)
@@ -186,8 +187,8 @@ class Runner:
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
                 self.verify_params, self.model.mtp, self.cache, self.spec, self.slots, cancelled,
-                self.policy.step_schedule(d.probe), self.draft, k=d.k, cfg=self.cfg, opts=self.opts,
-                ctx_bucket=d.bucket, sampled=d.sampled, n_logprobs=self.max_logprobs)
+                self.policy.step_schedule(d.probe), self.draft, cold=self._cancelled(d.cold), k=d.k, cfg=self.cfg,
+                opts=self.opts, ctx_bucket=d.bucket, sampled=d.sampled, n_logprobs=self.max_logprobs)
         return out
 
     def split_decode(self, d: DecodePlan, masks: Callable[[], np.ndarray]) -> DeviceOutput:
@@ -260,7 +261,7 @@ class Runner:
             else:
                 self.cache, idle[0], idle[1], out = spec_decode_step(
                     self.verify_params, self.model.mtp, self.cache, *idle, self.none_cancelled, placeholder,
-                    self.draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=False,
+                    self.draft, cold=self.none_cancelled, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=False,
                     n_logprobs=self.max_logprobs)
             return self.cache, out
 

@@ -63,6 +63,7 @@ class PrefillCall:
     bucket: int  # context bucket
     sampled: bool  # a row samples (speculation's sampling variant)
     score: bool  # a row asks for prompt logprobs (the scoring program)
+    draft: bool = True  # speculation: the chunk goes through the drafter (else the plain prefill program)
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     saves: list[BlockSave] = dataclasses.field(default_factory=list)  # prefix blocks the call completes
 
@@ -93,6 +94,7 @@ class DecodePlan:
     # whose drafts predate a plain step (their outcomes are not booked); a probe step before
     # the probe's last (`SpeculationPolicy.step_schedule`)
     stale: frozenset = frozenset()
+    cold: frozenset = frozenset()  # rows whose pending drafts are an earlier request's: they check none
     probe: bool = False
     clean: bool = True  # no prefill chunk runs in the same plan (its wall time is the step's)
     index: int = 0  # decode plans made before this one
@@ -255,6 +257,8 @@ class Scheduler:
                            self.prefill_bucket(max(r.prefilled for r in group), width),
                            any(r.params.temperature > 0 for r in group),
                            any(r.params.prompt_logprobs is not None for r in group))
+        # a prefix cache's blocks keep the drafter's ring: their prompt chunks always fill it
+        call.draft = self.speculative and (self.policy.drafting() or self.prefix is not None)
         for r, tokens in zip(group, chunks):
             following = r.prompt[r.prefilled + 1: r.prefilled + len(tokens) + 1]
             is_last = r.prefilled + len(tokens) == len(r.prompt)
@@ -264,6 +268,8 @@ class Scheduler:
             r.dispatched = r.prefilled
             if is_last:
                 r.state = "decoding"
+            if self.speculative:
+                self.policy.prefilled(r.slot, call.draft, is_last)
         if self.prefix is not None:
             call.saves = self.prefix.saves(group)
         return call
@@ -296,11 +302,14 @@ class Scheduler:
             for r in decoding:
                 r.dispatched += 1
             return plan
-        k = self.policy.step_k([r.slot for r in decoding])
+        # nothing waits: the batch drains, and finishes when its slowest row does
+        remaining = None if self.waiting else {r.slot: r.params.max_tokens - len(r.tokens) for r in decoding}
+        k = self.policy.step_k([r.slot for r in decoding], remaining)
         n = k + 1 if self.speculative else self.decode_steps  # positions written per slot, at most
         needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
         plan = DecodePlan(self.bucket(needed), k, any(r.params.temperature > 0 for r in decoding), owners,
-                          self._take_cancelled(), stale=self.policy.last_stale, probe=self.policy.last_probe)
+                          self._take_cancelled(), stale=self.policy.last_stale, cold=self.policy.last_cold,
+                          probe=self.policy.last_probe)
         for r in decoding:
             r.dispatched += n
         if self.prefix is not None:
@@ -328,7 +337,12 @@ class Scheduler:
         for (width, bucket), sampled in [(s, v) for s in self.prefill_shapes() for v in variants]:
             for score in (False, True) if scoring else (False,):
                 items.append(WarmupItem(f"prefill {width} tokens, context {bucket}" + ", scored" * score,
-                                        StepPlan(prefills=[PrefillCall(0, n, width, bucket, sampled, score)])))
+                                        StepPlan(prefills=[PrefillCall(0, n, width, bucket, sampled, score,
+                                                                       self.speculative)])))
+        if self.policy.plain_steps and self.prefix is None:  # prompts prefilled during plain runs
+            items += [WarmupItem(f"prefill {width} tokens, context {bucket}, plain",
+                                 StepPlan(prefills=[PrefillCall(0, n, width, bucket, False, False, False)]))
+                      for width, bucket in self.prefill_shapes()]
         for bucket, k, sampled in [(b, k, v) for b in self.buckets() for k in ks for v in variants]:
             what = f"decode, context {bucket}" + (f", {k} drafts" if self.speculative else "")
             items.append(WarmupItem(what, StepPlan(decode=DecodePlan(bucket, k, sampled))))

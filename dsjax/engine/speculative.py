@@ -335,7 +335,8 @@ class Verified:
 
 def verify(params, mtp, cache: Cache, spec: Speculation, slots, *, k: int,
            cfg: ModelConfig, ctx_bucket: int, schedule: Schedule | None, sampled: bool = True,
-           vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS, screen: bool = True):
+           vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS, screen: bool = True,
+           cold: jax.Array | None = None):
     """One speculative step for every active slot: feed [pending token, first k drafts] in
     one target forward, accept (at most each row's limit), roll the caches back to the
     kept positions, commit them to the drafter and draft anew. sampled=False: a batch of
@@ -346,6 +347,8 @@ def verify(params, mtp, cache: Cache, spec: Speculation, slots, *, k: int,
     wanted, for logprobs) verifies through it as the plain decode step reads its head: each of
     the k+1 positions' first maximum from the bf16 screen and a few fp32 tiles, bitwise the
     fp32 logits' argmax, so the greedy test is unchanged and no [B, k+1, V] logits are formed.
+    cold [B] (or None): rows whose pending drafts are not theirs (an earlier request's, the
+    prompt prefilled without the drafter) check none: one token, then drafts of their own.
     -> (cache, spec, slots, Verified)."""
     start, active = cache.length, slots.active
     drafts = spec.drafts
@@ -357,7 +360,7 @@ def verify(params, mtp, cache: Cache, spec: Speculation, slots, *, k: int,
     logits, features, cache = drafter.target_chunk(params, tokens, cfg, cache, opts=opts,
                                                    n_valid=jnp.where(active, k + 1, 0), ctx_bucket=ctx_bucket,
                                                    hidden=screened)
-    limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
+    limit = jnp.where(active if cold is None else active & ~cold, jnp.minimum(spec.limit, k), 0)
     if reference_key_rule(cfg, opts):  # exact at positions t <= 2 start + 1 only: a row keeps at most
         limit = jnp.minimum(limit, start + 1)  # start + 1 drafts (a short prompt's first steps)
     if screened:  # the positions a row's test reads: its pending token's and its first `limit` drafts'
