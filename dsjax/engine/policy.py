@@ -21,6 +21,9 @@ row asked for (at least one), known one step late since outputs are read while t
 runs. Whether to verify at all is the aggregate's choice above: a row's confidences are only
 known while it drafts, and early on they are barely calibrated.
 
+When no request waits, the batch drains: it finishes when its slowest row does, so E_k is the
+pace of the row that needs the most steps (`expected_tokens`), not the mean.
+
 Plain steps leave the drafter behind (its ring misses their positions and the pending drafts
 are for old ones: still lossless, only accepted less), so a switch to plain decoding lasts
 `probe_gap` steps (PROBE_GAP doubling up to MAX_PROBE_GAP while plain keeps winning), then a
@@ -28,7 +31,10 @@ probe of PROBE_STEPS verify steps redrafts and measures again; the first verify 
 steps (stale drafts) checks one draft and is not booked in the acceptance statistics. While
 verify steps win, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps (unless the costs are
 pinned) keep the plain step's observed time current: warm-up times steps over idle rows, and
-the ratio of the two kinds as served (host work included) may differ.
+the ratio of the two kinds as served (host work included) may differ. During a plain run the
+engine is the plain engine: prompts are prefilled by its prefill program, without the drafter
+(`drafting`); their rows are cold (their pending drafts an earlier request's), and check none
+of them in their first verify step.
 
 The drafter's confidence is calibrated online: every judged draft's confidence and outcome
 are binned, and the acceptance observed per bin (shrunk toward the bin's centre by
@@ -62,7 +68,7 @@ RECENT_DECAY = 0.9  # the recent acceptance counts, per verify step
 RECENT_PRIOR = 2.0  # pseudo-drafts at 1/2 per draft position
 ROW_PRIOR = 4.0  # a row's own recent acceptance, shrunk toward the batch's by this many pseudo-drafts
 # a verify step must look this much cheaper a token than a plain step to be chosen: plain steps
-# carry no cost the model misses (a speculative prefill's drafting, stale drafts after a switch)
+# carry no cost the model misses (stale drafts after a switch, the probes that follow)
 VERIFY_MARGIN = 1.2
 PROBE_GAP, MAX_PROBE_GAP, PROBE_STEPS = 8, 256, 3
 # while verifying, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps (every PROBE_GAP until

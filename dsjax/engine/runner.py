@@ -17,7 +17,8 @@ keeps a short-hidden fp32 head transposed (`one_row_head`).
 
 Dispatch: a prefill call runs `prefill_step` over its rows (one row, or a batch-invariant
 tile) or `prefill_rows` over every row on a mesh, and their speculative forms
-(`spec_prefill_step` / `spec_prefill_rows`: the chunk also goes through the drafter's ring);
+(`spec_prefill_step` / `spec_prefill_rows`: the chunk also goes through the drafter's ring; a
+confidence engine's prompts planned during a run of plain steps take the plain programs);
 a decode step runs `decode_step` (`decode_steps` tokens a dispatch; the confidence policy's
 plain steps too) or `spec_decode_step` (a verify step over k drafts; the confidence policy's `Schedule` and the drafter's reduced
 vocabulary as arguments), or, split for structured output, `decode_forward` and then
@@ -130,7 +131,7 @@ class Runner:
             self.pool.settle()  # host-tier copies, now that the device has work
         return output
 
-    def _cancelled(self, rows) -> jax.Array:
+    def _row_mask(self, rows) -> jax.Array:
         """A [rows] bool mask of these rows (cancelled rows; a verify step's cold rows)."""
         if not rows:
             return self.none_cancelled
@@ -179,7 +180,7 @@ class Runner:
         """One decode step for every row (`decode_steps` tokens), or a verify step over d.k
         drafts (d.k = 0 with speculation: the confidence policy's plain step, the same program
         as plain decoding's; the drafter's state waits)."""
-        cancelled = self._cancelled(d.cancelled)
+        cancelled = self._row_mask(d.cancelled)
         if self.spec is None or not d.k:
             self.cache, self.slots, out = decode_step(
                 self.step_params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts, ctx_bucket=d.bucket,
@@ -187,7 +188,7 @@ class Runner:
         else:
             self.cache, self.spec, self.slots, out = spec_decode_step(
                 self.verify_params, self.model.mtp, self.cache, self.spec, self.slots, cancelled,
-                self.policy.step_schedule(d.probe), self.draft, cold=self._cancelled(d.cold), k=d.k, cfg=self.cfg,
+                self.policy.step_schedule(d.probe), self.draft, cold=self._row_mask(d.cold), k=d.k, cfg=self.cfg,
                 opts=self.opts, ctx_bucket=d.bucket, sampled=d.sampled, n_logprobs=self.max_logprobs)
         return out
 
@@ -196,7 +197,7 @@ class Runner:
         runs while the device runs the forward) the sampling under the packed masks [rows,
         words] int32."""
         self.cache, self.slots, logits, positions = decode_forward(
-            self.step_params, self.cache, self.slots, self._cancelled(d.cancelled), cfg=self.cfg, opts=self.opts,
+            self.step_params, self.cache, self.slots, self._row_mask(d.cancelled), cfg=self.cfg, opts=self.opts,
             ctx_bucket=d.bucket)
         self.slots, out = decode_sample(self.slots, logits, positions, self.place(masks().view(np.uint32)),
                                         n_logprobs=self.max_logprobs)
@@ -261,8 +262,8 @@ class Runner:
             else:
                 self.cache, idle[0], idle[1], out = spec_decode_step(
                     self.verify_params, self.model.mtp, self.cache, *idle, self.none_cancelled, placeholder,
-                    self.draft, cold=self.none_cancelled, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=False,
-                    n_logprobs=self.max_logprobs)
+                    self.draft, cold=self.none_cancelled, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket,
+                    sampled=False, n_logprobs=self.max_logprobs)
             return self.cache, out
 
         self.policy.measure_costs(step)
