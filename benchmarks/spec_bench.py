@@ -14,7 +14,9 @@ run each first; tok/s is the best of `--repeats` runs. Per run: speedup against 
 tokens per target step (plain steps included), acceptance per draft position, and for the
 confidence policy its step costs (`step_seconds`: a plain step, then a verify step over
 k = 1..K drafts with its drafting, as measured at warm-up and refreshed from the observed
-step times) and how many of its steps were plain.
+step times), how many of its steps were plain and how many prompts it prefilled with the
+plain program (`plain_prefills`). The load average is recorded as each batch size starts a
+prompt set (a shared machine: the absolute speeds are the load's).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dsjax.train import data
 from dsjax.weights import resolve
 
 SPEC_KEYS = ("acceptance_rate", "acceptance_by_position", "tokens_per_row_step", "tokens_per_target_step",
-             "target_steps", "plain_steps", "verify_costs", "step_seconds")
+             "target_steps", "plain_steps", "plain_prefills", "verify_costs", "step_seconds")
 
 
 def cut(docs: list, names: list[str], n: int, length: int, seed: int) -> tuple[list[list[int]], list[str]]:
@@ -121,7 +123,7 @@ def main():
         "prompts": {name: s[1] for name, s in sets.items()}, "new_tokens": args.new_tokens, "decoding": "greedy",
         "draft_vocab": None if model.draft_vocab is None else int(len(model.draft_vocab)), "k": args.k,
         "timing": f"engines of a batch size in turn, best of {args.repeats} runs after an untimed one",
-        "runs": {},
+        "runs": {}, "load_average_by_run": {},
     }
     for batch in map(int, args.batches.split(",")):
         kw = dict(max_slots=batch, capacity=256, prefill_chunk=64)
@@ -130,6 +132,7 @@ def main():
         for engine in engines.values():
             engine.warmup()
         for name, (prompts, _) in sets.items():
+            load = [round(x, 2) for x in os.getloadavg()]
             runs = timed_runs(engines, prompts, args.new_tokens, args.repeats)
             base = runs["plain"]
             for r in runs.values():
@@ -138,6 +141,7 @@ def main():
             for r in runs.values():
                 r["identical"] = all(t == expected for t in r.pop("tokens"))
             result["runs"][f"batch{batch}_{name}"] = runs
+            result["load_average_by_run"][f"batch{batch}_{name}"] = load
             print(f"batch {batch} {name}: " + ", ".join(
                 f"{n} {r['tokens_per_s']:.0f} tok/s ({r['speedup_vs_plain']:.2f}x)" for n, r in runs.items())
                 + f"; confidence costs {runs['confidence'].get('verify_costs')}, "
