@@ -1,27 +1,28 @@
-"""Speculative decoding on CPU with the trained dsjax-tiny-py and its MTP drafter: wall clock
-and acceptance against plain decoding and `decode_steps=4`, batch 1 and 8: the fixed policy
-at k = 1..4 and the confidence policy with a reduced draft vocabulary (the model's
-draft_vocab.json, else the N most frequent training tokens), and the drafter over the full
-vocabulary at k = 3 (flags choose the k of each).
+"""Speculative decoding against plain decoding on this machine, with the trained dsjax-tiny-py
+and its MTP drafter (the checkpoint's reduced draft vocabulary): plain, `spec_policy="fixed"`
+and `spec_policy="confidence"` at k drafts, one-slot and `--batches` engines, on two prompt
+sets: held-out stdlib files (the model trained on the rest of the stdlib) and unseen
+non-stdlib Python (dsjax's own sources, which the model never saw).
 
     python benchmarks/spec_bench.py --out benchmarks/results/spec_cpu_tinypy.json
 
-Prompts: cuts of 32-64 tokens from the held-out stdlib files (dsjax.train.data), which the
-model never trained on. Greedy, 64 new tokens each, so every speculative run must reproduce
-the plain run's tokens (`identical`). Batch 1 runs the prompts one after another through a
-one-slot engine, batch 8 all at once. Per run: tok/s (generated tokens / wall time, the best
-of `--repeats` timed runs after one that compiles), speedup against plain decoding and
-against decode_steps=4, tokens per target step (per request: `tokens_per_row_step`),
-acceptance per draft position (accepted when judged) and overall.
-
-On this model the 129280-row output head is most of a step (hidden 128, 4 layers), and the
-drafter reads the same head: the reduced vocabulary is what lets a draft cost much less than
-a target step.
+Greedy, `--new-tokens` each, so every speculative run must reproduce the plain run's tokens
+(`identical`). Batch 1 runs the prompts one after another through a one-slot engine, batch
+8 all at once. Timing: the engines of a batch size take turns run by run in one process
+(a shared machine's speed drifts; only ratios within a batch are compared), one untimed
+run each first; tok/s is the best of `--repeats` runs. Per run: speedup against plain,
+tokens per target step (plain steps included), acceptance per draft position, and for the
+confidence policy its step costs (`step_seconds`: a plain step, then a verify step over
+k = 1..K drafts with its drafting, as measured at warm-up and refreshed from the observed
+step times), how many of its steps were plain and how many prompts it prefilled with the
+plain program (`plain_prefills`). The load average is recorded as each batch size starts a
+prompt set (a shared machine: the absolute speeds are the load's).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from pathlib import Path
@@ -36,66 +37,71 @@ from dsjax.engine.engine import Engine
 from dsjax.engine.sampler import SamplingParams
 from dsjax.tokenizer import load_tokenizer
 from dsjax.train import data
-from dsjax.train.export import most_frequent
 from dsjax.weights import resolve
 
-SPEC_KEYS = ("acceptance_rate", "acceptance_by_position", "judged_by_position", "tokens_per_row_step",
-             "tokens_per_target_step", "drafts_proposed", "drafts_accepted", "verify_costs")
+SPEC_KEYS = ("acceptance_rate", "acceptance_by_position", "tokens_per_row_step", "tokens_per_target_step",
+             "target_steps", "plain_steps", "plain_prefills", "verify_costs", "step_seconds")
 
 
-def held_out_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> tuple[list[list[int]], list[str]]:
-    """n prompts of lo..hi tokens, each cut at a random place from a different held-out file."""
-    root, listing = data.stdlib_root(), data.load_file_list()
-    names = [f["path"] for f in listing["files"] if data.is_held_out(f["path"])]
-    docs = data.tokenize(data.read_documents(root, listing, held_out=True), tokenizer)
+def cut(docs: list, names: list[str], n: int, length: int, seed: int) -> tuple[list[list[int]], list[str]]:
+    """n prompts of `length` tokens, each cut at a random place from a different document."""
     rng = np.random.default_rng(seed)
-    usable = [i for i, d in enumerate(docs) if len(d) > hi + 64]
+    usable = [i for i, d in enumerate(docs) if len(d) > length + 64]
     prompts, sources = [], []
     for i in rng.choice(usable, n, replace=False):
-        length = int(rng.integers(lo, hi + 1))
         start = int(rng.integers(0, len(docs[i]) - length - 64))
-        prompts.append(docs[i][start: start + length].tolist())
+        prompts.append([int(t) for t in docs[i][start: start + length]])
         sources.append(f"{names[i]}[{start}:{start + length}]")
     return prompts, sources
 
 
-def run(model, prompts, batch: int, new_tokens: int, repeats: int, **engine_kw) -> dict:
-    """Best wall time of engine.generate over `repeats` runs after one that compiles."""
-    engine = Engine(model, max_slots=batch, capacity=256, prefill_chunk=32, **engine_kw)
+def held_out_prompts(tokenizer, n: int, length: int, seed: int):
+    """Cuts of held-out stdlib files (dsjax.train.data: never trained on)."""
+    root, listing = data.stdlib_root(), data.load_file_list()
+    names = [f["path"] for f in listing["files"] if data.is_held_out(f["path"])]
+    return cut(data.tokenize(data.read_documents(root, listing, held_out=True), tokenizer), names, n, length, seed)
+
+
+def unseen_prompts(tokenizer, n: int, length: int, seed: int):
+    """Cuts of dsjax's own Python sources: not the stdlib, so not in the model's corpus."""
+    root = Path(dsjax.__file__).parent
+    files = sorted(root.rglob("*.py"))
+    names = [str(f.relative_to(root.parent)) for f in files]
+    return cut([tokenizer.encode(f.read_text()) for f in files], names, n, length, seed)
+
+
+def timed_runs(engines: dict, prompts, new_tokens: int, repeats: int) -> dict:
+    """engine.generate for each engine in turn, an untimed run each and then `repeats` rounds
+    -> per engine: tok/s at its best run, its times, its counters at that run, every run's tokens."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts, params)
-    times, tokens = [], None
+    out = {}
+    for name, engine in engines.items():
+        out[name] = {"seconds_all": [], "tokens": [engine.generate(prompts, params)]}
     for _ in range(repeats):
-        engine.policy.reset()
-        t = time.perf_counter()
-        tokens = engine.generate(prompts, params)
-        times.append(time.perf_counter() - t)
-    seconds = min(times)
-    out = {"seconds": seconds, "seconds_all": times, "tokens_per_s": sum(map(len, tokens)) / seconds,
-           "tokens": tokens}
-    if engine.num_draft_tokens:
-        m = engine.spec_metrics()
-        out.update({k: m[k] for k in SPEC_KEYS})
+        for name, engine in engines.items():
+            engine.policy.reset()
+            t = time.perf_counter()
+            tokens = engine.generate(prompts, params)
+            r = out[name]
+            r["seconds_all"].append(time.perf_counter() - t)
+            r["tokens"].append(tokens)
+            if engine.num_draft_tokens and r["seconds_all"][-1] == min(r["seconds_all"]):
+                m = engine.spec_metrics()
+                r.update({k: m.get(k) for k in SPEC_KEYS})
+    for r in out.values():
+        r["seconds"] = min(r["seconds_all"])
+        r["tokens_per_s"] = sum(map(len, r["tokens"][0])) / r["seconds"]
     return out
-
-
-def _ints(csv: str) -> list[int]:
-    return [int(x) for x in csv.split(",") if x.strip()]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dsjax-tiny-py", help="a checkpoint with its MTP layer (default: bundled)")
-    ap.add_argument("--draft-vocab", type=int, default=8192,
-                    help="reduced draft vocabulary when the model has no draft_vocab.json: the N most frequent "
-                         "training tokens (from the run's corpus cache)")
-    ap.add_argument("--run", default="/work/tinypy-run", help="training run directory (its corpus-*.npz)")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--ks", default="1,2,3,4", help="draft lengths of the reduced drafter, fixed policy")
-    ap.add_argument("--confidence-ks", default="3", help="draft lengths of the reduced drafter, confidence policy")
-    ap.add_argument("--full-ks", default="3", help="draft lengths of the full-vocabulary drafter (fixed policy)")
+    ap.add_argument("--k", type=int, default=3, help="drafts of the fixed and confidence policies")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/spec_cpu_tinypy.json")
@@ -106,47 +112,55 @@ def main():
     if model.mtp is None:
         raise SystemExit(f"{args.model}: no MTP layer (mtp.0.*) to draft with")
     tokenizer = load_tokenizer()
-    if model.draft_vocab is not None:
-        reduced, source = model.draft_vocab, "the checkpoint's draft_vocab.json"
-    else:
-        train_docs, _ = data.corpus_tokens(data.stdlib_root(), data.load_file_list(), tokenizer, Path(args.run))
-        reduced, _ = most_frequent(train_docs, model.config.vocab_size, args.draft_vocab)
-        source = f"the {len(reduced)} most frequent training tokens ({args.run})"
-    prompts, sources = held_out_prompts(tokenizer, args.prompts, 32, 64, args.seed)
+    sets = {"held_out": held_out_prompts(tokenizer, args.prompts, args.prompt_len, args.seed),
+            "unseen": unseen_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)}
     checkpoint = Path(resolve(args.model)).resolve()
+    draft = {"num_draft_tokens": args.k, "draft_vocab": model.draft_vocab}
     result = {
+        "machine": _cpu_name(), "load_average_at_start": list(os.getloadavg()),
         "platform": platform.processor() or platform.machine(), "jax": jax.__version__,
         "devices": str(jax.devices()), "model": f"{args.model} (float32) from {checkpoint}",
-        "training": (checkpoint / "training.json").read_text() if (checkpoint / "training.json").is_file() else None,
-        "prompts": sources, "prompt_lens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
-        "decoding": "greedy", "draft_vocab": {"size": int(len(reduced)), "source": source},
-        "timing": f"best of {args.repeats} runs after a compiling one", "runs": {},
+        "prompts": {name: s[1] for name, s in sets.items()}, "new_tokens": args.new_tokens, "decoding": "greedy",
+        "draft_vocab": None if model.draft_vocab is None else int(len(model.draft_vocab)), "k": args.k,
+        "timing": f"engines of a batch size in turn, best of {args.repeats} runs after an untimed one",
+        "runs": {}, "load_average_by_run": {},
     }
-    drafters = {"full": False, "reduced": reduced}
     for batch in map(int, args.batches.split(",")):
-        runs = {"plain": run(model, prompts, batch, args.new_tokens, args.repeats),
-                "plain_decode_steps4": run(model, prompts, batch, args.new_tokens, args.repeats, decode_steps=4)}
-        configs = [("reduced", "fixed", k) for k in _ints(args.ks)] + \
-            [("reduced", "confidence", k) for k in _ints(args.confidence_ks)] + \
-            [("full", "fixed", k) for k in _ints(args.full_ks)]
-        for vocab, policy, k in configs:
-            runs[f"{vocab}_{policy}_k{k}"] = r = run(model, prompts, batch, args.new_tokens, args.repeats,
-                                                     num_draft_tokens=k, spec_policy=policy, draft_vocab=drafters[vocab])
-            print(f"batch {batch} {vocab:7s} {policy:10s} k={k}: {r['tokens_per_s']:7.1f} tok/s, "
-                  f"{r['tokens_per_row_step']:.2f} tok/row step, acceptance by position "
-                  f"{[round(a, 3) if a is not None else None for a in r['acceptance_by_position']]}", flush=True)
-        base, steps4 = runs["plain"], runs["plain_decode_steps4"]
-        for r in runs.values():
-            r["speedup_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["speedup_vs_decode_steps4"] = r["tokens_per_s"] / steps4["tokens_per_s"]
-        expected = base["tokens"]
-        for r in runs.values():
-            r["identical"] = r.pop("tokens") == expected
-        result["runs"][f"batch{batch}"] = runs
-        print(f"batch {batch}: plain {base['tokens_per_s']:.1f} tok/s, decode_steps=4 "
-              f"{steps4['tokens_per_s']:.1f} tok/s", flush=True)
+        kw = dict(max_slots=batch, capacity=256, prefill_chunk=64)
+        engines = {"plain": Engine(model, **kw), "fixed": Engine(model, spec_policy="fixed", **draft, **kw),
+                   "confidence": Engine(model, spec_policy="confidence", **draft, **kw)}
+        for engine in engines.values():
+            engine.warmup()
+        for name, (prompts, _) in sets.items():
+            load = [round(x, 2) for x in os.getloadavg()]
+            runs = timed_runs(engines, prompts, args.new_tokens, args.repeats)
+            base = runs["plain"]
+            for r in runs.values():
+                r["speedup_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
+            expected = base["tokens"][0]
+            for r in runs.values():
+                r["identical"] = all(t == expected for t in r.pop("tokens"))
+            result["runs"][f"batch{batch}_{name}"] = runs
+            result["load_average_by_run"][f"batch{batch}_{name}"] = load
+            print(f"batch {batch} {name}: " + ", ".join(
+                f"{n} {r['tokens_per_s']:.0f} tok/s ({r['speedup_vs_plain']:.2f}x)" for n, r in runs.items())
+                + f"; confidence costs {runs['confidence'].get('verify_costs')}, "
+                f"plain steps {runs['confidence'].get('plain_steps')} of {runs['confidence'].get('target_steps')}",
+                flush=True)
     result["seconds_total"] = time.perf_counter() - t0
+    result["load_average_at_end"] = list(os.getloadavg())
     write_result(result, args.out)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
+        flags = open("/proc/cpuinfo").read()
+        extras = [x for x in ("avx512_bf16", "amx_bf16") if x in flags]
+        return f"{', '.join(sorted(names))} ({', '.join(extras) or 'no AVX512-BF16'})"
+    except OSError:
+        return platform.processor()
 
 
 if __name__ == "__main__":

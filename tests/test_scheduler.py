@@ -7,10 +7,13 @@ prefill chunk, context buckets 256 x 4^i up to the capacity), not read off a run
 
 import ast
 import pathlib
+import types
 
 import numpy as np
+import pytest
 
 import dsjax.engine.scheduler as scheduler_module
+import dsjax.engine.policy as policy_module
 from dsjax.engine.policy import SpeculationPolicy
 from dsjax.engine.prefix_cache import ROOT, PrefixCache, PrefixCacheOptions, PrefixPlanner, block_keys
 from dsjax.engine.requests import Request, context_bucket, context_buckets, smallest_useful_bucket
@@ -21,11 +24,11 @@ VOCAB = 1000
 
 
 def _scheduler(*, max_slots=2, capacity=4096, prefill_chunk=256, k=0, policy="fixed", batch_invariant=False,
-               prefix=None, decode_steps=1, aligned=None):
+               prefix=None, decode_steps=1, aligned=None, costs=None):
     rows = 8 * -(-max_slots // 8) if batch_invariant else max_slots
     return Scheduler(max_slots=max_slots, rows=rows, capacity=capacity, prefill_chunk=prefill_chunk,
                      prefill_rows=8 if batch_invariant else 1, batch_invariant=batch_invariant, on_mesh=False,
-                     decode_steps=decode_steps, policy=SpeculationPolicy(k, policy, None, rows), vocab_size=VOCAB,
+                     decode_steps=decode_steps, policy=SpeculationPolicy(k, policy, costs, rows), vocab_size=VOCAB,
                      aligned_chunks=prefix is not None if aligned is None else aligned, prefix=prefix)
 
 
@@ -174,30 +177,32 @@ def test_batch_invariant_calls_take_one_width_and_one_tile():
 def test_speculative_plan_verifies_k_drafts_and_advances_k_plus_one():
     """Fixed policy, 3 drafts: each verify step checks k = 3 and may write 4 positions per
     row, so a row's dispatched count grows by 4 and the bucket covers it; a sampled row
-    picks the sampling variant. Confidence policy: the step verifies the largest k any
-    decoding row asked for."""
+    picks the sampling variant. Confidence policy (verify steps pinned cheap): the step
+    verifies the largest k any decoding row asked for."""
     s = _scheduler(max_slots=2, k=3, capacity=1024)
     g, t = _add(s, _request("g", 250), _request("t", 20, temperature=0.7))
     d = s.schedule().decode
     assert (d.k, d.sampled, d.bucket) == (3, True, 256) and (g.dispatched, t.dispatched) == (254, 24)
     d = s.schedule().decode  # 254 + 4 = 258 > 256
     assert (d.k, d.bucket) == (3, 1024) and g.dispatched == 258
-    c = _scheduler(max_slots=3, k=2, policy="confidence")
+    c = _scheduler(max_slots=3, k=2, policy="confidence", costs=[1.0, 1.01, 1.02])
     reqs = _add(c, *[_request(f"r{i}", 10) for i in range(3)])
     assert c.schedule().decode.k == 2  # just admitted: each row asks for all K
-    c.policy.next_k = [0, 1, 0]
-    assert c.schedule().decode.k == 1
+    c.policy.next_k = [1, 2, 1]
+    assert c.schedule().decode.k == 2
     c.finish(reqs[1])
     reqs[1].state = "finished"
-    assert c.schedule().decode.k == 0 and reqs[0].dispatched == 10 + 3 + 2 + 1
+    assert c.schedule().decode.k == 1 and reqs[0].dispatched == 10 + 3 + 3 + 2
 
 
 def test_warmup_plans_count_every_program():
     """The README's engine (capacity 4096, prefill_chunk 256): prefill at (16, 256), (64, 256),
     (256, 1024), (256, 4096) and decode at 256, 1024, 4096: 7 programs; with structured output
     a start, a split forward per bucket and its sampling half: 12. A speculative engine
-    (confidence, K = 2) compiles each in a greedy and a sampling variant and decode at
-    k = 0, 1, 2: (4 + 3 x 3) x 2 = 26. A prefix cache adds its save and restore."""
+    (confidence, K = 2) compiles each in a greedy and a sampling variant and verify steps at
+    k = 1, 2, and the plain engine's programs for its plain runs, the decode step per bucket and
+    the prefill per shape (one program for both variants): (4 + 3 x 2) x 2 + 3 + 4 = 27; fixed
+    (k = 2 only): (4 + 3) x 2 = 14. A prefix cache adds its save and restore."""
     s = _scheduler(max_slots=8)
     assert s.prefill_shapes() == [(16, 256), (64, 256), (256, 1024), (256, 4096)]
     assert sum(i.programs for i in s.warmup_plans()) == 7
@@ -209,7 +214,11 @@ def test_warmup_plans_count_every_program():
     spec = _scheduler(max_slots=8, k=2, policy="confidence")
     decodes = [(i.plan.decode.bucket, i.plan.decode.k, i.plan.decode.sampled) for i in spec.warmup_plans()
                if i.plan.decode is not None]
-    assert len(spec.warmup_plans()) == 26 and len(set(decodes)) == 18
+    assert len(spec.warmup_plans()) == 27 and len(set(decodes)) == 15
+    assert sorted(d for d in decodes if d[1] == 0) == [(256, 0, False), (1024, 0, False), (4096, 0, False)]
+    plain_prefills = [(c.width, c.bucket) for i in spec.warmup_plans() for c in i.plan.prefills if not c.draft]
+    assert plain_prefills == spec.prefill_shapes()
+    assert len(_scheduler(max_slots=8, k=2).warmup_plans()) == 14
     prefix, _ = _prefix_scheduler()  # capacity 256, chunk 16: widths 16 at bucket 256, and the round trip
     assert [(i.what, i.programs) for i in prefix.warmup_plans()] == [
         ("prefill 16 tokens, context 256", 1), ("decode, context 256", 1),
@@ -232,3 +241,143 @@ def test_smallest_useful_bucket_closed_form():
         assert got == (fits[-1] if fits else 256)
     assert context_buckets(65536, 4096) == [4096, 16384, 65536] and context_bucket(5000, 65536, 4096) == 16384
     assert context_buckets(3000, smallest_useful_bucket(lambda ctx: (0.0, 1.0), 3000)) == [3000]
+
+
+# ----------------------------------------------------------------------------- plain steps or verify
+def _verified(d: DecodePlan, accepted: int, k: int = 3):
+    """A verify step's host outputs: each row accepted min(accepted, d.k) drafts, asks for K next."""
+    rows = max(d.owners) + 1
+    a = min(accepted, d.k)
+    emitted = np.zeros((d.k + 1, rows), bool)
+    emitted[: a + 1] = True
+    return types.SimpleNamespace(drafts_checked=np.full(rows, d.k), drafts_accepted=np.full(rows, a), emitted=emitted,
+                                 next_limit=np.full(rows, k), draft_confidence=None)
+
+
+def _run_decodes(s: Scheduler, n: int, accepted: int) -> list[DecodePlan]:
+    """n decode plans, each booked with the policy as the engine does once read back."""
+    plans = []
+    for _ in range(n):
+        d = s.schedule().decode
+        plans.append(d)
+        if d.k:
+            s.policy.count(_verified(d, accepted), d.owners, d.stale)
+        else:
+            s.policy.count_plain(types.SimpleNamespace(emitted=np.ones((1, max(d.owners) + 1), bool)), d.owners)
+    return plans
+
+
+def test_confidence_policy_plans_plain_steps_when_verify_is_dear():
+    """Verify steps pinned at 4x a plain step (the Xeon's case before the screen): after the
+    first probe (PROBE_STEPS verify steps, whatever the costs say), the scheduler plans plain
+    steps (k = 0, one position a row), then probes again after PROBE_GAP of them (its first
+    verify checks one stale draft, marked so that it is not booked), and the plain runs double
+    while plain keeps winning. Pinned cheap (1.1x) with drafts accepted, it keeps verifying;
+    at 1.3x with drafts never accepted, it steps plain."""
+    s = _scheduler(max_slots=2, k=3, policy="confidence", costs=[1.0, 4.0, 4.1, 4.2])
+    reqs = _add(s, _request("a", 10), _request("b", 12))  # (the first plan prefills them too)
+    gap, probe = policy_module.PROBE_GAP, policy_module.PROBE_STEPS
+    plans = _run_decodes(s, probe + gap + probe + 2 * gap, accepted=3)
+    ks = [d.k for d in plans]
+    assert all(k > 0 for k in ks[:probe]) and ks[probe: probe + gap] == [0] * gap
+    assert ks[probe + gap] == 1 and plans[probe + gap].stale == {0, 1}  # the stale probe step
+    assert all(k == 3 for k in ks[probe + gap + 1: 2 * probe + gap])
+    assert ks[2 * probe + gap:] == [0] * (2 * gap)  # 4 tokens for 4.2x a step: plain still wins, for longer
+    assert [d.probe for d in plans[:probe]] == [True] * (probe - 1) + [False]
+    assert reqs[0].dispatched == 10 + sum(k + 1 for k in ks)
+    m = s.policy.metrics()
+    assert m["plain_steps"] == 3 * gap and m["target_steps"] == len(ks)
+
+    cheap = _scheduler(max_slots=2, k=3, policy="confidence", costs=[1.0, 1.1, 1.15, 1.2])
+    _add(cheap, _request("a", 10), _request("b", 12))
+    assert all(d.k == 3 for d in _run_decodes(cheap, 50, accepted=3))
+    assert cheap.policy.metrics()["plain_steps"] == 0
+    never = _scheduler(max_slots=2, k=3, policy="confidence", costs=[1.0, 1.3, 1.35, 1.4])
+    _add(never, _request("a", 10), _request("b", 12))  # drafts never accepted: 1 token for 1.3x a step loses
+    ks = [d.k for d in _run_decodes(never, probe + gap, accepted=0)]
+    assert ks[probe:] == [0] * gap
+
+
+def test_policy_costs_measured_interleaved_and_refreshed_from_observed_steps():
+    """measure_costs times each kind (a plain step, verify steps over k = 1..K) in interleaved
+    rounds; observed step times replace them (the median of the latest; a kind not observed
+    yet scales with the observed ones); pinned costs never move."""
+    policy = SpeculationPolicy(3, "confidence", max_slots=1)
+    calls = []
+    policy.measure_costs(lambda k: calls.append(k) or np.zeros(()), rounds=2, calls=1)
+    assert calls == [0, 1, 2, 3] * 3 and policy.seconds.shape == (4,) and (policy.seconds > 0).all()
+    policy.warm = np.array([1.0, 2.0, 2.2, 2.4])
+    policy._set_seconds(policy.warm)
+    for t in (0.5, 0.6, 0.4, 0.5):  # plain steps observed: the verify steps' costs move as theirs did
+        policy.observe(0, t)
+    np.testing.assert_allclose(policy.seconds, [0.5, 1.0, 1.1, 1.2])
+    for t in (1.5,) * policy_module.OBSERVED_MIN:  # and k = 1: the others scale by the median of the two moves
+        policy.observe(1, t)
+    np.testing.assert_allclose(policy.seconds, [0.5, 1.5, 2.2 * 0.625, 2.4 * 0.625])
+    assert policy.verify_costs == pytest.approx([1.0, 3.0, 2.75, 3.0])
+    pinned = SpeculationPolicy(3, "confidence", verify_costs=[1.0, 2.0, 2.2, 2.4])
+    pinned.observe(0, 0.5)
+    assert pinned.verify_costs == [1.0, 2.0, 2.2, 2.4]
+
+
+def test_measured_policy_times_plain_steps_while_verifying_and_follows_them():
+    """Costs measured, not pinned: warm-up says a verify step costs 1.5x a plain one, so with
+    drafts accepted the policy verifies, but takes PLAIN_PROBE plain steps after PROBE_GAP
+    verify steps (then every PLAIN_EVERY once OBSERVED_MIN plain steps were timed). When the
+    steps as served show verify at 5x a plain step (host work the warm-up missed), it switches
+    to plain steps."""
+    s = _scheduler(max_slots=1, k=3, policy="confidence")
+    s.policy.measure_costs(lambda k: np.zeros(()), rounds=1, calls=1)
+    s.policy.warm = np.array([1.0, 1.5, 1.5, 1.5])
+    s.policy._set_seconds(s.policy.warm)
+    _add(s, _request("a", 10))
+    gap, n = policy_module.PROBE_GAP, policy_module.PLAIN_PROBE
+    ks = [d.k for d in _run_decodes(s, gap + n + 1, accepted=3)]
+    assert ks == [3] * gap + [0] * n + [1]  # (the first verify steps are the first probe's)
+    for k, t in [(0, 1.0)] * 4 + [(3, 5.0)] * 4:  # as served: a verify step is 5x a plain one
+        s.policy.observe(k, t)
+    # k = 1, 2 not observed: scaled by the median move of the observed kinds (1 and 5 / 1.5)
+    assert s.policy.verify_costs == pytest.approx([1.0, 3.25, 3.25, 5.0])
+    assert [d.k for d in _run_decodes(s, gap + 2, accepted=3)] == [0] * gap + [1, 3]  # then a probe
+
+
+def test_plain_runs_prefill_with_the_plain_program_and_cold_rows_check_no_drafts():
+    """A request admitted during a run of plain steps is prefilled by the plain engine's
+    program (no drafter); its pending drafts are then an earlier request's, so the probe's
+    first verify step marks its row cold (it checks none) as well as stale; the step after
+    drafts it anew. Admitted while verify steps run, a prompt goes through the drafter."""
+    s = _scheduler(max_slots=3, k=3, policy="confidence", costs=[1.0, 4.0, 4.1, 4.2])
+    _add(s, _request("a", 10, max_tokens=200), _request("b", 12, max_tokens=200))
+    first = s.schedule()
+    assert [c.draft for c in first.prefills] == [True, True]  # (the first probe: verify steps)
+    s.policy.count(_verified(first.decode, 3), first.decode.owners, first.decode.stale)
+    gap, probe = policy_module.PROBE_GAP, policy_module.PROBE_STEPS
+    plans = _run_decodes(s, probe, accepted=3)  # the probe's end: a plain run begins
+    assert plans[-1].k == 0
+    (c,) = _add(s, _request("c", 9, max_tokens=200))
+    plan = s.schedule()
+    assert [(p.draft, p.chunks[0].request.request_id) for p in plan.prefills] == [(False, "c")]
+    assert plan.decode.k == 0 and s.policy.cold == {c.slot} and s.policy.totals["plain_prefills"] == 1
+    s.policy.count_plain(types.SimpleNamespace(emitted=np.ones((1, 3), bool)), plan.decode.owners)
+    plans = _run_decodes(s, gap, accepted=3)
+    resumed = [d for d in plans if d.k][0]
+    assert resumed.k == 1 and resumed.cold == {c.slot} and resumed.stale == {0, 1, 2}
+    after = plans[plans.index(resumed) + 1]
+    assert after.k == 3 and after.cold == frozenset() and not s.policy.cold
+
+
+def test_a_draining_batch_runs_at_its_slowest_rows_pace():
+    """Row 0's drafts are always accepted, row 1's never. Per row on average a verify step
+    over 3 drafts at 1.4x a plain step wins; but with nothing waiting the batch finishes when
+    row 1 does, near one token a step either way, so plain steps win. When row 1 has a token left,
+    row 0's pace decides again."""
+    policy = SpeculationPolicy(3, "confidence", verify_costs=[1.0, 1.2, 1.3, 1.4], max_slots=2)
+    req = lambda: Request("r", [1], SamplingParams(), ())  # noqa: E731
+    for _ in range(8):
+        host = types.SimpleNamespace(drafts_checked=np.array([3, 3]), drafts_accepted=np.array([3, 0]),
+                                     emitted=np.array([[1, 1], [1, 0], [1, 0], [1, 0]], bool),
+                                     next_limit=np.array([3, 3]), draft_confidence=None)
+        policy.count(host, {0: req(), 1: req()})
+    assert not policy.plain_is_better()
+    assert policy.plain_is_better({0: 40, 1: 40})
+    assert not policy.plain_is_better({0: 40, 1: 1})

@@ -18,12 +18,15 @@ import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.programs import spec_decode_step
 from dsjax.engine.policy import CALIBRATION_PRIOR, SpeculationPolicy
-from dsjax.engine.sampler import SamplingParams
+from dsjax.engine.sampler import SamplingParams, argmax_first
 from dsjax.engine.scheduler import StepPlan
 from dsjax.engine.slots import init_slots
 from dsjax.config.io import to_hf_dict
 from dsjax.engine.speculative import (CALIBRATION_BINS, DRAFT, Drafts, Schedule, accept, calibration_centres,
-                                      choose_limits, draft_vocab, draw, init_speculation, prefill_chunk, verify)
+                                      choose_limits, draft_vocab, draw, init_speculation, prefill_chunk,
+                                      screened_argmax, verify)
+from dsjax.kernels import cpu as cpu_kernels
+from dsjax.model.interface import screens
 from dsjax.model import decoder_streams, model_specs, mtp_forward, mtp_head, mtp_specs
 from dsjax.model.cache_layout import init_cache, min_ring
 from dsjax.params import init_params
@@ -159,9 +162,10 @@ def test_confidence_scheduling_greedy_identical(small_vocab, rng):
     assert spec == plain
     m = engine.spec_metrics()
     assert 0 < m["drafts_proposed"] < 2 * m["row_steps"]  # not always the maximum
-    # the calibration booked every judged draft, each once, and the accepted ones
+    # the calibration booked every judged draft, each once, and the accepted ones (all but those
+    # of stale drafts, verified after a plain step: the draining batch's last steps may be plain)
     assert sum(m["calibration"]["judged"]) == sum(m["judged_by_position"]) > 0
-    assert sum(m["calibration"]["accepted"]) == m["drafts_accepted"]
+    assert sum(m["calibration"]["accepted"]) == engine.policy.by_position[1].sum() > 0
     measured = _engine(small_vocab, num_draft_tokens=2)  # the same step shapes: no new compiles
     measured.runner.measure_costs(measured.scheduler.bucket(1))
     assert len(measured.verify_costs) == 3 and measured.verify_costs[0] == 1.0
@@ -214,19 +218,20 @@ def test_greedy_speculation_with_draft_vocab_is_token_identical(small_vocab, rng
 
 
 def test_choose_limits_closed_form(rng):
-    """argmax_k (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k], by enumeration."""
+    """argmax_{k >= 1} (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k], by enumeration (k = 0, no
+    verify, is the scheduler's plain step)."""
     conf = rng.uniform(0, 1, (64, 5)).astype(np.float32)
     costs = np.array([1.0, 1.15, 1.4, 1.5, 2.0, 2.1], np.float32)
     got = np.asarray(choose_limits(jnp.asarray(conf), jnp.asarray(costs)))
     for row, c in enumerate(conf):
         value = [(1 + sum(np.prod(c[: j + 1]) for j in range(k))) / costs[k] for k in range(6)]
-        assert got[row] == int(np.argmax(value))
+        assert got[row] == int(np.argmax(value[1:])) + 1
     assert (np.asarray(choose_limits(jnp.asarray(conf), None)) == 5).all()
     table = np.sort(rng.uniform(0, 1, CALIBRATION_BINS)).astype(np.float32)  # calibrated: c -> interp(c, table)
     got = np.asarray(choose_limits(jnp.asarray(conf), jnp.asarray(costs), jnp.asarray(table)))
     for row, c in enumerate(np.interp(conf, calibration_centres(), table)):
         value = [(1 + sum(np.prod(c[: j + 1]) for j in range(k))) / costs[k] for k in range(6)]
-        assert got[row] == int(np.argmax(value))
+        assert got[row] == int(np.argmax(value[1:])) + 1
 
 
 def test_calibration_books_each_judged_draft():
@@ -558,3 +563,101 @@ def test_generate_with_drafts(small_vocab, rng):
     assert dsjax.generate(small_vocab, prompts, 12, num_draft_tokens=3, spec_policy="fixed") == plain
     with pytest.raises(ValueError, match="num_draft_tokens"):
         dsjax.generate(small_vocab, prompts, 12, num_draft_tokens=-1)
+
+
+# ----------------------------------------------------------------------------- cost of a step
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU head kernel: {cpu_kernels.status()}")
+def test_greedy_verify_through_the_screen_is_the_fp32_argmax():
+    """A greedy verify step reads its k+1 positions' tokens through the head's bf16 screen
+    (`screened_argmax`): each needed row's token equals the first maximum of the fp32 logits
+    over the same rows, with an exact tie (the first id wins), a near tie (rows 2^-12 apart,
+    equal in bf16), rows at many scales; a needed row the screen cannot decide (zero, NaN)
+    sends the batch to the fp32 logits (same tokens); such a row that is not needed (an idle
+    slot, a position past a row's limit) does not."""
+    rng = np.random.default_rng(5)
+    vocab, d = 2011, 64
+    w = rng.normal(size=(vocab, d)).astype(np.float32)
+    w[1500] = w[30]
+    w[900] = np.asarray(jnp.asarray(w[900]).astype(jnp.bfloat16).astype(F32))
+    w[901] = w[900] * np.float32(1 + 2**-12)
+    head = cpu_kernels.pack_head(jnp.asarray(w), screen=True)
+    assert head.screen is not None
+    x = rng.normal(size=(12, d)).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 4, (12, 1))
+    x[1], x[4] = w[30] * np.float32(2), w[900] + rng.normal(size=d).astype(np.float32) * np.float32(1e-3)
+    exact = lambda x: np.asarray(jax.jit(  # noqa: E731
+        lambda x: argmax_first(cpu_kernels.vocab_head(x, head)))(jnp.asarray(x)))
+    run = jax.jit(screened_argmax)
+    needed = np.ones(12, bool)
+    got = np.asarray(run(jnp.asarray(x), head, jnp.asarray(needed)))
+    np.testing.assert_array_equal(got, exact(x))
+    assert got[1] == 30 and got[4] == 901
+    undecided = x.copy()
+    undecided[7], undecided[9, 3] = 0, np.nan
+    got = np.asarray(run(jnp.asarray(undecided), head, jnp.asarray(needed)))  # the fp32 logits' argmax
+    np.testing.assert_array_equal(got, exact(undecided))
+    needed[[7, 9]] = False  # not needed: the screen's tokens stand for the others
+    got = np.asarray(run(jnp.asarray(undecided), head, jnp.asarray(needed)))
+    np.testing.assert_array_equal(got[needed], exact(x)[needed])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU head kernel: {cpu_kernels.status()}")
+def test_greedy_verify_through_the_screen_equals_the_fp32_logits_verify(small_vocab, rng):
+    """One verify step from the same state, twice: through the screen (the runner's
+    `verify_params`, screened) and through the fp32 logits (screen=False, as with logprobs):
+    the same tokens, counts and accepted drafts, and the same cache; the screened program
+    holds the screen's custom call and the logits one does not."""
+    prompts = _prompts(rng, 6, (9, 17, 25))
+    engine = _engine(small_vocab, num_draft_tokens=3, spec_policy="fixed")
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    runner = engine.runner
+    assert screens(runner.verify_params)
+    state = lambda: jax.tree.map(jnp.copy, (runner.cache, runner.spec, runner.slots))  # noqa: E731
+    step = functools.partial(verify, runner.verify_params, small_vocab.mtp, k=3, cfg=small_vocab.config,
+                             ctx_bucket=engine.scheduler.bucket(64), schedule=None, sampled=False, vocab=runner.draft)
+    run = jax.jit(lambda c, sp, sl, screen: step(c, sp, sl, screen=screen), static_argnames="screen")
+    c1, _, _, screened = run(*state(), screen=True)
+    c2, _, _, logits = run(*state(), screen=False)
+    assert screened.logits is None and logits.logits is not None
+    for f in ("tokens", "count", "accepted", "checked"):
+        np.testing.assert_array_equal(getattr(screened, f), getattr(logits, f))
+    jax.tree.map(np.testing.assert_array_equal, c1, c2)
+    assert int(np.asarray(screened.checked).sum()) > 0
+    hlo = lambda screen: run.lower(*state(), screen=screen).as_text()  # noqa: E731
+    assert cpu_kernels.GREEDY in hlo(True) and cpu_kernels.GREEDY not in hlo(False)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU head kernel: {cpu_kernels.status()}")
+def test_speculative_engine_verifies_through_the_screen(small_vocab, rng):
+    """A speculative engine on one CPU device keeps the plain engine's screened head: greedy
+    verify steps read it through the screen, and the tokens equal plain decoding's, for both
+    policies."""
+    prompts = _prompts(rng, 6, (9, 17, 25))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain, _ = _generate(small_vocab, prompts, params)
+    for policy in ("fixed", "confidence"):
+        spec, engine = _generate(small_vocab, prompts, params, num_draft_tokens=3, spec_policy=policy,
+                                 verify_costs=None if policy == "fixed" else [1.0, 1.05, 1.1, 1.15])
+        assert spec == plain and screens(engine.step_params) and screens(engine.runner.verify_params)
+
+
+def test_confidence_policy_steps_plain_and_stays_identical(small_vocab, rng):
+    """Verify steps pinned five times a plain step: the confidence policy decodes mostly by
+    plain steps (the plain decode program: warm-up compiles it and verify programs for
+    k = 1..K only), probing with verify steps now and then, and the greedy tokens equal plain
+    decoding's (some prompts prefilled by the plain program, their rows cold when verify steps
+    resume); pinned cheap, it verifies."""
+    prompts = _prompts(rng, 6, (7, 21, 30, 9, 14))  # (3 slots)
+    # a short request frees its slot early, so that a prompt is admitted during a plain run
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 18, 40, 40, 40)]
+    plain, _ = _generate(small_vocab, prompts, params)
+    dear, engine = _generate(small_vocab, prompts, params, num_draft_tokens=2, verify_costs=[1.0, 5.0, 5.5])
+    assert dear == plain
+    m = engine.spec_metrics()
+    assert m["plain_steps"] > m["target_steps"] // 2 and m["drafts_proposed"] > 0 and m["plain_prefills"] > 0
+    assert engine.policy.verify_lengths() == [1, 2] and engine.policy.plain_steps
+    # pinned at half a plain step, a verify step wins whatever the acceptance, draining or not
+    cheap, engine = _generate(small_vocab, prompts, params, num_draft_tokens=2, verify_costs=[1.0, 0.5, 0.5])
+    assert cheap == plain and engine.spec_metrics()["plain_steps"] == 0

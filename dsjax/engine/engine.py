@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -72,13 +73,16 @@ class Engine:
     num_draft_tokens > 0: speculative decoding with the model's MTP layer. Each decode step
     verifies up to that many drafts per slot in one target forward (lossless: the output
     distribution is the target's). spec_policy "fixed" (the default in batch-invariant
-    mode) verifies all of them; "confidence" (the default otherwise) lets each row verify
-    the k maximising its expected tokens (from the drafter's confidences) per unit of
-    measured verify cost, and the step verifies the largest k any row asked for (known one
-    step late, as outputs are read while the next step runs).
-    The cost curve is measured at warmup() or the first step(); pass verify_costs (K + 1
-    relative costs of verifying k = 0..K drafts) to pin it, e.g. for reproducible runs: the
-    output distribution never depends on it, but sampled tokens follow the k chosen.
+    mode) verifies all of them; "confidence" (the default otherwise) chooses per step between
+    a plain decode step (the plain engine's program: no drafting) and a verify step, by the
+    seconds per emitted token each costs here, and lets each row verify the k >= 1 maximising
+    its expected tokens (from the drafter's calibrated confidences) per unit of cost; the step
+    verifies the largest k any row asked for (known one step late, as outputs are read while
+    the next step runs; `dsjax.engine.policy`). The step costs are measured at warmup() or
+    the first step() and refreshed from the step times observed; pass verify_costs (K + 1
+    costs: a plain step, then verify steps over k = 1..K drafts, in any unit) to pin them,
+    e.g. for reproducible runs: the output distribution never depends on them, but sampled
+    tokens follow the steps chosen.
 
     draft_vocab: the token ids the drafter proposes from (it scores only their head rows,
     far cheaper than the full vocabulary's); verification stays exact, so outputs do not
@@ -205,6 +209,8 @@ class Engine:
         self._outbox: collections.deque[tuple[Request, DeviceOutput, int, int]] = collections.deque()  # read back
         self._ids = itertools.count()
         self.steps = 0
+        self._last_read = None  # (decode plan index, time, verify?) of the last decode step read back (`_book`)
+        self._latest_decode = None  # the decode plan dispatched last
 
     # the device state is the runner's, the queue and slots the scheduler's (read, and in
     # benchmarks replaced, under these names)
@@ -334,6 +340,8 @@ class Engine:
             if self.prefix is not None:  # blocks of generated tokens, now that those are read back
                 self.runner.store(self.prefix.key_generated())
             plan = self.scheduler.schedule()
+            if plan.decode is not None:
+                self._latest_decode = plan.decode
             output = self.runner.execute(plan, self._before_sample)
             self._pending.extend(output.dispatches)
             if self.prefix is not None:
@@ -361,14 +369,33 @@ class Engine:
             req.take_scores(host, row, start, n)
         for row, (req, start, n) in (dispatch.captured or {}).items():
             req.take_capture(host, row, start, n)
-        if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
-            self.policy.count(host, {row: r for row, r in owners.items() if host.emitted[:, row].any()})
+        if dispatch.decode is not None and self.num_draft_tokens:
+            self._book(host, dispatch.decode)
         for step in range(host.tokens.shape[0]):
             for row, req in owners.items():
                 if host.emitted[step, row]:
                     self._outbox.append((req, host, step, row))
                     if req.constraint is not None and not req.done:  # before the next mask is computed
                         req.constraint.advance([host.tokens[step, row]])
+
+    def _book(self, host, d: DecodePlan) -> None:
+        """A speculative engine's decode step read back, booked with the policy: its outcome, and
+        its wall time when it is known: the time since the read-back before, where the decode
+        steps dispatched just before and just after it (already dispatched: outputs are read
+        while the next step runs) are of its kind (plain or verify) and it ran beside no prefill
+        chunk. An interval between two read-backs then holds one step of that kind whichever
+        step's work the device and the host spent it on."""
+        now = time.perf_counter()
+        last, self._last_read = self._last_read, (d.index, now, bool(d.k))
+        nxt = self._latest_decode
+        if (last is not None and last[0] == d.index - 1 and last[2] == bool(d.k) and d.clean
+                and nxt is not None and nxt.index == d.index + 1 and bool(nxt.k) == bool(d.k)):
+            self.policy.observe(d.k, now - last[1])
+        emitted = {row: r for row, r in d.owners.items() if host.emitted[:, row].any()}
+        if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
+            self.policy.count(host, emitted, d.stale)
+        else:
+            self.policy.count_plain(host, emitted)
 
     def _deliver(self) -> Iterator[TokenEvent]:
         """The events read back, in order, each made when it is taken: a request cancelled

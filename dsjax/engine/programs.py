@@ -340,23 +340,25 @@ def spec_prefill_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots
 @functools.partial(program, static_argnames=("cfg", "opts", "ctx_bucket", "k", "sampled", "n_logprobs"),
                    donate_argnames=("cache", "spec", "slots"))
 def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots, cancelled: jax.Array,
-                     schedule: Schedule | None, vocab: DraftVocab | None, *, k: int, cfg: ModelConfig,
-                     opts: RuntimeOptions, ctx_bucket: int, sampled: bool, n_logprobs: int = 0):
+                     schedule: Schedule | None, vocab: DraftVocab | None, cold: jax.Array | None = None, *, k: int,
+                     cfg: ModelConfig, opts: RuntimeOptions, ctx_bucket: int, sampled: bool, n_logprobs: int = 0):
     """One verify step over k drafts for every slot; outputs stacked [k+1, B] like
     decode_step's (with logprobs of each emitted token when n_logprobs > 0), with the drafts
     checked / accepted per row (and, for the confidence policy's calibration, the
-    drafter's confidence in each). Rows `cancelled` [B] stop first. sampled=False: every
+    drafter's confidence in each). Rows `cancelled` [B] stop first; rows `cold` [B] (prefilled
+    without the drafter: their pending drafts are not theirs) check none. sampled=False: every
     decoding row is greedy (argmax on the logits; no distributions formed). vocab: the
     drafter's reduced vocabulary (None: the full one). Batch-invariant mode: the whole step
     runs in tiles of INVARIANT_ROWS rows (`over_tiles`; on a mesh, one tile per device), as
     `forward` does."""
 
-    def step(state, cancelled):
-        cache, spec, slots = state
+    def step(state, rows):
+        (cache, spec, slots), (cancelled, cold) = state, rows
         slots = _stop_cancelled(slots, cancelled)
         judged = spec.drafts.confidence[:, :k] if schedule is not None else None
         cache, spec, slots, v = verify(params, mtp, cache, spec, slots, k=k, cfg=cfg, ctx_bucket=ctx_bucket,
-                                       schedule=schedule, sampled=sampled, vocab=vocab, opts=opts)
+                                       schedule=schedule, sampled=sampled, vocab=vocab, opts=opts,
+                                       screen=not n_logprobs, cold=cold)
         logprob = top_values = top_ids = None
         if n_logprobs:  # of every position; the host reads those emitted
             b = v.tokens.shape[0]
@@ -368,9 +370,9 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
         return (cache, spec, slots), out
 
     if opts.batch_invariant and current_mesh() is None:  # on a mesh each device holds one tile, as in `forward`
-        (cache, spec, slots), out = over_tiles(step, (cache, spec, slots), cancelled, INVARIANT_ROWS)
+        (cache, spec, slots), out = over_tiles(step, (cache, spec, slots), (cancelled, cold), INVARIANT_ROWS)
     else:
-        (cache, spec, slots), out = step((cache, spec, slots), cancelled)
+        (cache, spec, slots), out = step((cache, spec, slots), (cancelled, cold))
     per_position = lambda a: None if a is None else jnp.swapaxes(a, 0, 1)  # noqa: E731  [B, k+1, ...] -> [k+1, B, ...]
     out = out.replace(**{f: per_position(getattr(out, f)) for f in ("tokens", "emitted", "finished", "logprob",
                                                                      "top_values", "top_ids")})

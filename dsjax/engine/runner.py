@@ -9,16 +9,18 @@ programs run with: the model's, but for an engine on one XLA:CPU device (not
 batch-invariant) with the CPU head kernel built, which keeps its fp32 or bf16 head packed
 for it (`step_head_params`: the head's bytes again in memory; from two rows up the kernel is
 faster than XLA's product). greedy_screen (`worth_screening`: up to 16 rows with
-AVX512-BF16, else 4; no drafts, no logprobs): an fp32 head also keeps a bf16 copy, from
-which greedy decode steps find the fp32 logits' first maximum reading half the bytes (the
-same tokens, bitwise); False saves that memory. Otherwise a one-row engine (no drafts)
+AVX512-BF16, else 4; no logprobs): an fp32 head also keeps a bf16 copy, from which greedy
+decode steps, and greedy verify steps at each of their k + 1 positions (`verify_params`:
+V4's MTP; V4.1 verifies with the model's head), find the fp32 logits' first maximum reading
+half the bytes (the same tokens, bitwise); False saves that memory. Otherwise a one-row engine (no drafts)
 keeps a short-hidden fp32 head transposed (`one_row_head`).
 
 Dispatch: a prefill call runs `prefill_step` over its rows (one row, or a batch-invariant
 tile) or `prefill_rows` over every row on a mesh, and their speculative forms
-(`spec_prefill_step` / `spec_prefill_rows`: the chunk also goes through the drafter's ring);
-a decode step runs `decode_step` (`decode_steps` tokens a dispatch) or `spec_decode_step`
-(a verify step over k drafts; the confidence policy's `Schedule` and the drafter's reduced
+(`spec_prefill_step` / `spec_prefill_rows`: the chunk also goes through the drafter's ring; a
+confidence engine's prompts planned during a run of plain steps take the plain programs);
+a decode step runs `decode_step` (`decode_steps` tokens a dispatch; the confidence policy's
+plain steps too) or `spec_decode_step` (a verify step over k drafts; the confidence policy's `Schedule` and the drafter's reduced
 vocabulary as arguments), or, split for structured output, `decode_forward` and then
 `decode_sample` under packed masks made while the device runs the forward. Rows cancelled
 since the last decode step reach the device with the next one. Prefix-cache blocks are
@@ -46,7 +48,7 @@ from dsjax.engine.requests import Request, admission
 from dsjax.engine.scheduler import DecodePlan, PrefillCall, StepPlan, WarmupItem
 from dsjax.engine.speculative import Schedule, calibration_centres
 from dsjax.engine.speculative import draft_vocab as gather_draft_vocab
-from dsjax.model.interface import Model, batch_axes, block_layout, step_head_params, worth_screening
+from dsjax.model.interface import Model, batch_axes, block_layout, drafter_for, step_head_params, worth_screening
 from dsjax.sharding.rules import batch_sharding
 
 
@@ -60,6 +62,7 @@ class Dispatch:
     owners: dict[int, Request]
     scored: dict | None = None
     captured: dict | None = None
+    decode: DecodePlan | None = None  # the decode step's plan (the speculation policy books it)
 
 
 @dataclasses.dataclass
@@ -88,8 +91,11 @@ class Runner:
         self.step_params = model.params
         if self.mesh is None and not opts.batch_invariant:
             self.step_params = step_head_params(model.params, model.dtype, one_row=rows == 1 and not k,
-                                                screen=greedy_screen and not k and not max_logprobs
+                                                screen=greedy_screen and not max_logprobs
                                                 and worth_screening(model.params, rows))
+        # a verify step reads the step head (greedy batches through its screen) where its drafter's
+        # target gives the head's input; DeepSeek-V4.1's DSpark verifies with the model's own head
+        self.verify_params = self.step_params if drafter_for(self.cfg).screens_verify else model.params
         store = executable_directory()
         self.call = Programs(store and Store(store))  # every program below runs through it
         cache, slots, spec = self.call(init_state, cfg=self.cfg, batch=rows, capacity=capacity, dtype=model.dtype,
@@ -126,13 +132,14 @@ class Runner:
         if plan.decode is not None:
             d = plan.decode
             out = self.split_decode(d, lambda: before_sample(output, d)) if d.constrained else self.decode(d)
-            output.dispatches.append(Dispatch(out, d.owners))
+            output.dispatches.append(Dispatch(out, d.owners, decode=d))
             output.copies = [(r, j, self._copy_block(row, j, None)) for r, row, j in d.copies]
         if self.pool is not None:
             self.pool.settle()  # host-tier copies, now that the device has work
         return output
 
-    def _cancelled(self, rows: tuple[int, ...]):
+    def _row_mask(self, rows) -> jax.Array:
+        """A [rows] bool mask of these rows (cancelled rows; a verify step's cold rows)."""
         if not rows:
             return self.none_cancelled
         return self.place(np.isin(np.arange(self.rows), list(rows)))
@@ -158,7 +165,7 @@ class Runner:
         params, slot = (self.model.params if call.score else self.step_params), np.int32(call.row)
         static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=call.bucket, n_logprobs=self.max_logprobs)
         plain = {**static, **self._capture()}  # (capture: plain engines only)
-        if self.spec is not None:
+        if self.spec is not None and call.draft:
             chunk = (tokens, following, n_valid, is_last, admits, first_mask)
             state = (params, self.model.mtp, self.cache, self.spec, self.slots)
             drafting = (self.policy.schedule, self.draft)
@@ -180,17 +187,19 @@ class Runner:
         return out
 
     def decode(self, d: DecodePlan) -> DeviceOutput:
-        """One decode step for every row (`decode_steps` tokens), or a verify step over d.k drafts."""
-        cancelled = self._cancelled(d.cancelled)
-        if self.spec is None:
+        """One decode step for every row (`decode_steps` tokens), or a verify step over d.k
+        drafts (d.k = 0 with speculation: the confidence policy's plain step, the same program
+        as plain decoding's; the drafter's state waits)."""
+        cancelled = self._row_mask(d.cancelled)
+        if self.spec is None or not d.k:
             self.cache, self.slots, out = self.call(
                 decode_step, self.step_params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts,
                 ctx_bucket=d.bucket, n_logprobs=self.max_logprobs, n_steps=self.decode_steps, **self._capture())
         else:
             self.cache, self.spec, self.slots, out = self.call(
-                spec_decode_step, self.model.params, self.model.mtp, self.cache, self.spec, self.slots, cancelled,
-                self.policy.schedule, self.draft, k=d.k, cfg=self.cfg, opts=self.opts, ctx_bucket=d.bucket,
-                sampled=d.sampled, n_logprobs=self.max_logprobs)
+                spec_decode_step, self.verify_params, self.model.mtp, self.cache, self.spec, self.slots, cancelled,
+                self.policy.step_schedule(d.probe), self.draft, self._row_mask(d.cold), k=d.k, cfg=self.cfg,
+                opts=self.opts, ctx_bucket=d.bucket, sampled=d.sampled, n_logprobs=self.max_logprobs)
         return out
 
     def split_decode(self, d: DecodePlan, masks: Callable[[], np.ndarray]) -> DeviceOutput:
@@ -198,7 +207,7 @@ class Runner:
         runs while the device runs the forward) the sampling under the packed masks [rows,
         words] int32."""
         self.cache, self.slots, logits, positions, *found = self.call(
-            decode_forward, self.step_params, self.cache, self.slots, self._cancelled(d.cancelled), cfg=self.cfg,
+            decode_forward, self.step_params, self.cache, self.slots, self._row_mask(d.cancelled), cfg=self.cfg,
             opts=self.opts, ctx_bucket=d.bucket, **self._capture())
         self.slots, out = self.call(decode_sample, self.slots, logits, positions, self.place(masks().view(np.uint32)),
                                     n_logprobs=self.max_logprobs)
@@ -249,8 +258,10 @@ class Runner:
 
     # ------------------------------------------------------------------ warm-up
     def measure_costs(self, bucket: int) -> None:
-        """Confidence scheduling: time verify steps over k = 0..K drafts on idle copies of the
-        slot state, at context `bucket`. Runs once (warm-up, or the first step)."""
+        """Confidence scheduling: time plain decode steps and verify steps over k = 1..K drafts
+        (with their drafting) on idle copies of the slot state, at context `bucket`, in
+        interleaved rounds (`SpeculationPolicy.measure_costs`). Runs once (warm-up, or the
+        first step); the engine's observed step times refresh them."""
         if not self.policy.needs_costs:
             return
         idle = [jax.tree.map(jnp.copy, self.spec),
@@ -258,14 +269,19 @@ class Runner:
         placeholder = Schedule(jnp.ones(self.policy.num_draft_tokens + 1, jnp.float32),
                                jnp.asarray(calibration_centres(), jnp.float32))
 
-        def verify(k: int):
-            self.cache, idle[0], idle[1], out = self.call(
-                spec_decode_step, self.model.params, self.model.mtp, self.cache, *idle, self.none_cancelled,
-                placeholder, self.draft, k=k, cfg=self.cfg, opts=self.opts, ctx_bucket=bucket, sampled=False,
-                n_logprobs=self.max_logprobs)
+        def step(k: int):
+            if not k:
+                self.cache, idle[1], out = self.call(
+                    decode_step, self.step_params, self.cache, idle[1], self.none_cancelled, cfg=self.cfg,
+                    opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
+            else:
+                self.cache, idle[0], idle[1], out = self.call(
+                    spec_decode_step, self.verify_params, self.model.mtp, self.cache, *idle, self.none_cancelled,
+                    placeholder, self.draft, self.none_cancelled, k=k, cfg=self.cfg, opts=self.opts,
+                    ctx_bucket=bucket, sampled=False, n_logprobs=self.max_logprobs)
             return self.cache, out
 
-        self.policy.measure_costs(verify)
+        self.policy.measure_costs(step)
 
     def warmup(self, items: list[WarmupItem], masks: Callable[[StepOutput, DecodePlan], np.ndarray],
                progress: Callable[[int, int, str], None] | None = None) -> None:

@@ -17,7 +17,8 @@ The plan of one step (`Scheduler.schedule`):
   3. constrained requests whose prompt is cached but for its last token start decoding from
      it (`starts`), so that their first token is sampled under the grammar's mask;
   4. one decode step for every decoding slot (`DecodePlan`): its context bucket, the drafts
-     k a verify step checks (`SpeculationPolicy.step_k`), the greedy or sampling variant,
+     k a verify step checks (`SpeculationPolicy.step_k`; 0: the confidence policy's plain
+     step), the greedy or sampling variant,
      the rows cancelled since the last one, and whether it is split for structured output
      (a constrained row decodes: the masks are made while the device runs the forward).
 
@@ -63,6 +64,7 @@ class PrefillCall:
     bucket: int  # context bucket
     sampled: bool  # a row samples (speculation's sampling variant)
     score: bool  # a row asks for prompt logprobs (the scoring program)
+    draft: bool = True  # speculation: the chunk goes through the drafter (else the plain prefill program)
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     saves: list[BlockSave] = dataclasses.field(default_factory=list)  # prefix blocks the call completes
 
@@ -95,6 +97,14 @@ class DecodePlan:
     cancelled: tuple[int, ...] = ()  # rows the step stops first
     constrained: bool = False  # split in two programs, the sampling under packed masks
     copies: list[tuple[Request, int, int]] = dataclasses.field(default_factory=list)  # generated blocks (row, j)
+    # speculation: k = 0 is the confidence policy's plain step (the plain decode program); rows
+    # whose drafts predate a plain step (their outcomes are not booked); a probe step before
+    # the probe's last (`SpeculationPolicy.step_schedule`)
+    stale: frozenset = frozenset()
+    cold: frozenset = frozenset()  # rows whose pending drafts are an earlier request's: they check none
+    probe: bool = False
+    clean: bool = True  # no prefill chunk runs in the same plan (its wall time is the step's)
+    index: int = 0  # decode plans made before this one
 
 
 @dataclasses.dataclass
@@ -139,6 +149,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slot_owner: list[Request | None] = [None] * rows
         self.cancelled: set[int] = set()  # rows cancelled while decoding: stopped by the next decode step
+        self.decode_plans = 0
 
     # ------------------------------------------------------------------ requests and slots
     def add(self, req: Request) -> None:
@@ -202,7 +213,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan; its parts in order (each moves the requests' state on)."""
         restores = self.admit()
-        return StepPlan(restores, self.prefill_calls(), self.start_constrained(), self.decode())
+        plan = StepPlan(restores, self.prefill_calls(), self.start_constrained(), self.decode())
+        if plan.decode is not None:
+            plan.decode.clean, plan.decode.index = not (plan.restores or plan.prefills), self.decode_plans
+            self.decode_plans += 1
+        return plan
 
     def admit(self) -> list[Restore]:
         """Give free slots to waiting requests; the prefix blocks each restores."""
@@ -252,6 +267,8 @@ class Scheduler:
                            self.prefill_bucket(max(r.prefilled for r in group), width),
                            any(r.params.temperature > 0 for r in group),
                            any(r.params.prompt_logprobs is not None for r in group))
+        # a prefix cache's blocks keep the drafter's ring: their prompt chunks always fill it
+        call.draft = self.speculative and (self.policy.drafting() or self.prefix is not None)
         for r, tokens in zip(group, chunks):
             following = r.prompt[r.prefilled + 1: r.prefilled + len(tokens) + 1]
             is_last = r.prefilled + len(tokens) == len(r.prompt)
@@ -261,6 +278,8 @@ class Scheduler:
             r.dispatched = r.prefilled
             if is_last:
                 r.state = "decoding"
+            if self.speculative:
+                self.policy.prefilled(r.slot, call.draft, is_last)
         if self.prefix is not None:
             call.saves = self.prefix.saves(group)
         return call
@@ -293,11 +312,14 @@ class Scheduler:
             for r in decoding:
                 r.dispatched += 1
             return plan
-        k = self.policy.step_k([r.slot for r in decoding])
+        # nothing waits: the batch drains, and finishes when its slowest row does
+        remaining = None if self.waiting else {r.slot: r.params.max_tokens - len(r.tokens) for r in decoding}
+        k = self.policy.step_k([r.slot for r in decoding], remaining)
         n = k + 1 if self.speculative else self.decode_steps  # positions written per slot, at most
         needed = min(max(r.dispatched for r in decoding) + n, self.capacity)
         plan = DecodePlan(self.bucket(needed), k, any(r.params.temperature > 0 for r in decoding), owners,
-                          self._take_cancelled())
+                          self._take_cancelled(), stale=self.policy.last_stale, cold=self.policy.last_cold,
+                          probe=self.policy.last_probe)
         for r in decoding:
             r.dispatched += n
         if self.prefix is not None:
@@ -325,10 +347,18 @@ class Scheduler:
         for (width, bucket), sampled in [(s, v) for s in self.prefill_shapes() for v in variants]:
             for score in (False, True) if scoring else (False,):
                 items.append(WarmupItem(f"prefill {width} tokens, context {bucket}" + ", scored" * score,
-                                        StepPlan(prefills=[PrefillCall(0, n, width, bucket, sampled, score)])))
+                                        StepPlan(prefills=[PrefillCall(0, n, width, bucket, sampled, score,
+                                                                       self.speculative)])))
+        if self.policy.plain_steps and self.prefix is None:  # prompts prefilled during plain runs
+            items += [WarmupItem(f"prefill {width} tokens, context {bucket}, plain",
+                                 StepPlan(prefills=[PrefillCall(0, n, width, bucket, False, False, False)]))
+                      for width, bucket in self.prefill_shapes()]
         for bucket, k, sampled in [(b, k, v) for b in self.buckets() for k in ks for v in variants]:
             what = f"decode, context {bucket}" + (f", {k} drafts" if self.speculative else "")
             items.append(WarmupItem(what, StepPlan(decode=DecodePlan(bucket, k, sampled))))
+        if self.policy.plain_steps:  # the confidence policy's plain steps: the plain decode program
+            items += [WarmupItem(f"decode, context {b}, plain", StepPlan(decode=DecodePlan(b, 0)))
+                      for b in self.buckets()]
         if constrained:  # row 0 starts decoding, and the next step's cancel stops it
             items.append(WarmupItem("structured output: start a slot", StepPlan(starts=[(0, 0)])))
             items += [WarmupItem(f"structured output: decode, context {b}",

@@ -52,8 +52,9 @@ from flax import struct
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.engine.sampler import SamplingState, argmax_first, categorical, processed_logits, request_key
 from dsjax.engine.slots import emit_tokens
-from dsjax.model.interface import (DEFAULT_OPTIONS, Cache, Drafter, batch_axes, drafter_for, head_rows,
-                                   reference_key_rule, roll_back, save_written)
+from dsjax.model.interface import (DEFAULT_OPTIONS, Cache, Drafter, batch_axes, drafter_for, greedy_tokens,
+                                   head_product, head_rows, reference_key_rule, roll_back, save_written, screens,
+                                   step_head)
 from dsjax.sharding.rules import per_row
 
 ACCEPT, DRAFT, TOKEN = 1, 2, 3  # salts: acceptance uniforms, draft draws, emitted-token draws
@@ -172,7 +173,24 @@ def accept_greedy(logits: jax.Array, drafts: jax.Array, limit: jax.Array):
     """accept() for batches of greedy rows only, on the raw logits [B, k+1, V]: no
     distributions are formed. -> (a [B], next token [B])."""
     b, k1, v = logits.shape
-    target = argmax_first(logits.reshape(b * k1, v)).reshape(b, k1)
+    return accept_greedy_tokens(argmax_first(logits.reshape(b * k1, v)).reshape(b, k1), drafts, limit)
+
+
+def screened_argmax(h: jax.Array, head, needed: jax.Array) -> jax.Array:
+    """The first maximum of each row's fp32 logits h [R, D] @ head.T, reading the head's bf16
+    screen (`greedy_tokens`: bitwise the fp32 logits' first maximum) and only the rows'
+    candidate fp32 tiles. Rows in `needed` [R] that the screen leaves undecided send the whole
+    batch to the fp32 logits (a `lax.cond`, as the plain decode step's `screened_tokens`);
+    rows not needed (an idle slot, positions past a row's limit) may hold anything.
+    -> tokens [R] int32."""
+    tokens = greedy_tokens(h, head)
+    return jax.lax.cond(jnp.all((tokens >= 0) | ~needed), lambda: jnp.maximum(tokens, 0),
+                        lambda: argmax_first(head_product(h, head)))
+
+
+def accept_greedy_tokens(target: jax.Array, drafts: jax.Array, limit: jax.Array):
+    """accept_greedy on the target's greedy tokens [B, k+1] (the first maximum at each position)."""
+    k1 = target.shape[1]
     ok = (drafts == target[:, :-1]) & (jnp.arange(k1 - 1) < limit[:, None])
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
@@ -206,7 +224,7 @@ def calibrated(confidence: jax.Array, acceptance: jax.Array) -> jax.Array:
 
 
 def choose_limits(confidence: jax.Array, costs: jax.Array | None, acceptance: jax.Array | None = None) -> jax.Array:
-    """How many drafts to verify per row. Fixed (costs None): all of them. Otherwise the k
+    """How many drafts to verify per row. Fixed (costs None): all of them. Otherwise the k >= 1
     maximising expected tokens per unit cost, (1 + sum_{j<=k} prod_{i<=j} c_i) / cost[k]:
     the prefix-survival estimate from the drafts' acceptance chances c [B, K] against the
     measured cost curve cost [K+1] of a verify step over k+1 positions. c is the drafter's
@@ -220,7 +238,9 @@ def choose_limits(confidence: jax.Array, costs: jax.Array | None, acceptance: ja
     survival = jnp.cumprod(confidence, axis=1)
     expected = 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]), jnp.cumsum(survival, axis=1)],
                                      axis=1)  # [B, K+1]
-    return jnp.argmax(expected / costs[None, :], axis=1).astype(jnp.int32)
+    # k >= 1: whether to verify at all is the host's choice (a plain step, `SpeculationPolicy`);
+    # a row that checked none in a verify step would pay for the step and learn nothing
+    return (jnp.argmax(expected[:, 1:] / costs[None, 1:], axis=1) + 1).astype(jnp.int32)
 
 
 @struct.dataclass
@@ -309,17 +329,26 @@ class Verified:
     finished: jax.Array  # [B] bool
     checked: jax.Array  # [B] drafts verified (the row's limit)
     accepted: jax.Array  # [B] drafts accepted (a)
-    logits: jax.Array  # [B, k+1, V] fp32: the target's, tokens[:, i] was chosen from logits[:, i]
+    logits: jax.Array | None  # [B, k+1, V] fp32: the target's, tokens[:, i] was chosen from logits[:, i]
+    # (None when a greedy batch verified through the head's screen: `verify`)
 
 
 def verify(params, mtp, cache: Cache, spec: Speculation, slots, *, k: int,
            cfg: ModelConfig, ctx_bucket: int, schedule: Schedule | None, sampled: bool = True,
-           vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS):
+           vocab: DraftVocab | None = None, opts: RuntimeOptions = DEFAULT_OPTIONS, screen: bool = True,
+           cold: jax.Array | None = None):
     """One speculative step for every active slot: feed [pending token, first k drafts] in
     one target forward, accept (at most each row's limit), roll the caches back to the
     kept positions, commit them to the drafter and draft anew. sampled=False: a batch of
     greedy rows only (no distributions formed: argmax on the logits). vocab: the drafter's
     reduced vocabulary for the next drafts (None: full); verification always uses the full head.
+    A greedy batch whose head carries the greedy screen (`screens(params)`, a drafter whose
+    target gives the head's input: `Drafter.screens_verify`; screen=False: the logits are
+    wanted, for logprobs) verifies through it as the plain decode step reads its head: each of
+    the k+1 positions' first maximum from the bf16 screen and a few fp32 tiles, bitwise the
+    fp32 logits' argmax, so the greedy test is unchanged and no [B, k+1, V] logits are formed.
+    cold [B] (or None): rows whose pending drafts are not theirs (an earlier request's, the
+    prompt prefilled without the drafter) check none: one token, then drafts of their own.
     -> (cache, spec, slots, Verified)."""
     start, active = cache.length, slots.active
     drafts = spec.drafts
@@ -327,12 +356,20 @@ def verify(params, mtp, cache: Cache, spec: Speculation, slots, *, k: int,
     positions = start[:, None] + jnp.arange(k + 1)
     drafter = drafter_for(cfg)
     saved = save_written(cache, positions, cfg)
+    screened = screen and not sampled and drafter.screens_verify and screens(params)
     logits, features, cache = drafter.target_chunk(params, tokens, cfg, cache, opts=opts,
-                                                   n_valid=jnp.where(active, k + 1, 0), ctx_bucket=ctx_bucket)
-    limit = jnp.where(active, jnp.minimum(spec.limit, k), 0)
+                                                   n_valid=jnp.where(active, k + 1, 0), ctx_bucket=ctx_bucket,
+                                                   hidden=screened)
+    limit = jnp.where(active if cold is None else active & ~cold, jnp.minimum(spec.limit, k), 0)
     if reference_key_rule(cfg, opts):  # exact at positions t <= 2 start + 1 only: a row keeps at most
         limit = jnp.minimum(limit, start + 1)  # start + 1 drafts (a short prompt's first steps)
-    if sampled:
+    if screened:  # the positions a row's test reads: its pending token's and its first `limit` drafts'
+        b = tokens.shape[0]
+        needed = active[:, None] & (jnp.arange(k + 1) <= limit[:, None])
+        target = screened_argmax(logits.reshape(b * (k + 1), -1), step_head(params), needed.reshape(-1))
+        a, nxt = accept_greedy_tokens(target.reshape(b, k + 1), drafts.tokens[:, :k], limit)
+        logits = None
+    elif sampled:
         p = processed_probs(logits, slots.sampling)
         a, nxt = accept(p, drafts.q[:, :k], drafts.tokens[:, :k], limit, slots.sampling, start)
     else:

@@ -160,12 +160,16 @@ class Drafter(Protocol):
     Since only kept positions are committed, a drafter's state needs no rollback; the target's
     cache has its own (`save_written`, `roll_back`)."""
 
+    screens_verify: bool  # target_chunk gives the head's input (hidden=True): greedy verify reads the screen
+
     def init_state(self, cfg: ModelConfig, batch: int, dtype) -> Any: ...
 
     def target_chunk(self, params, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *, opts: RuntimeOptions,
-                     n_valid: jax.Array, ctx_bucket: int, last_only: bool = False) -> tuple[jax.Array, Any, Cache]:
+                     n_valid: jax.Array, ctx_bucket: int, last_only: bool = False,
+                     hidden: bool = False) -> tuple[jax.Array, Any, Cache]:
         """The target over a chunk tokens [B, C] -> (logits fp32 [B, C, V] (last_only: [B, 1, V]
-        at each row's last valid position), the drafter's features of each position, cache)."""
+        at each row's last valid position; hidden, where `screens_verify`: the vocabulary head's
+        input rows [B, C, D] instead), the drafter's features of each position, cache)."""
 
     def commit(self, weights, params, state, features, next_tokens: jax.Array, start: jax.Array,
                n_valid: jax.Array, cfg: ModelConfig, opts: RuntimeOptions = DEFAULT_OPTIONS) -> tuple[Any, Any]:

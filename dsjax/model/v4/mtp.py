@@ -25,7 +25,7 @@ from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
 from dsjax.model.block import DEFAULT_OPTIONS, Block, norm_spec
 from dsjax.model.cache import Cache
-from dsjax.model.head import head_logits, last_valid, lm_head_weight, rows_logits
+from dsjax.model.head import head_input, head_logits, last_valid, lm_head_weight, rows_logits
 from dsjax.model.v4.decoder import ModelParams, attention_call, block_specs, decoder_streams, logits_of, v4_block
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import lookup
@@ -96,14 +96,21 @@ class MTPDrafter:
     positions), and drafts k tokens by running the layer recurrently on its own output streams
     over a scratch copy of the ring, so nothing it holds needs rolling back."""
 
+    screens_verify = True  # the target's streams collapse to the head's input (`head_input`)
+
     def init_state(self, cfg: ModelConfig, batch: int, dtype) -> AttentionState:
         return jax.tree.map(lambda sh: jnp.zeros(sh.shape, sh.dtype), mtp_state_shapes(cfg, batch, dtype))
 
     def target_chunk(self, params: ModelParams, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
-                     opts: RuntimeOptions, n_valid: jax.Array, ctx_bucket: int, last_only: bool = False):
-        """-> (logits fp32 [B, C, V] (last_only: [B, 1, V]), the final streams [B, C, N, D], cache)."""
+                     opts: RuntimeOptions, n_valid: jax.Array, ctx_bucket: int, last_only: bool = False,
+                     hidden: bool = False):
+        """-> (logits fp32 [B, C, V] (last_only: [B, 1, V]; hidden: the head's input [B, C, D]
+        instead), the final streams [B, C, N, D], cache)."""
         streams, cache = decoder_streams(params, tokens, cfg, cache, opts=opts, n_valid=n_valid, ctx_bucket=ctx_bucket)
-        return logits_of(params, last_valid(streams, n_valid) if last_only else streams, cfg), streams, cache
+        out = last_valid(streams, n_valid) if last_only else streams
+        if hidden:
+            return head_input(params.hc_head, params.norm, out, cfg), streams, cache
+        return logits_of(params, out, cfg), streams, cache
 
     def commit(self, mtp: MTPParams, params: ModelParams, state: AttentionState, streams: jax.Array,
                next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, cfg: ModelConfig,

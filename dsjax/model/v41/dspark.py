@@ -211,12 +211,18 @@ class DSparkDrafter:
     positions), so the rings need no rollback; `draft` drafts the block after the next token
     in one call."""
 
+    screens_verify = False  # a V4.1 verify step reads the model's own head (logits)
+
     def init_state(self, cfg: ModelConfig, batch: int, dtype) -> DSparkRing:
         return empty_ring(cfg, batch, dtype)
 
     def target_chunk(self, params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
-                     opts: RuntimeOptions, n_valid: jax.Array, ctx_bucket: int, last_only: bool = False):
-        """-> (logits fp32 [B, C, V] (last_only: [B, 1, V]), DSpark's taps [B, C, T * D], cache)."""
+                     opts: RuntimeOptions, n_valid: jax.Array, ctx_bucket: int, last_only: bool = False,
+                     hidden: bool = False):
+        """-> (logits fp32 [B, C, V] (last_only: [B, 1, V]), DSpark's taps [B, C, T * D], cache).
+        hidden is never asked (`screens_verify` False)."""
+        if hidden:
+            raise ValueError("DSpark's target_chunk gives logits only: a V4.1 verify step does not read the screen")
         logits, cache, hidden = v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only,
                                                  taps=True)
         return logits, hidden, cache
