@@ -4,6 +4,7 @@ and otherwise takes the logprob-less path (the greedy screen included). Its toke
 of an engine without logprobs, whoever asks; the logprobs of the rows that ask are the
 log-softmax of the full-sequence forward's logits; the rows that do not ask get none."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,3 +87,19 @@ def test_logprob_width_is_checked(tiny):
     with pytest.raises(ValueError, match="logprobs=6 exceeds the engine's max_logprobs=5"):
         Engine(tiny, max_slots=1, capacity=256, max_logprobs=5, logprob_width=WIDTH).add_request(
             [1, 2, 3], SamplingParams(logprobs=6))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_logprobs_on_a_mesh_match_one_device(tiny, rng):
+    """Rows and vocabulary split (data=2, tensor=2): the condition's two branches are placed
+    alike, and a request that asks gets one device's logprobs (to the last bits), one that does
+    not gets none."""
+    jobs = [(rng.integers(0, 5000, 20).tolist(), SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)),
+            (rng.integers(0, 5000, 9).tolist(), SamplingParams(max_tokens=6, ignore_eos=True))]
+    mesh_model = dsjax.load_model("tiny", dtype="float32", seed=0, mesh="data=2,tensor=2")
+    kw = dict(max_slots=2, capacity=256, prefill_chunk=16, max_logprobs=3, logprob_width=WIDTH)
+    on_mesh, alone = (_run(Engine(m, **kw), jobs) for m in (mesh_model, tiny))
+    assert [[e.token for e in ev] for ev in on_mesh] == [[e.token for e in ev] for ev in alone]
+    np.testing.assert_allclose([e.logprob for e in on_mesh[0]], [e.logprob for e in alone[0]], atol=1e-5)
+    assert [[t for t, _ in e.top_logprobs] for e in on_mesh[0]] == [[t for t, _ in e.top_logprobs] for e in alone[0]]
+    assert all(e.logprob is None for e in on_mesh[1])
