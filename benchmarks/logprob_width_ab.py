@@ -3,7 +3,8 @@ Python API's default) against one built as `dsjax serve` builds it (logprob_widt
 logprobs behind a condition), serving requests that ask for no logprobs, in one process,
 interleaved round by round so that a shared machine's drift falls on both alike. Also the
 serve-like engine with every request asking for 5 logprobs (what a step that computes them
-costs). Greedy decode, engine.step() timed in steady state.
+costs). Greedy decode, engine.step() timed in steady state; ratios are the median of each
+round's ratio to the width-0 engine.
 
     python benchmarks/logprob_width_ab.py --batches 1,8 --rounds 5 \
         --out benchmarks/results/ab_logprob_width_cpu.json
@@ -66,8 +67,9 @@ def main():
                 runs[name].append(batch * args.steps / (time.perf_counter() - t))
             print(batch, r, {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
         med = {name: statistics.median(v) for name, v in runs.items()}
-        summary[str(batch)] = {"median_tok_s": med, "serve_over_width0": med["serve"] / med["width0"],
-                               "asking_over_width0": med["serve_asking"] / med["width0"], "runs": runs}
+        paired = lambda name: statistics.median(a / b for a, b in zip(runs[name], runs["width0"]))  # noqa: E731
+        summary[str(batch)] = {"median_tok_s": med, "serve_over_width0": paired("serve"),
+                               "asking_over_width0": paired("serve_asking"), "runs": runs}
     result = {"model": args.config or "built-in", "rounds": args.rounds, "steps": args.steps,
               "load_average": os.getloadavg(), "summary": summary}
     write_result(result, args.out)
