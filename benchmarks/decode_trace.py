@@ -118,7 +118,7 @@ def trace(model, batch: int, context: int, steps: int) -> dict:
         self_ns, calls, busy = thunk_self_times(tmp)
     # the same program the engine compiled (same arguments, same compiler): its instruction names
     hlo = decode_step.lower(engine.step_params, engine.cache, engine.slots, jnp.zeros(engine.rows, bool), cfg=cfg,
-                            opts=engine.opts, ctx_bucket=bucket, n_logprobs=engine.max_logprobs,
+                            opts=engine.opts, ctx_bucket=bucket, n_logprobs=engine.logprob_width,
                             n_steps=engine.decode_steps).compile().as_text()
     groups = instruction_groups(hlo)
     per_group, unmatched = collections.Counter(), 0.0

@@ -93,7 +93,7 @@ def step_split(engine: Engine, rounds: int, steps: int = 4) -> dict:
     needed = max(r.dispatched for r in engine.requests.values() if r.state == "decoding") + engine.decode_steps
     bucket = engine.capacity if engine.batch_invariant else context_bucket(needed, engine.capacity)
     run = functools.partial(decode_step, cfg=engine.cfg, opts=engine.opts, ctx_bucket=bucket,
-                            n_logprobs=engine.max_logprobs, n_steps=engine.decode_steps)
+                            n_logprobs=engine.logprob_width, n_steps=engine.decode_steps)
     step_times, program_times = [], []
     for _ in range(rounds + 1):  # round 0 warms both
         t = time.perf_counter()

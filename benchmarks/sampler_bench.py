@@ -28,7 +28,8 @@ def state(b: int, temperature: float, top_k: int, top_p: float) -> SamplingState
                          seed=jnp.arange(b, dtype=jnp.uint32), repetition_penalty=f32(1.0),
                          presence_penalty=f32(0.0), frequency_penalty=f32(0.0),
                          history=jnp.zeros((b, 8), jnp.int32), prompt_len=i32(0),
-                         bias_ids=jnp.zeros((b, 1), jnp.int32), bias_values=jnp.zeros((b, 1), jnp.float32))
+                         bias_ids=jnp.zeros((b, 1), jnp.int32), bias_values=jnp.zeros((b, 1), jnp.float32),
+                         logprobs=i32(0))
 
 
 def main():

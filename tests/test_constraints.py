@@ -142,7 +142,7 @@ def test_masked_sampling_draws_only_allowed_tokens():
     s = SamplingState(jnp.asarray([0.0, 1.0, 0.7, 1.0]), jnp.asarray([0, 0, 50, 0]), jnp.asarray([1.0, 1.0, 0.9, 0.8]),
                       jnp.zeros(B), jnp.ones(B), jnp.zeros(B), jnp.zeros(B), jnp.arange(B, dtype=jnp.uint32),
                       jnp.zeros((B, 8), jnp.int32), jnp.zeros(B, jnp.int32), jnp.zeros((B, 1), jnp.int32),
-                      jnp.zeros((B, 1)))
+                      jnp.zeros((B, 1)), jnp.zeros(B, jnp.int32))
     f = jax.jit(sample_tokens)
     for pos in range(20):
         positions = jnp.full(B, pos, jnp.int32)

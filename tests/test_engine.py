@@ -137,12 +137,12 @@ def test_sampled_tokens_do_not_depend_on_batch(tiny, rng):
 
 def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
     """An engine on one XLA:CPU device runs its steps with the vocabulary head packed for the
-    CPU head kernel (`cpu_head_params`), an fp32 head with its greedy screen where its decode
-    steps report no logprobs (`cpu_kernels.greedy_tokens`); a one-slot engine without the
-    screen, with the head transposed (`one_row_head`: the layout XLA reads faster at one
-    row); more slots without the kernel, the head as stored. Layer runs stay scanned as
+    CPU head kernel (`cpu_head_params`), an fp32 head with its greedy screen
+    (`cpu_kernels.greedy_tokens`), whether or not it reports logprobs; a one-slot engine
+    without the screen, with the head transposed (`one_row_head`: the layout XLA reads faster
+    at one row); more slots without the kernel, the head as stored. Layer runs stay scanned as
     stored. A one-slot engine's sampled and greedy tokens (the screen's) are those of a
-    four-slot engine that reports logprobs (the fp32 kernel's logits, no screen), and of one
+    four-slot engine without the screen (the fp32 kernel's logits), and of one
     that runs the layer runs layer by layer (`one_row_params`: each layer's weights whole,
     not sliced from a scanned stack; benchmarks/layer_layout.py)."""
     base = tiny.config  # tiny with two scanned runs (2 x sliding, 2 x [CSA, HCA]), as `small` has
@@ -155,19 +155,21 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
                                        ignore_eos=True)),
                (prompt, SamplingParams(max_tokens=16, ignore_eos=True))]  # greedy
     one = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
-    transposed = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, max_logprobs=1).step_params
+    transposed = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, greedy_screen=False).step_params
     assert isinstance(transposed.lm_head, ColumnMajor)
     np.testing.assert_array_equal(np.asarray(transposed.lm_head.t), np.asarray(model.params.lm_head).T)
     assert one.step_params.blocks is model.params.blocks
     tied = dsjax.load_model()  # the built-in model: its head is the embedding, which the lookup keeps
     assert tied.params.lm_head is None
-    tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32, max_logprobs=1).step_params
+    tied_params = Engine(tied, max_slots=1, capacity=256, prefill_chunk=32, greedy_screen=False).step_params
     np.testing.assert_array_equal(np.asarray(tied_params.lm_head.t), np.asarray(tied.params.embed).T)
     assert tied_params.embed is tied.params.embed
     assert all(run.repeats == 1 for run in tied.config.layer_runs) and tied_params.blocks is tied.params.blocks
     if cpu_kernels.available():
         head = one.step_params.lm_head
         assert isinstance(head, PackedHead) and head.screen is not None and head.screen.dtype == jnp.bfloat16
+        reporting = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, max_logprobs=1).step_params.lm_head
+        assert isinstance(reporting, PackedHead) and reporting.screen is not None
         np.testing.assert_array_equal(np.asarray(head.dense(jnp.float32)), np.asarray(model.params.lm_head))
         np.testing.assert_array_equal(np.asarray(head.screen), np.asarray(head.tiles.astype(jnp.bfloat16)))
         norms = np.linalg.norm(np.asarray(model.params.lm_head, np.float64), axis=1)
@@ -184,7 +186,7 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
     with monkeypatch.context() as m:  # without the kernel: the head as stored
         m.setattr(cpu_kernels, "available", lambda: False)
         assert Engine(model, max_slots=2, capacity=256, prefill_chunk=32).step_params is model.params
-    by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, max_logprobs=1)
+    by_layer = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, greedy_screen=False)
     by_layer.step_params = one_row_params(model.params, cfg, model.dtype)
     assert all(isinstance(blocks, LayerByLayer) for blocks in by_layer.step_params.blocks)
     assert isinstance(by_layer.step_params.lm_head, ColumnMajor)
@@ -193,7 +195,7 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
                      layer_block(model.params, cfg, i))
     assert Engine(model, max_slots=1, capacity=256, prefill_chunk=32, batch_invariant=True).step_params is model.params
     prompts, params = map(list, zip(*targets))
-    want = Engine(model, max_slots=4, capacity=256, prefill_chunk=32, max_logprobs=1).generate(prompts, params)
+    want = Engine(model, max_slots=4, capacity=256, prefill_chunk=32, greedy_screen=False).generate(prompts, params)
     assert want[0] != want[1]
     for engine in (one, by_layer):
         assert engine.generate(prompts, params) == want

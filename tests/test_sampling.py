@@ -54,7 +54,7 @@ def _state(b, v, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_pena
         min_p=full(min_p, jnp.float32), repetition_penalty=full(repetition_penalty, jnp.float32),
         presence_penalty=full(presence_penalty, jnp.float32), frequency_penalty=full(frequency_penalty, jnp.float32),
         seed=full(seed, jnp.uint32), history=jnp.asarray(history, jnp.int32), prompt_len=full(prompt_len, jnp.int32),
-        bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values))
+        bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values), logprobs=full(0, jnp.int32))
 
 
 def sample(logits, temperature, top_k, top_p, seed, positions, seen=None, counts=None, **kw):

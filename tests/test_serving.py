@@ -265,6 +265,33 @@ def test_chat_logprobs(oai):
                                     logprobs=True, top_logprobs=5, extra_body=NO_THINKING)
 
 
+def test_max_logprobs_changes_no_program(model, served):
+    """`--max-logprobs` only limits what requests may ask: servers built with 0 and 5 warm up
+    the same programs (the same functions, static arguments and argument shapes: the served
+    engine's programs report up to 20 logprobs behind a condition); a request for logprobs
+    from the one with 0 is a 400 naming the flag."""
+    warmed = {}
+    for n in (0, 5):
+        items = []
+        s = build(model, name=NAME, **{**SHAPES, "max_logprobs": n}, on_warmup=lambda i, k, what: items.append(what))
+        try:
+            assert s.engine.logprob_width == 20 and s.engine.max_logprobs == n
+            warmed[n] = (items, set(s.engine.runner.call.table))
+            if n == 0:
+                srv = BackgroundServer(s.app).start()
+                try:
+                    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+                    with pytest.raises(openai.BadRequestError, match="started without logprobs") as e:
+                        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                                       max_tokens=2, logprobs=True, extra_body=NO_THINKING)
+                    assert e.value.status_code == 400
+                finally:
+                    srv.stop()
+        finally:
+            s.close()
+    assert warmed[0] == warmed[5] and len(warmed[0][1]) > len(warmed[0][0]) > 0  # (init_state: no warm-up item)
+
+
 def test_thinking_splits_reasoning_from_content(oai):
     """Thinking mode: everything before </think> is reasoning (recipe's parser); max_tokens
     cuts this random model inside its reasoning."""

@@ -117,9 +117,17 @@ class Engine:
     2 s + 1 (`dsjax.model.interface.reference_key_rule`), and a full chunk after a narrower first one
     would pass it.
 
+    max_logprobs: the most top logprobs a request may ask for (`SamplingParams.logprobs`,
+    `prompt_logprobs`). logprob_width: how many the programs compute per token (a static
+    argument of every program; None: max_logprobs); a request gets its first `logprobs`. The
+    programs of a width > 0 compute logprobs only in steps where a row asks (`jax.lax.cond`),
+    so a step without such a row costs what a width-0 engine's does; engines that differ only
+    in max_logprobs share their programs when they fix one width (`dsjax serve` does: 20).
+
     greedy_screen: on one XLA:CPU device, greedy decode steps of few rows find the fp32
     head's first maximum from a bf16 copy of it (the same tokens, bitwise; half the head's
-    bytes again in memory); False saves that memory. Which weights the programs run with
+    bytes again in memory; a step with a row asking for logprobs reads the fp32 head); False
+    saves that memory. Which weights the programs run with
     (`step_params`: the head packed for the CPU head kernel, screened, or transposed for one
     row) is the runner's (`dsjax.engine.runner`).
 
@@ -141,17 +149,19 @@ class Engine:
                  num_draft_tokens: int = 0, spec_policy: str | None = None, verify_costs: list[float] | None = None,
                  draft_vocab=None, device_memory_bytes: int | None = None,
                  prefix_cache: PrefixCacheOptions | None = None, greedy_screen: bool = True, capture=(),
-                 min_bucket: int | None = None):
+                 min_bucket: int | None = None, logprob_width: int | None = None):
         cfg = model.config
         check_engine_args(cfg, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                           decode_steps=decode_steps, max_logprobs=max_logprobs, num_draft_tokens=num_draft_tokens,
-                          overlap=overlap, batch_invariant=batch_invariant, greedy_screen=greedy_screen)
+                          overlap=overlap, batch_invariant=batch_invariant, greedy_screen=greedy_screen,
+                          logprob_width=logprob_width)
         if batch_invariant is None:
             batch_invariant = model.options.batch_invariant
         self.model, self.cfg, self.mesh = model, cfg, model.mesh
         self.opts = model.options.replace(batch_invariant=bool(batch_invariant))  # static argument of every program
         self.max_slots, self.capacity, self.prefill_chunk = max_slots, capacity, prefill_chunk
         self.batch_invariant, self.max_logprobs, self.overlap = batch_invariant, max_logprobs, overlap
+        self.logprob_width = max_logprobs if logprob_width is None else logprob_width  # static in every program
         self.decode_steps = decode_steps  # tokens per slot per decode dispatch (fewer host round trips)
         shards = 1 if self.mesh is None else model.batch_shards()
         if max_slots % shards:
@@ -188,7 +198,7 @@ class Engine:
                 if on:
                     raise ValueError(f"capture is not supported with {what} yet: construct the engine without it")
             self.capture = resolve(capture, capture_points(model, capacity))
-        self.runner = Runner(model, rows=self.rows, capacity=capacity, opts=self.opts, max_logprobs=max_logprobs,
+        self.runner = Runner(model, rows=self.rows, capacity=capacity, opts=self.opts, logprob_width=self.logprob_width,
                              decode_steps=decode_steps, policy=self.policy, draft_vocab=self.draft_vocab,
                              prefill_rows=prefill_rows, greedy_screen=greedy_screen, pool=pool, block=prefill_chunk,
                              capture=self.capture)

@@ -14,7 +14,7 @@ from dsjax.model.interface import sequence_cache_bytes
 
 
 def check_engine_args(cfg: ModelConfig, *, max_slots, capacity, prefill_chunk, decode_steps, max_logprobs,
-                      num_draft_tokens, overlap, batch_invariant, greedy_screen=True) -> None:
+                      num_draft_tokens, overlap, batch_invariant, greedy_screen=True, logprob_width=None) -> None:
     """Each constructor argument of `Engine`, by name: ints in range, bools, a capacity that
     the compression ratios divide and the model's positions can use."""
     for name, value, lo in (("max_slots", max_slots, 1), ("capacity", capacity, 1),
@@ -24,6 +24,9 @@ def check_engine_args(cfg: ModelConfig, *, max_slots, capacity, prefill_chunk, d
             raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
     if max_logprobs > cfg.vocab_size:
         raise ValueError(f"max_logprobs must be at most the vocabulary size ({cfg.vocab_size}), got {max_logprobs}")
+    if logprob_width is not None and not (is_int(logprob_width) and max_logprobs <= logprob_width <= cfg.vocab_size):
+        raise ValueError(f"logprob_width must be an int from max_logprobs ({max_logprobs}) to the vocabulary size "
+                         f"({cfg.vocab_size}), got {logprob_width!r}")
     for name, value in (("overlap", overlap), ("batch_invariant", batch_invariant), ("greedy_screen", greedy_screen)):
         if not (isinstance(value, (bool, np.bool_)) or (name == "batch_invariant" and value is None)):
             raise ValueError(f"{name} must be a bool, got {value!r}")

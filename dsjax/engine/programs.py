@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
-from dsjax.engine.sampler import SamplingState, sample_tokens, top_logprobs
+from dsjax.engine.sampler import SamplingState, asked_logprobs, sample_tokens
 from dsjax.engine.slots import Admission, Slots, emit_tokens, init_slots, take_prompt_chunk
 from dsjax.engine.speculative import DraftVocab, Schedule, Speculation, init_speculation, prefill_chunk, verify
 from dsjax.model.interface import (INVARIANT_ROWS, Cache, CacheBlock, PackedHead, forward, forward_capturing,
@@ -59,7 +59,7 @@ class DeviceOutput:
     tokens: jax.Array  # [B]
     emitted: jax.Array  # [B] bool: a token was produced for this slot
     finished: jax.Array  # [B] bool
-    logprob: jax.Array | None  # [B]   (engines with max_logprobs > 0)
+    logprob: jax.Array | None  # [B]   (programs with n_logprobs > 0; computed where a row asks, else zeros)
     top_values: jax.Array | None  # [B, n]
     top_ids: jax.Array | None
     drafts_checked: jax.Array | None = None  # [B] speculative engines: drafts verified this step
@@ -75,19 +75,38 @@ class DeviceOutput:
 
 
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
-def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions: jax.Array,
-                    rows: jax.Array) -> jax.Array:
+def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions: jax.Array, rows: jax.Array,
+                    n_logprobs: int = 0):
     """`sample_tokens(h @ head.T, s, positions)` [B] from the head's input rows h [B, D] (fp32).
-    When every row in `rows` [B] is greedy, unpenalised and unbiased, the screen finds each row's first
-    maximum reading the head's bf16 copy and the fp32 tiles of a few candidates: the same
-    tokens, bitwise, as the full product (`cpu_kernels.greedy_tokens`). Otherwise, or where
-    the screen leaves a row undecided, the full fp32 logits and the sampler."""
+    When every row in `rows` [B] is greedy, unpenalised, unbiased and asks for no logprobs,
+    the screen finds each row's first maximum reading the head's bf16 copy and the fp32 tiles
+    of a few candidates: the same tokens, bitwise, as the full product
+    (`cpu_kernels.greedy_tokens`). Otherwise, or where the screen leaves a row undecided, the
+    full fp32 logits and the sampler. n_logprobs > 0: -> (tokens, `asked_logprobs` of the
+    rows in `rows` asking: zeros when the screen decided)."""
     plain = (s.temperature == 0) & (s.repetition_penalty == 1) & (s.presence_penalty == 0) & (
         s.frequency_penalty == 0) & jnp.all(s.bias_values == 0, axis=-1)
+    if n_logprobs:
+        plain &= s.logprobs == 0
     undecided = jnp.full(h.shape[:1], -1, jnp.int32)
     tokens = jax.lax.cond(jnp.all(plain | ~rows), lambda: greedy_tokens(h, head), lambda: undecided)
-    return jax.lax.cond(jnp.all((tokens >= 0) | ~rows), lambda: jnp.maximum(tokens, 0),
-                        lambda: sample_tokens(head_product(h, head), s, positions))
+
+    def full():
+        logits = head_product(h, head)
+        sampled = sample_tokens(logits, s, positions)
+        if not n_logprobs:
+            return sampled
+        return sampled, asked_logprobs(logits, sampled, rows & (s.logprobs > 0), n_logprobs)
+
+    def screened():
+        found = jnp.maximum(tokens, 0)
+        if not n_logprobs:
+            return found
+        b = found.shape[0]
+        return found, (jnp.zeros((b,), jnp.float32), jnp.zeros((b, n_logprobs), jnp.float32),
+                       jnp.zeros((b, n_logprobs), jnp.int32))
+
+    return jax.lax.cond(jnp.all((tokens >= 0) | ~rows), screened, full)
 
 
 @jax.named_scope("sampler")  # a profile's op group (benchmarks/decode_trace.py)
@@ -104,12 +123,13 @@ def sample_and_emit(slots: Slots, logits: jax.Array, positions: jax.Array, emitt
 def emit_sampled(slots: Slots, tokens: jax.Array, positions: jax.Array, emitting: jax.Array,
                  logits: jax.Array | None = None, *, n_logprobs: int = 0):
     """Book the sampled tokens [B] for the rows in `emitting`, describe the output (with
-    logprobs from `logits` when n_logprobs > 0)."""
+    n_logprobs > 0, the logprobs from `logits` when an emitting row asks for them)."""
+    asked = emitting & (slots.sampling.logprobs > 0)
     slots, _, finished = emit_tokens(slots, tokens[:, None], jnp.ones_like(positions), positions - 1, emitting)
     tokens = slots.last_token  # the sampled token where emitting, the old one elsewhere
     logprob = top_values = top_ids = None
-    if n_logprobs:  # a pass over the vocabulary per row: only for engines that report logprobs
-        logprob, top_values, top_ids = top_logprobs(logits, tokens, n_logprobs)
+    if n_logprobs:  # passes over the vocabulary: run in the steps where a row asks
+        logprob, top_values, top_ids = asked_logprobs(logits, tokens, asked, n_logprobs)
     return slots, DeviceOutput(tokens, emitting, finished, logprob, top_values, top_ids)
 
 
@@ -155,7 +175,7 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
     [n_steps, B] (the captured points too)."""
     slots = _stop_cancelled(slots, cancelled)
 
-    screened = not n_logprobs and screens(params)  # the head's input rows, the screen's greedy tokens
+    screened = screens(params)  # the head's input rows, the screen's greedy tokens
 
     def one(carry, _):
         cache, slots = carry
@@ -164,8 +184,10 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
                                         n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True,
                                         hidden=screened)
         if screened:  # (one device: per_row is the function itself)
-            tokens = screened_tokens(logits[:, 0], step_head(params), slots.sampling, cache.length, active)
+            picked = screened_tokens(logits[:, 0], step_head(params), slots.sampling, cache.length, active, n_logprobs)
+            tokens, logprobs = picked if n_logprobs else (picked, (None, None, None))
             slots, out = emit_sampled(slots, tokens, cache.length, active)
+            out = out.replace(**dict(zip(("logprob", "top_values", "top_ids"), logprobs)))
         else:
             emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
             slots, out = emit(slots, logits[:, 0], cache.length, active)
@@ -360,9 +382,10 @@ def spec_decode_step(params, mtp, cache: Cache, spec: Speculation, slots: Slots,
                                        schedule=schedule, sampled=sampled, vocab=vocab, opts=opts,
                                        screen=not n_logprobs, cold=cold)
         logprob = top_values = top_ids = None
-        if n_logprobs:  # of every position; the host reads those emitted
+        if n_logprobs:  # of every position, when a row that emitted asks; the host reads those emitted
             b = v.tokens.shape[0]
-            flat = top_logprobs(v.logits.reshape(b * (k + 1), -1), v.tokens.reshape(-1), n_logprobs)
+            asked = jnp.repeat((v.count > 0) & (slots.sampling.logprobs > 0), k + 1)
+            flat = asked_logprobs(v.logits.reshape(b * (k + 1), -1), v.tokens.reshape(-1), asked, n_logprobs)
             logprob, top_values, top_ids = (a.reshape(b, k + 1, *a.shape[1:]) for a in flat)
         j = jnp.arange(k + 1)[None]
         out = DeviceOutput(v.tokens, j < v.count[:, None], v.finished[:, None] & (j == v.count[:, None] - 1), logprob,

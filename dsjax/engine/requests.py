@@ -33,7 +33,7 @@ MIN_BUCKET = 256
 class TokenEvent:
     request_id: str
     token: int | None  # None: a request with max_tokens 0 (prompt_logprobs only) ends with no token
-    logprob: float | None  # raw-distribution logprob (engines with max_logprobs > 0)
+    logprob: float | None  # raw-distribution logprob (requests with SamplingParams.logprobs >= 1)
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None  # None while running; "stop" | "length" when this is the last token
     cached_tokens: int | None = None  # a request's first event: its prompt tokens taken from the prefix cache
@@ -145,7 +145,7 @@ class Request:
         if host.finished[step, row]:
             finish = "stop" if token in self.stop_ids else "length"
             self.state, self.finish_reason = "finished", finish
-        logprob = float(host.logprob[step, row]) if host.logprob is not None else None
+        logprob = float(host.logprob[step, row]) if self.params.logprobs else None  # computed when a row asks
         self.tokens.append(token)
         self.logprobs.append(logprob)
         return TokenEvent(self.request_id, token, logprob, top, finish,
@@ -154,7 +154,7 @@ class Request:
 
 _SETTINGS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
              "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
-             "seed": np.uint32}
+             "seed": np.uint32, "logprobs": np.int32}
 
 
 def admission(rows: list[Request | None]) -> Admission:

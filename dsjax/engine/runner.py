@@ -9,10 +9,11 @@ programs run with: the model's, but for an engine on one XLA:CPU device (not
 batch-invariant) with the CPU head kernel built, which keeps its fp32 or bf16 head packed
 for it (`step_head_params`: the head's bytes again in memory; from two rows up the kernel is
 faster than XLA's product). greedy_screen (`worth_screening`: up to 16 rows with
-AVX512-BF16, else 4; no logprobs): an fp32 head also keeps a bf16 copy, from which greedy
-decode steps, and greedy verify steps at each of their k + 1 positions (`verify_params`:
-V4's MTP; V4.1 verifies with the model's head), find the fp32 logits' first maximum reading
-half the bytes (the same tokens, bitwise); False saves that memory. Otherwise a one-row engine (no drafts)
+AVX512-BF16, else 4): an fp32 head also keeps a bf16 copy, from which greedy decode steps,
+and greedy verify steps at each of their k + 1 positions (`verify_params`: V4's MTP; V4.1
+verifies with the model's head; not in speculative engines that report logprobs), find the
+fp32 logits' first maximum reading half the bytes (the same tokens, bitwise; a step with a
+row asking for logprobs reads the fp32 head); False saves that memory. Otherwise a one-row engine (no drafts)
 keeps a short-hidden fp32 head transposed (`one_row_head`).
 
 Dispatch: a prefill call runs `prefill_step` over its rows (one row, or a batch-invariant
@@ -78,20 +79,20 @@ class StepOutput:
 class Runner:
     """Owns the device state and the programs; `execute(plan)` runs one step's plan."""
 
-    def __init__(self, model: Model, *, rows: int, capacity: int, opts, max_logprobs: int, decode_steps: int,
+    def __init__(self, model: Model, *, rows: int, capacity: int, opts, logprob_width: int, decode_steps: int,
                  policy, draft_vocab, prefill_rows: int, greedy_screen: bool, pool: PrefixCache | None = None,
                  block: int = 0, capture: tuple[str, ...] = ()):
         self.model, self.cfg, self.mesh, self.opts = model, model.config, model.mesh, opts
         self.capture = capture  # full names the forward programs record (a static argument; () for most engines)
         self.rows, self.capacity, self.prefill_rows = rows, capacity, prefill_rows
-        self.max_logprobs, self.decode_steps, self.policy, self.pool = max_logprobs, decode_steps, policy, pool
+        self.n_logprobs, self.decode_steps, self.policy, self.pool = logprob_width, decode_steps, policy, pool
         k = policy.num_draft_tokens
         self.draft = (gather_draft_vocab(model.params, draft_vocab)  # the speculative programs' argument
                       if k and draft_vocab is not None else None)
         self.step_params = model.params
         if self.mesh is None and not opts.batch_invariant:
             self.step_params = step_head_params(model.params, model.dtype, one_row=rows == 1 and not k,
-                                                screen=greedy_screen and not max_logprobs
+                                                screen=greedy_screen and not (k and logprob_width)
                                                 and worth_screening(model.params, rows))
         # a verify step reads the step head (greedy batches through its screen) where its drafter's
         # target gives the head's input; DeepSeek-V4.1's DSpark verifies with the model's own head
@@ -163,7 +164,7 @@ class Runner:
                 admits[c.row] = c.request
         admits = admission(admits)
         params, slot = (self.model.params if call.score else self.step_params), np.int32(call.row)
-        static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=call.bucket, n_logprobs=self.max_logprobs)
+        static = dict(cfg=self.cfg, opts=self.opts, ctx_bucket=call.bucket, n_logprobs=self.n_logprobs)
         plain = {**static, **self._capture()}  # (capture: plain engines only)
         if self.spec is not None and call.draft:
             chunk = (tokens, following, n_valid, is_last, admits, first_mask)
@@ -194,12 +195,12 @@ class Runner:
         if self.spec is None or not d.k:
             self.cache, self.slots, out = self.call(
                 decode_step, self.step_params, self.cache, self.slots, cancelled, cfg=self.cfg, opts=self.opts,
-                ctx_bucket=d.bucket, n_logprobs=self.max_logprobs, n_steps=self.decode_steps, **self._capture())
+                ctx_bucket=d.bucket, n_logprobs=self.n_logprobs, n_steps=self.decode_steps, **self._capture())
         else:
             self.cache, self.spec, self.slots, out = self.call(
                 spec_decode_step, self.verify_params, self.model.mtp, self.cache, self.spec, self.slots, cancelled,
                 self.policy.step_schedule(d.probe), self.draft, self._row_mask(d.cold), k=d.k, cfg=self.cfg,
-                opts=self.opts, ctx_bucket=d.bucket, sampled=d.sampled, n_logprobs=self.max_logprobs)
+                opts=self.opts, ctx_bucket=d.bucket, sampled=d.sampled, n_logprobs=self.n_logprobs)
         return out
 
     def split_decode(self, d: DecodePlan, masks: Callable[[], np.ndarray]) -> DeviceOutput:
@@ -210,7 +211,7 @@ class Runner:
             decode_forward, self.step_params, self.cache, self.slots, self._row_mask(d.cancelled), cfg=self.cfg,
             opts=self.opts, ctx_bucket=d.bucket, **self._capture())
         self.slots, out = self.call(decode_sample, self.slots, logits, positions, self.place(masks().view(np.uint32)),
-                                    n_logprobs=self.max_logprobs)
+                                    n_logprobs=self.n_logprobs)
         return out.replace(capture=found[0]) if found else out
 
     def _capture(self) -> dict:
@@ -273,12 +274,12 @@ class Runner:
             if not k:
                 self.cache, idle[1], out = self.call(
                     decode_step, self.step_params, self.cache, idle[1], self.none_cancelled, cfg=self.cfg,
-                    opts=self.opts, ctx_bucket=bucket, n_logprobs=self.max_logprobs, n_steps=self.decode_steps)
+                    opts=self.opts, ctx_bucket=bucket, n_logprobs=self.n_logprobs, n_steps=self.decode_steps)
             else:
                 self.cache, idle[0], idle[1], out = self.call(
                     spec_decode_step, self.verify_params, self.model.mtp, self.cache, *idle, self.none_cancelled,
                     placeholder, self.draft, self.none_cancelled, k=k, cfg=self.cfg, opts=self.opts,
-                    ctx_bucket=bucket, sampled=False, n_logprobs=self.max_logprobs)
+                    ctx_bucket=bucket, sampled=False, n_logprobs=self.n_logprobs)
             return self.cache, out
 
         self.policy.measure_costs(step)

@@ -132,6 +132,7 @@ class SamplingState:
     prompt_len: jax.Array  # [B] i32
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] i32: logit_bias tokens (0 where unused: bias 0)
     bias_values: jax.Array  # [B, MAX_LOGIT_BIAS] f32
+    logprobs: jax.Array  # [B] i32: top logprobs the request asks for (0: none; >= 1: its tokens' logprobs too)
 
 
 def request_key(seed: jax.Array, position: jax.Array) -> jax.Array:
@@ -339,13 +340,20 @@ def record_tokens(s: SamplingState, tokens: jax.Array, positions: jax.Array, mas
 
 def top_logprobs(logits: jax.Array, tokens: jax.Array, n: int):
     """Raw-distribution logprob of each chosen token [B] and the top-n [B, n] (values, ids;
-    among equal values the lower id first)."""
+    among equal values the lower id first, as `lax.top_k` orders them). XLA:CPU's top_k
+    over a 129k vocabulary ran 3x faster than n repeated maxima at n = 20, and compiled in a
+    tenth of the time (0.1 s against 0.8-1.2 s)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    values, ids, rest = [], [], logp
-    for _ in range(n):  # n small: repeated max beats a top_k over the vocabulary on CPU
-        i = argmax_first(rest)
-        values.append(jnp.take_along_axis(rest, i[:, None], axis=-1)[:, 0])
-        ids.append(i)
-        rest = rest.at[jnp.arange(rest.shape[0]), i].set(-jnp.inf, out_sharding=spec("batch", None))
-    return chosen, jnp.stack(values, -1), jnp.stack(ids, -1)
+    values, ids = jax.lax.top_k(logp, n)
+    return chosen, values, ids.astype(jnp.int32)
+
+
+def asked_logprobs(logits: jax.Array, tokens: jax.Array, asked: jax.Array, n: int):
+    """`top_logprobs(logits, tokens, n)` when some row in `asked` [B] wants logprobs, zeros
+    (never read: the host reads the rows that asked) otherwise: a program that can report
+    logprobs does the vocabulary passes only in the steps that need them."""
+    top = logits[:, :n]  # (zeros_like: shaped and, on a mesh, sharded as the computed branch's)
+    none = lambda: (jnp.zeros_like(tokens, jnp.float32), jnp.zeros_like(top, jnp.float32),  # noqa: E731
+                    jnp.zeros_like(top, jnp.int32))
+    return jax.lax.cond(jnp.any(asked), lambda: top_logprobs(logits, tokens, n), none)

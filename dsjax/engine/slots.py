@@ -38,7 +38,8 @@ def init_slots(batch: int, capacity: int) -> Slots:
     return Slots(
         sampling=SamplingState(z(f32), z(i32), jnp.ones((batch,), f32), z(f32), jnp.ones((batch,), f32), z(f32),
                                z(f32), z(jnp.uint32), jnp.zeros((batch, capacity), i32), z(i32),
-                               jnp.zeros((batch, MAX_LOGIT_BIAS), i32), jnp.zeros((batch, MAX_LOGIT_BIAS), f32)),
+                               jnp.zeros((batch, MAX_LOGIT_BIAS), i32), jnp.zeros((batch, MAX_LOGIT_BIAS), f32),
+                               z(i32)),
         last_token=z(i32), active=z(bool), n_generated=z(i32), max_tokens=z(i32),
         stop_ids=jnp.full((batch, MAX_STOP_IDS), -1, i32))
 

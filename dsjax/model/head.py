@@ -74,9 +74,9 @@ def screens(params) -> bool:
 
 def step_head_params(params, dtype, *, one_row: bool, screen: bool = False):
     """The head an engine on one XLA:CPU device (not batch-invariant: the caller says so) runs
-    its steps with. screen (an engine whose decode steps report no logprobs and verify no
-    drafts): an fp32 or bf16 head packed with its greedy screen where it gets one
-    (`cpu_head_params`).
+    its steps with. screen (an engine whose decode steps verify no drafts; a step with a row
+    asking for logprobs reads the fp32 head): an fp32 or bf16 head packed with its greedy
+    screen where it gets one (`cpu_head_params`).
     Else at one row the transposed head where `one_row_head` keeps one (XLA's product there
     measured a little faster than the kernel), else the packed head, else `params`."""
     packed = cpu_head_params(params, dtype, screen=True) if screen else None

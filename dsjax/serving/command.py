@@ -47,7 +47,7 @@ def add_parser(sub, common) -> None:
     s.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent of "
                    "its batch (docs/batch-invariance.md; slower decode)")
     s.add_argument("--max-logprobs", type=int, default=0, help="top logprobs a request may ask for (0: logprobs "
-                   "refused)")
+                   "refused); up to 20 it changes no compiled program")
     s.add_argument("--thinking-default", choices=["on", "off", "auto"], default="auto",
                    help="thinking mode of requests that do not say (auto: off for the built-in code model, which "
                    "has no chat of its own; on, the recipe's default, for any other)")
@@ -98,8 +98,7 @@ def serve(args, say) -> int:
                        max_logprobs=args.max_logprobs, limits=limits, api_key=api_key,
                        default_thinking={"on": True, "off": False}.get(args.thinking_default),
                        max_thinking_tokens=args.max_thinking_tokens, warmup=not args.no_warmup,
-                       scoring=args.max_logprobs > 0,  # a server with logprobs serves evaluations: echo
-                       prefix_cache=prefix_cache,
+                       prefix_cache=prefix_cache,  # prompt-scoring programs: compiled on first use (docs/serving.md)
                        on_warmup=lambda i, n, what: say(f"compiling {i}/{n}: {what} ..."))
     say(f"ready in {time.perf_counter() - t:.1f} s ({counts['programs']} programs, {counts['cached']} from the "
         f"compile cache); serving {name!r} on http://{args.host}:{args.port} - OpenAI /v1/chat/completions, "

@@ -25,6 +25,11 @@ from dsjax.protocol import Context, Limits
 from dsjax.tokenizer import Tokenizer, load_tokenizer
 from dsjax.weights import bundled_models
 
+# Top logprobs every served engine's programs compute per token (OpenAI's most top_logprobs),
+# whatever max_logprobs lets requests ask for: servers started with and without logprobs run
+# the same programs, which compute logprobs only in steps where a request asks (`Engine`).
+LOGPROB_WIDTH = 20
+
 
 @dataclasses.dataclass
 class Served:
@@ -63,13 +68,16 @@ def build(model: Model, *, name: str = "dsjax", tokenizer: Tokenizer | None = No
     tokens taken from it, as OpenAI's cached_tokens / Anthropic's cache_read_input_tokens).
     default_thinking: the thinking mode of requests that do not say; None: off for a model
     with no chat of its own (a bundled model: the built-in code model), else on (the
-    recipe's default). scoring: warmup also compiles the prefill programs that score prompts
-    (echo with logprobs, prompt_logprobs; else compiled on their first request)."""
+    recipe's default). max_logprobs: the most (prompt) logprobs a request may ask for; the
+    engine's programs are the same whatever it says (up to LOGPROB_WIDTH). scoring: warmup
+    also compiles the prefill programs that score prompts (echo with logprobs,
+    prompt_logprobs; else compiled on their first request)."""
     if default_thinking is None:
         default_thinking = model.config.name not in bundled_models()
     engine = Engine(model, max_slots=max_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     decode_steps=decode_steps, num_draft_tokens=num_draft_tokens, batch_invariant=batch_invariant,
-                    max_logprobs=max_logprobs, prefix_cache=prefix_cache)
+                    max_logprobs=max_logprobs, logprob_width=min(max(LOGPROB_WIDTH, max_logprobs), model.config.vocab_size),
+                    prefix_cache=prefix_cache)
     structured = num_draft_tokens == 0  # the engine refuses grammar constraints with speculation
     if warmup:
         engine.warmup(constrained=structured, scoring=scoring, progress=on_warmup)
