@@ -48,6 +48,17 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_stored_executables():
+    """The commands keep executables for the process (`setup_compile_cache(executables=True)`);
+    a CLI test run in-process must not leave it on for the tests after it (each would then
+    compile past JAX's cache). tests/test_executables.py tests the store itself."""
+    yield
+    import dsjax.compile_cache
+
+    dsjax.compile_cache._keep_executables = False
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
     """Drop compiled executables after each test module. Every XLA:CPU executable keeps

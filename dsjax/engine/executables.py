@@ -169,8 +169,8 @@ class Store:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, self.directory / f"{key}.exe")
-        except (OSError, ValueError, NotImplementedError, pickle.PicklingError, TypeError):
-            pass  # not serializable here (or no room): it stays a per-process program
+        except Exception:  # not serializable (a host callback: V4.1's Engram fetch), no room: per process only
+            pass
 
 
 @contextlib.contextmanager
