@@ -2,6 +2,8 @@
 reads every program from the store instead of tracing it, and runs exactly the programs
 jit would have built."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +29,9 @@ def _double(box: Box, x):
     return box.a * box.scale + x
 
 
-_scaled = jax.jit(lambda x, *, k: x * k, static_argnames=("k",))
+@functools.partial(jax.jit, static_argnames=("k",))
+def _scaled(x, *, k):
+    return x * k
 
 
 @pytest.fixture
@@ -102,3 +106,10 @@ def test_a_warm_engine_start_reads_every_program_from_the_store(tmp_path, monkey
     warm, again = start_and_run()
     assert warm["programs"] == warm["cached"] == len(loads) == cold["programs"]  # every one read whole
     assert again == tokens and all(len(t) == 6 for t in tokens)
+
+
+def test_lambdas_of_one_name_are_not_one_program(tmp_path):
+    x = np.ones(4, np.float32)
+    programs = Programs(Store(tmp_path))
+    np.testing.assert_array_equal(programs(jax.jit(lambda v: v * 2), x), x * 2)
+    np.testing.assert_array_equal(programs(jax.jit(lambda v: v + 1), x), x + 1)

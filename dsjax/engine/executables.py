@@ -119,10 +119,10 @@ def _leaf(x) -> str:
 
 def whole_key(fn, args: tuple, static: dict) -> str | None:
     """The program's key (hex), or None where a static argument's repr names an object's
-    address (such a program is compiled per process, never stored)."""
+    address or the program is a lambda / local function (compiled per runner, never stored)."""
     leaves, tree = jax.tree.flatten(args)
     text = repr((fn.__module__, fn.__qualname__, sorted(static.items())))
-    if " at 0x" in text:
+    if " at 0x" in text or "<" in fn.__qualname__:  # a lambda or local function: its name is not its identity
         return None
     h = hashlib.sha256(text.encode())
     h.update(str(tree).encode())
@@ -193,6 +193,16 @@ def _persistent_cache_skipped():
             cc._cache_checked, cc._cache_used = saved
 
 
+def _host_callbacks(lowered) -> bool:
+    """Whether the program calls back into Python (V4.1's Engram fetch): such an executable
+    cannot be serialized, so it is compiled as jit would, through JAX's cache (private
+    attribute; where it has moved, the store's save fails quietly instead)."""
+    try:
+        return bool(lowered._lowering.compile_args.get("host_callbacks"))
+    except AttributeError:  # pragma: no cover
+        return False
+
+
 def _compile_fresh(lowered):
     """(the executable, whether it was read from JAX's persistent cache). The store keeps only
     executables compiled here: XLA:CPU (jax 0.10) serializes one read from JAX's cache without
@@ -240,7 +250,7 @@ class Programs:
             compiled = self.store.load(key) if self.store and key else None
             if compiled is None:
                 lowered = fn.lower(*args, **static)
-                if self.store and key:
+                if self.store and key and not _host_callbacks(lowered):
                     compiled, reread = _compile_fresh(lowered)
                     if not reread:
                         self.store.save(key, compiled)
