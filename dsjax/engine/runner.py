@@ -32,6 +32,7 @@ scheduler's `PrefixPlanner` reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -43,7 +44,7 @@ from dsjax.engine.constraints import mask_words
 from dsjax.engine.executables import Programs, Store
 from dsjax.engine.prefix_cache import PrefixCache, Restore
 from dsjax.engine.programs import (DeviceOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
-                                   prefill_step, restore_block, save_block, spec_decode_step, spec_prefill_rows,
+                                   prefill_step, program, restore_block, save_block, spec_decode_step, spec_prefill_rows,
                                    spec_prefill_step, start_decoding)
 from dsjax.engine.requests import Request, admission
 from dsjax.engine.scheduler import DecodePlan, PrefillCall, StepPlan, WarmupItem
@@ -99,19 +100,23 @@ class Runner:
         self.verify_params = self.step_params if drafter_for(self.cfg).screens_verify else model.params
         store = executable_directory()
         self.call = Programs(store and Store(store))  # every program below runs through it
-        cache, slots, spec = self.call(init_state, cfg=self.cfg, batch=rows, capacity=capacity, dtype=model.dtype,
-                                       num_draft_tokens=k)
-        self.cache, self.slots, self.spec = self.place(cache), self.place(slots), self.place(spec)
-        self.none_cancelled = self.place(jax.device_put(np.zeros(rows, bool)))
+        empty = dict(cfg=self.cfg, batch=rows, capacity=capacity, dtype=model.dtype, num_draft_tokens=k)
+        if self.mesh is None:
+            self.cache, self.slots, self.spec = self.call(init_state, **empty)
+        else:  # made in place on the mesh: a one-device array cannot be moved onto a mesh spanning hosts
+            made = functools.partial(init_state.__wrapped__, **empty)
+            self.cache, self.slots, self.spec = program(made, out_shardings=self.shardings(jax.eval_shape(made)))()
+        self.none_cancelled = self.place(np.zeros(rows, bool))
         self.block_static = None if pool is None else dict(block=block, layout=block_layout(self.cfg, capacity,
                                                                                                model.dtype))
 
+    def shardings(self, tree):
+        """Where batch-major state lies on the mesh: rows over the batch axes."""
+        return jax.tree.map(lambda a, ax: batch_sharding(self.mesh, a.ndim, ax), tree, batch_axes(tree))
+
     def place(self, tree):
-        """Batch-major state onto the mesh: rows over the batch axes."""
-        if self.mesh is None:
-            return tree
-        return jax.tree.map(lambda a, ax: jax.device_put(a, batch_sharding(self.mesh, a.ndim, ax)), tree,
-                            batch_axes(tree))
+        """Batch-major host data (or state) onto the mesh."""
+        return tree if self.mesh is None else jax.device_put(tree, self.shardings(tree))
 
     # ------------------------------------------------------------------ a plan
     def execute(self, plan: StepPlan,
