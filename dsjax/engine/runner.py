@@ -106,7 +106,7 @@ class Runner:
         else:  # made in place on the mesh: a one-device array cannot be moved onto a mesh spanning hosts
             made = functools.partial(init_state.__wrapped__, **empty)
             self.cache, self.slots, self.spec = program(made, out_shardings=self.shardings(jax.eval_shape(made)))()
-        self.none_cancelled = self.place(np.zeros(rows, bool))
+        self.none_cancelled = jax.device_put(np.zeros(rows, bool), self.mesh and self.shardings(np.zeros(rows, bool)))
         self.block_static = None if pool is None else dict(block=block, layout=block_layout(self.cfg, capacity,
                                                                                                model.dtype))
 
