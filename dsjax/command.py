@@ -45,10 +45,21 @@ class Status:
 def is_user_error(e: BaseException) -> bool:
     """Errors whose message tells the user what to change: bad input, config, checkpoint,
     missing files, a model that does not fit, a request the protocol library refuses."""
+    if isinstance(e, ValueError) and _raised_inside_jax(e):  # JAX refusing what dsjax asked of it: dsjax's bug
+        return False
     if isinstance(e, (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
                       PermissionError, MemoryError)):
         return True
     return type(e).__name__ == "ConversionError" and type(e).__module__.startswith(("deepseek_recipe", "_native"))
+
+
+def _raised_inside_jax(e: BaseException) -> bool:
+    """Whether the innermost frame of e's traceback is JAX's or jaxlib's."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/") if tb is not None else ""
+    return "/jax/" in path or "/jaxlib/" in path
 
 
 def report_crash(e: BaseException, argv) -> str:

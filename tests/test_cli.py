@@ -128,6 +128,23 @@ def test_internal_error_one_line_and_a_report(capsys, monkeypatch, tmp_path):
         cli.main(["params", "--debug"])
 
 
+def test_a_value_error_inside_jax_is_an_internal_error(capsys, monkeypatch, tmp_path):
+    """JAX refusing what dsjax asked of it (a ValueError raised in jax) is dsjax's bug: reported
+    as an internal error with a crash report, not as the user's mistake (exit 2). A dsjax
+    ValueError stays a user error (test_user_errors_are_one_line)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def broken(args, say):
+        jax.device_put(jax.numpy.zeros(2), NamedSharding(jax.make_mesh((1,), ("x",)), P("x", "y")))
+
+    monkeypatch.setattr(cli, "_cmd_params", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.main(["params"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: ValueError: " in err and len(list((tmp_path / "dsjax" / "crash").iterdir())) == 1
+
+
 def test_info(capsys):
     assert cli.main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
