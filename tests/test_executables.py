@@ -113,3 +113,22 @@ def test_lambdas_of_one_name_are_not_one_program(tmp_path):
     programs = Programs(Store(tmp_path))
     np.testing.assert_array_equal(programs(jax.jit(lambda v: v * 2), x), x * 2)
     np.testing.assert_array_equal(programs(jax.jit(lambda v: v + 1), x), x + 1)
+
+
+def test_compiles_ahead_defer_the_call_then_run_the_same_program(tmp_path, loads):
+    """Inside `Programs.ahead`, a call of a program not compiled yet starts its compile and
+    raises Deferred (nothing runs); called again it waits for that compile and gives jit's
+    result; the executable is stored as a compile outside `ahead` would store it."""
+    box, x = Box(jnp.arange(4.0), 3.0), np.ones(4, np.float32)
+    executables.clear()
+    programs = Programs(Store(tmp_path))
+    with programs.ahead(2):
+        for fn, args, static in ((_double, (box, x), {}), (_scaled, (x,), dict(k=4.0))):
+            with pytest.raises(executables.Deferred):
+                programs(fn, *args, **static)
+        np.testing.assert_array_equal(programs(_double, box, x), _double(box, x))
+        np.testing.assert_array_equal(programs(_scaled, x, k=4.0), x * 4)
+    assert not programs.pending and len(list(Store(tmp_path).directory.glob("*.exe"))) == 2
+    executables.clear()
+    np.testing.assert_array_equal(Programs(Store(tmp_path))(_scaled, x, k=4.0), x * 4)
+    assert len(loads) == 1

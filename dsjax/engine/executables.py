@@ -34,6 +34,7 @@ import os
 import pickle
 import platform
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -173,24 +174,33 @@ class Store:
             pass
 
 
+_skipping = {"count": 0, "saved": None}  # compiles under way with JAX's cache skipped (threads: `Programs.ahead`)
+
+
 @contextlib.contextmanager
 def _persistent_cache_skipped():
-    """JAX's persistent cache off for the compiles inside (private state; where it has moved,
-    nothing is skipped and `_compile_fresh` still refuses a re-read executable)."""
+    """JAX's persistent cache off for the compiles inside, until the last of those running
+    at once ends (private state; where it has moved, nothing is skipped and `_compile_fresh`
+    still refuses a re-read executable)."""
     try:
         from jax._src import compilation_cache as cc
 
-        lock, saved = cc._cache_initialized_mutex, (cc._cache_checked, cc._cache_used)
+        lock = cc._cache_initialized_mutex
     except (ImportError, AttributeError):  # pragma: no cover
         yield
         return
     with lock:
-        cc._cache_checked, cc._cache_used = True, False
+        if _skipping["count"] == 0:
+            _skipping["saved"] = (cc._cache_checked, cc._cache_used)
+            cc._cache_checked, cc._cache_used = True, False
+        _skipping["count"] += 1
     try:
         yield
     finally:
         with lock:
-            cc._cache_checked, cc._cache_used = saved
+            _skipping["count"] -= 1
+            if _skipping["count"] == 0:
+                cc._cache_checked, cc._cache_used = _skipping["saved"]
 
 
 def _host_callbacks(lowered) -> bool:
@@ -224,6 +234,11 @@ def _short(a) -> Any:
     return type(a) if shape is None else (shape, getattr(a, "dtype", None))
 
 
+class Deferred(Exception):
+    """Raised by a call inside `Programs.ahead` whose program was not compiled yet: its
+    compile has started in the background and nothing ran."""
+
+
 class Programs:
     """Calls the runner's jitted programs through their executables: `programs(fn, *args,
     **static)` == `fn(*args, **static)` (dynamic arguments positional, static ones by name)."""
@@ -231,6 +246,22 @@ class Programs:
     def __init__(self, store: Store | None = None):
         self.store = store
         self.table: dict = {}
+        self.pending: dict = {}  # short key -> future executable (`ahead`)
+        self._pool: ThreadPoolExecutor | None = None
+
+    @contextlib.contextmanager
+    def ahead(self, threads: int):
+        """Compile in the background: inside, a call whose program is not compiled yet lowers
+        it (tracing holds Python's lock), starts its compile on one of `threads` threads (XLA
+        compiles without that lock) and raises `Deferred`; a call whose compile is under way
+        waits for it and runs. A warm-up that meets every program once, then runs again what
+        was deferred, compiles them side by side."""
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="dsjax-compile") as pool:
+            self._pool = pool
+            try:
+                yield
+            finally:
+                self._pool = None
 
     def __call__(self, fn: Callable, *args, **static):
         short = (fn, *static.items(), *map(_short, args))
@@ -240,22 +271,32 @@ class Programs:
                 return compiled(*args)
             except (TypeError, ValueError):  # raised by the argument check, before anything runs
                 pass
-        compiled = self.table[short] = self._find(fn, args, static)
+        future = self.pending.pop(short, None)
+        compiled = self.table[short] = future.result() if future is not None else self._find(fn, args, static, short)
         return compiled(*args)
 
-    def _find(self, fn, args, static):
+    def _find(self, fn, args, static, short=None):
         key = whole_key(fn, args, static)
         compiled = _process_table.get(key) if key else None
         if compiled is None:
             compiled = self.store.load(key) if self.store and key else None
             if compiled is None:
                 lowered = fn.lower(*args, **static)
-                if self.store and key and not _host_callbacks(lowered):
-                    compiled, reread = _compile_fresh(lowered)
-                    if not reread:
-                        self.store.save(key, compiled)
-                else:
-                    compiled = lowered.compile()
-            if key:
+                if self._pool is not None and short is not None:
+                    self.pending[short] = self._pool.submit(self._compile, key, lowered)
+                    raise Deferred(fn.__name__)
+                compiled = self._compile(key, lowered)
+            elif key:
                 _process_table[key] = compiled
+        return compiled
+
+    def _compile(self, key: str | None, lowered):
+        if self.store and key and not _host_callbacks(lowered):
+            compiled, reread = _compile_fresh(lowered)
+            if not reread:
+                self.store.save(key, compiled)
+        else:
+            compiled = lowered.compile()
+        if key:
+            _process_table[key] = compiled
         return compiled

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Callable
 
 import jax
@@ -41,7 +42,7 @@ import numpy as np
 
 from dsjax.compile_cache import executable_directory
 from dsjax.engine.constraints import mask_words
-from dsjax.engine.executables import Programs, Store
+from dsjax.engine.executables import Deferred, Programs, Store
 from dsjax.engine.prefix_cache import PrefixCache, Restore
 from dsjax.engine.programs import (DeviceOutput, decode_forward, decode_sample, decode_step, init_state, prefill_rows,
                                    prefill_step, program, restore_block, save_block, spec_decode_step, spec_prefill_rows,
@@ -290,14 +291,27 @@ class Runner:
         self.policy.measure_costs(step)
 
     def warmup(self, items: list[WarmupItem], masks: Callable[[StepOutput, DecodePlan], np.ndarray],
-               progress: Callable[[int, int, str], None] | None = None) -> None:
+               progress: Callable[[int, int, str], None] | None = None, threads: int | None = None) -> None:
         """Run the scheduler's warm-up plans (no-op work on the live state), compiling each
-        program; `masks` those of the split steps."""
-        for i, item in enumerate(items, 1):
-            if progress is not None:
-                progress(i, len(items), item.what)
-            if item.plan is None:
-                self._block_round_trip()
-            else:
-                self.execute(item.plan, masks)
+        program; `masks` those of the split steps. The programs compile on `threads` threads
+        (default: a thread per core, at most 4) while this one traces the next: a plan that
+        meets a program not compiled yet stops there (`Deferred`, before that program runs)
+        and runs again from its start in the next pass, so a plan must be harmless to repeat
+        (the warm-up plans are no-op work)."""
+        threads = threads or min(4, os.cpu_count() or 1)
+        left, first = list(enumerate(items, 1)), True
+        with self.call.ahead(threads):
+            while left:
+                deferred = []
+                for i, item in left:
+                    if first and progress is not None:
+                        progress(i, len(items), item.what)
+                    try:
+                        if item.plan is None:
+                            self._block_round_trip()
+                        else:
+                            self.execute(item.plan, masks)
+                    except Deferred:
+                        deferred.append((i, item))
+                left, first = deferred, False
         jax.block_until_ready(self.cache)
