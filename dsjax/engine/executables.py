@@ -275,14 +275,14 @@ class Programs:
         compiled = self.table[short] = future.result() if future is not None else self._find(fn, args, static, short)
         return compiled(*args)
 
-    def _find(self, fn, args, static, short=None):
+    def _find(self, fn, args, static, short):
         key = whole_key(fn, args, static)
         compiled = _process_table.get(key) if key else None
         if compiled is None:
             compiled = self.store.load(key) if self.store and key else None
             if compiled is None:
                 lowered = fn.lower(*args, **static)
-                if self._pool is not None and short is not None:
+                if self._pool is not None:
                     self.pending[short] = self._pool.submit(self._compile, key, lowered)
                     raise Deferred(fn.__name__)
                 compiled = self._compile(key, lowered)
