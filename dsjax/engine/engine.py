@@ -401,7 +401,8 @@ class Engine:
         if (last is not None and last[0] == d.index - 1 and last[2] == bool(d.k) and d.clean
                 and nxt is not None and nxt.index == d.index + 1 and bool(nxt.k) == bool(d.k)):
             self.policy.observe(d.k, now - last[1])
-        emitted = {row: r for row, r in d.owners.items() if host.emitted[:, row].any()}
+        any_emitted = host.emitted.any(axis=0).tolist()
+        emitted = {row: r for row, r in d.owners.items() if any_emitted[row]}
         if host.drafts_checked is not None:  # rows that emitted nothing had finished on the device before
             self.policy.count(host, emitted, d.stale)
         else:

@@ -24,14 +24,23 @@ known while it drafts, and early on they are barely calibrated.
 When no request waits, the batch drains: it finishes when its slowest row does, so E_k is the
 pace of the row that needs the most steps (`expected_tokens`), not the mean.
 
+The choice reads the acceptance optimistically: each a_i at one standard deviation above its
+estimate (the decayed counts' Beta posterior, from the weak prior), so verification is tried
+while what was seen cannot rule it out, and given up once it can: plain steps are chosen only
+when even that reading of the acceptance loses. Where no acceptance could pay for a verify
+step at the measured costs (a plain step that cheap), no verify step is ever run.
+
 Plain steps leave the drafter behind (its ring misses their positions and the pending drafts
 are for old ones: still lossless, only accepted less), so a switch to plain decoding lasts
-`probe_gap` steps (PROBE_GAP doubling up to MAX_PROBE_GAP while plain keeps winning), then a
-probe of PROBE_STEPS verify steps redrafts and measures again; the first verify after plain
-steps (stale drafts) checks one draft and is not booked in the acceptance statistics. While
-verify steps win, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps (unless the costs are
-pinned) keep the plain step's observed time current: warm-up times steps over idle rows, and
-the ratio of the two kinds as served (host work included) may differ. During a plain run the
+`probe_gap` steps (PROBE_GAP doubling up to MAX_PROBE_GAP while plain keeps winning). Plain
+steps teach nothing about the drafts: the acceptance counts fade by PLAIN_DECAY a plain step,
+back toward the prior, so the optimistic reading widens until it says verify again; the
+switch back begins with a probe of PROBE_STEPS verify steps that redraft and measure again
+(the first, with stale drafts, checks one draft and is not booked in the acceptance
+statistics). While verify steps win, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps
+(unless the costs are pinned) keep the plain step's observed time current: warm-up times
+steps over idle rows, and the ratio of the two kinds as served (host work included) may
+differ. During a plain run (and from the start, where plain steps win from the first) the
 engine is the plain engine: prompts are prefilled by its prefill program, without the drafter
 (`drafting`); their rows are cold (their pending drafts an earlier request's), and check none
 of them in their first verify step.
@@ -48,6 +57,7 @@ A policy with K = 0 is plain decoding: every question gets the no-speculation an
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from typing import Callable
 
@@ -66,15 +76,17 @@ COUNTERS = ("target_steps", "plain_steps", "row_steps", "drafts_proposed", "draf
 OBSERVED, OBSERVED_MIN = 16, 4  # step times of each kind a cost is the median of, at most / at least
 RECENT_DECAY = 0.9  # the recent acceptance counts, per verify step
 RECENT_PRIOR = 2.0  # pseudo-drafts at 1/2 per draft position
+PLAIN_DECAY = 0.5 ** (1 / 8)  # the acceptance counts fade this much a plain step (halved by 8: back to the prior)
+OPTIMISM = 1.0  # standard deviations above its estimate each draft position's acceptance is read at
 ROW_PRIOR = 4.0  # a row's own recent acceptance, shrunk toward the batch's by this many pseudo-drafts
 # a verify step must look this much cheaper a token than a plain step to be chosen: plain steps
 # carry no cost the model misses (stale drafts after a switch, the probes that follow)
-VERIFY_MARGIN = 1.2
-PROBE_GAP, MAX_PROBE_GAP, PROBE_STEPS = 8, 256, 3
+VERIFY_MARGIN = 1.1
+PROBE_GAP, MAX_PROBE_GAP, PROBE_STEPS = 8, 64, 3
 # while verifying, PLAIN_PROBE plain steps every PLAIN_EVERY verify steps (every PROBE_GAP until
 # OBSERVED_MIN plain steps were timed): the observed costs then compare the two kinds as served,
 # host overhead included (warm-up times idle rows, which may flatter a verify step)
-PLAIN_EVERY, PLAIN_PROBE = 64, 4  # (a plain step is timed between two others: `Engine._book`)
+PLAIN_EVERY, PLAIN_PROBE = 128, 4  # (a plain step is timed between two others: `Engine._book`)
 
 
 def max_drafts(cfg: ModelConfig) -> int:
@@ -166,9 +178,9 @@ class SpeculationPolicy:
         # slots whose prompt was prefilled by the plain program (`drafting`): their pending drafts
         # are an earlier request's, so their first verify step checks none of them
         self.cold: set[int] = set()
-        # plain steps left before the next probe, verify steps left in the probe (the first
-        # steps are one: the costs are measured, the acceptance not yet), the next plain run
-        self.plain_left, self.probe_left, self.probe_gap = 0, PROBE_STEPS, PROBE_GAP
+        # plain steps left in this plain run, verify steps left in the probe, the next plain run
+        self.plain_left, self.probe_left, self.probe_gap = 0, 0, PROBE_GAP
+        self.verifying = False  # whether the last decode step verified (a switch to verify steps probes)
         self.verify_run = 0  # verify steps since the last plain one (plain probes)
         self.last_stale, self.last_cold, self.last_probe = frozenset(), frozenset(), False  # (`step_k`)
         self.calibration = np.zeros((2, CALIBRATION_BINS), np.int64)  # [judged, accepted] per confidence bin
@@ -256,7 +268,11 @@ class SpeculationPolicy:
         prefill program, which drafts after the prompt): not while a run of plain steps goes
         on (the prefill is then the plain engine's program, and the row catches up when verify
         steps resume: its first checks none of its pending drafts, `prefilled`)."""
-        return not (self.plain_steps and self.plain_left > 0)
+        if not self.plain_steps:
+            return True
+        if self.plain_left > 0:
+            return False
+        return self.verifying or self.probe_left > 0 or self.seconds is None or not self.plain_is_better()
 
     def prefilled(self, slot: int, drafted: bool, last: bool) -> None:
         """A prompt chunk of `slot` was planned, through the drafter or not (`drafting`); `last`:
@@ -269,16 +285,21 @@ class SpeculationPolicy:
             self.cold.discard(slot)
             self.stale.discard(slot)
 
-    def expected_tokens(self, remaining: dict[int, int] | None = None) -> np.ndarray:
+    def expected_tokens(self, remaining: dict[int, int] | None = None, optimism: float = 0.0) -> np.ndarray:
         """E_k [K + 1]: tokens a row expects from a verify step over k drafts, from the
         recent acceptance at each draft position (E_0 = 1: a plain step). remaining (slot ->
         tokens it has left; given when no request waits, so the batch drains): the rate at
         which the batch finishes, max_r n_r / max_r (n_r / E_k,r) with E_k,r each row's own
         (its recent acceptance shrunk toward the batch's by ROW_PRIOR pseudo-drafts): a plain
         step advances every row by one, so a batch of rows that all must finish runs at its
-        slowest row's pace, and the steps the faster rows save sit idle."""
+        slowest row's pace, and the steps the faster rows save sit idle. optimism: the batch's
+        acceptance at each position read this many standard deviations of its Beta posterior
+        above the estimate (at most 1), the target the rows' own shrink toward."""
         judged, accepted = self.recent
-        a = (accepted + RECENT_PRIOR / 2) / (judged + RECENT_PRIOR)
+        n = judged + RECENT_PRIOR
+        a = (accepted + RECENT_PRIOR / 2) / n
+        if optimism:
+            a = np.minimum(a + optimism * np.sqrt(a * (1 - a) / (n + 1)), 1.0)
         batch = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
         if not remaining or len(remaining) < 2:
             return batch
@@ -290,9 +311,9 @@ class SpeculationPolicy:
         return np.minimum(batch, n.max() / (n / e).max(axis=0))
 
     def plain_is_better(self, remaining: dict[int, int] | None = None) -> bool:
-        """A plain step's seconds a token against the best verify step's (`expected_tokens`),
-        the verify step held to VERIFY_MARGIN."""
-        per_token = self.seconds / self.expected_tokens(remaining)
+        """A plain step's seconds a token against the best verify step's (`expected_tokens`
+        with the acceptance read OPTIMISM deviations high), the verify step held to VERIFY_MARGIN."""
+        per_token = self.seconds / self.expected_tokens(remaining, OPTIMISM)
         return per_token[0] < per_token[1:].min() * VERIFY_MARGIN
 
     def step_k(self, slots: list[int], remaining: dict[int, int] | None = None) -> int:
@@ -318,25 +339,26 @@ class SpeculationPolicy:
             self.plain_left = self.probe_gap - 1
             self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
             return self._plain(slots)
+        elif not self.verifying:  # verify steps win again (or from the start): a probe begins
+            self.probe_left = PROBE_STEPS - 1
+            self.last_probe = True
         else:
             self.probe_gap = PROBE_GAP  # verifying wins: a later switch to plain decoding probes early again
             every = PLAIN_EVERY if len(self.observed[0]) >= OBSERVED_MIN else PROBE_GAP
             if not self.pinned and self.verify_run >= every:  # time plain steps as served
                 self.plain_left, self.probe_left = PLAIN_PROBE - 1, 1
-                self.stale.update(slots)
-                self.verify_run = 0
-                return 0
+                return self._plain(slots)
         self.verify_run += 1
+        self.verifying = True
         self.last_cold = frozenset(self.cold.intersection(slots))
         self.stale.difference_update(slots)  # this step drafts them anew
         self.cold.difference_update(slots)
         return 1 if self.last_stale else max(1, asked)
 
     def _plain(self, slots: list[int]) -> int:
-        if not self.plain_left and not self.probe_left:
-            self.probe_left = PROBE_STEPS
         self.stale.update(slots)
         self.verify_run = 0
+        self.verifying = False
         return 0
 
     def measure_costs(self, step: Callable[[int], object], rounds: int = 6, calls: int = 4) -> None:
@@ -365,15 +387,15 @@ class SpeculationPolicy:
         Pinned costs never move."""
         if self.pinned or self.warm is None or not self.plain_steps:
             return
-        self.observed[k].append(seconds)
+        self.observed[k].append(seconds)  # (pure Python: a step's booking runs beside the next step)
         seen = [j for j, d in enumerate(self.observed) if len(d) >= OBSERVED_MIN]
         if not seen:
             return
-        medians = {j: float(np.median(self.observed[j])) for j in seen}
-        scale = float(np.median([medians[j] / self.warm[j] for j in seen]))
-        new = np.array([medians.get(j, self.warm[j] * scale) for j in range(len(self.warm))])
-        if np.max(np.abs(new - self.seconds) / self.seconds) > 0.02:
-            self._set_seconds(new)
+        medians = {j: statistics.median(self.observed[j]) for j in seen}
+        scale = statistics.median([medians[j] / self.warm[j] for j in seen])
+        new = [medians.get(j, self.warm[j] * scale) for j in range(len(self.warm))]
+        if max(abs(a - b) / b for a, b in zip(new, self.seconds)) > 0.02:
+            self._set_seconds(np.array(new))
 
     def _set_seconds(self, seconds: np.ndarray) -> None:
         self.seconds = np.asarray(seconds, np.float64)
@@ -383,14 +405,15 @@ class SpeculationPolicy:
         """Book a plain decode step's host outputs (`owners`: row -> Request)."""
         self.totals["target_steps"] += 1
         self.totals["plain_steps"] += 1
-        for row, req in owners.items():
-            if req.done:
-                continue
-            produced = int(host.emitted[:, row].sum())
+        self.recent *= PLAIN_DECAY  # what was seen of the drafts grows old: back toward the prior
+        self.row_recent *= PLAIN_DECAY
+        produced = host.emitted.sum(axis=0).tolist()  # per row, once (a step's booking runs beside the next)
+        live = [(req, produced[row]) for row, req in owners.items() if not req.done]
+        for req, n in live:
             req.target_steps += 1
-            req.decode_tokens += produced
-            self.totals["row_steps"] += 1
-            self.totals["decode_tokens"] += produced
+            req.decode_tokens += n
+        self.totals["row_steps"] += len(live)
+        self.totals["decode_tokens"] += sum(n for _, n in live)
 
     def count(self, host, owners: dict, stale=frozenset()) -> None:
         """Book one verify step's host outputs: per request (`owners`: row -> Request) and
