@@ -54,12 +54,13 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def _raised_inside_jax(e: BaseException) -> bool:
-    """Whether the innermost frame of e's traceback is JAX's or jaxlib's."""
+    """Whether the innermost frame of e's traceback is in a jax or jaxlib module (by module
+    name, not file path: a checkout under a folder named jax is still dsjax's)."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/") if tb is not None else ""
-    return "/jax/" in path or "/jaxlib/" in path
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return module.split(".")[0] in ("jax", "jaxlib")
 
 
 def report_crash(e: BaseException, argv) -> str:
