@@ -23,8 +23,7 @@ def pytest_configure(config):
     """JAX's persistent compile cache in every test process (the workers and what they start), as
     `load_model` turns it on for a user: DSJAX_COMPILE_CACHE, else ~/.cache/dsjax/jax. A program
     one module compiles is then read back by the next module that builds it (each module clears
-    jit's caches) and by the next run. Only tests that call `load_model` used it before: a run
-    with an empty cache took ~48 min here against ~22 min with a warm one."""
+    jit's caches) and by the next run (the suite's figures cold and warm: the CHANGELOG)."""
     from dsjax.compile_cache import setup_compile_cache
 
     setup_compile_cache()
