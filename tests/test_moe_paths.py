@@ -167,12 +167,11 @@ def test_a_rows_experts_do_not_depend_on_its_neighbours(tiny):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_v41_row_bits_do_not_depend_on_the_path(tiny, dtype):
     """DeepSeek-V4.1's FP8 activations (fp8_acts): row 0's routed output has the same bits on every
-    path at every token count: the path `routed_experts` picks for 1, 3 and 40 tokens (fp32: the
-    matrix-vector form up to 16 assignments; the gathered weights; the grouped matmul's tile
-    loop at the tile height the count gives) and each path forced at each count (gather, gathered
-    copies, tile loop, Pallas kernel interpreted). So a row's logits do not depend on its batch:
-    a product summed in another order rounds a bf16 gate / up or an FP8 code the other way now
-    and then (an 8e-3 step in one output). FP4 experts in fp32, bf16 ones in bf16. K = 4, so the
+    path at every token count: the path `routed_experts` picks for 1, 3 and 40 tokens (the
+    gathered weights; the grouped matmul's tile loop at the tile height the count gives) and each
+    path forced at each count (gather, tile loop, Pallas kernel interpreted). So a row's logits
+    do not depend on its batch: a product summed in another order rounds a bf16 gate / up or an
+    FP8 code the other way now and then (an 8e-3 step in one output). FP4 experts in fp32, bf16 ones in bf16. K = 4, so the
     sum over a token's experts has an order to keep. (grouped_matmul.reference's ragged_dot, the
     accelerators' path, sums in XLA's order: not part of this.)"""
     cfg, p = tiny

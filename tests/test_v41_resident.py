@@ -83,8 +83,8 @@ def test_resident_dspark_draft_equals_dequantized(models):
 
 
 def test_resident_decode_moe_equals_dequantized(models):
-    """A decode step's MoE (one and three tokens: each assignment's MXFP4 expert read where it lies,
-    `expert_ffn_each`; the FP8 shared expert through Lin8) equals the dequantized block's."""
+    """A decode step's MoE (one and three tokens: the assignments' MXFP4 experts gathered and
+    widened, `expert_ffn_gathered`; the FP8 shared expert through Lin8) equals the dequantized block's."""
     cfg = models[0].config
     d_block, r_block = (jax.tree.map(lambda a: a[0], m.params.blocks[0][0].moe) for m in models)
     assert isinstance(r_block.w2, Fp4Weight) and isinstance(r_block.shared_w1, Fp8Weight)

@@ -11,7 +11,8 @@ table), clamped SwiGLU experts, one shared expert; on a mesh, expert parallelism
 matmul (dsjax/kernels/grouped_matmul.py `grouped_ffn`: ragged_dot, the CPU tile loop
 or a kernel), or for a handful of tokens (decode) a gather of the chosen experts' weights; on
 XLA:CPU up to 16 assignments take a matrix-vector product each, reading the expert in place
-(`expert_ffn_each`). All are exact; the expert-parallel path is checked against them.
+(`expert_ffn_each`), except under DeepSeek-V4.1's FP8 activations, whose exact products widen
+each expert to fp32 anyway. All are exact; the expert-parallel path is checked against them.
 
 Expert parallelism (`routed_experts_sharded`): the routed experts are sharded over the
 `expert` mesh axis, and tokens go to the devices that hold their experts and back.
@@ -166,7 +167,10 @@ def expert_ffn_each(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, weig
     quantized weight widened as it is read) instead of a gathered copy, which XLA:CPU reads
     far slower at a few rows. Same arguments and result as `expert_ffn_gathered`.
     Unrolled (at most linear.FEW_ROWS assignments): a loop over them ran several times slower
-    (docs/cpu-decode.md)."""
+    (docs/cpu-decode.md). Not for `exact_products` (DeepSeek-V4.1's FP8 activations): their
+    two-row fp32 form widens each expert into a buffer either way, so the one gathered product
+    runs as fast, with the same bits, in a fraction of the program (the unrolled one was a third
+    of a tiny-v41 prefill's compile)."""
     t, k = idx.shape
     exact = exact_products(down)
 
@@ -234,7 +238,8 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     if layer is not None and (path == "gather" or not all(isinstance(w, jax.Array) for w in (p.w1, p.w3, p.w2))):
         p, layer = expert_layer(p, layer), None  # a gather reads only its experts anyway; quantized: dequantize one layer
     if path == "gather":  # each chosen expert's weight is read (and dequantized / widened) where it lies
-        ffn = expert_ffn_each if matvecs else expert_ffn_gathered
+        each = matvecs and not exact_products(down)  # see expert_ffn_each
+        ffn = expert_ffn_each if each else expert_ffn_gathered
         y = ffn(x, idx, p.w1, p.w3, p.w2, cfg.swiglu_limit, weights, down).astype(x.dtype).astype(jnp.float32)
         return sum_by_expert(y, idx) if fp8_acts else jnp.sum(y * after[..., None], axis=1)
     flat_e = idx.reshape(-1)
