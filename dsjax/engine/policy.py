@@ -164,14 +164,15 @@ class SpeculationPolicy:
         if name not in SPEC_POLICIES:
             raise ValueError(f"spec_policy must be one of {SPEC_POLICIES}, got {name!r}")
         self.num_draft_tokens, self.name = k, name
-        self.seconds = None  # [K + 1] step seconds: a plain step, a verify step over k = 1..K drafts
+        self._seconds = None  # [K + 1] step seconds: a plain step, a verify step over k = 1..K drafts (`seconds`)
+        self._observed_since = False  # step times observed since `seconds` was refreshed from them
         self.warm = None  # the same as measured at warm-up
         self.pinned = verify_costs is not None
         if verify_costs is not None:
             if len(verify_costs) != k + 1 or min(verify_costs) <= 0:
                 raise ValueError(f"verify_costs must be {k + 1} positive numbers (a plain step, then verify steps "
                                  f"over k = 1..{k} drafts), got {verify_costs}")
-            self.seconds = np.asarray(verify_costs, np.float64)
+            self._seconds = np.asarray(verify_costs, np.float64)
         self.observed = [collections.deque(maxlen=OBSERVED) for _ in range(k + 1)]
         self.next_k = [k] * max_slots
         self.stale: set[int] = set()  # slots whose drafts predate a plain step
@@ -184,8 +185,9 @@ class SpeculationPolicy:
         self.verify_run = 0  # verify steps since the last plain one (plain probes)
         self.last_stale, self.last_cold, self.last_probe = frozenset(), frozenset(), False  # (`step_k`)
         self.calibration = np.zeros((2, CALIBRATION_BINS), np.int64)  # [judged, accepted] per confidence bin
-        self.recent = np.zeros((2, k))  # [judged, accepted] per draft position, decayed
-        self.row_recent = np.zeros((max_slots, 2, k))  # the same per slot (since its request's admission)
+        self._recent = np.zeros((2, k))  # [judged, accepted] per draft position, decayed (`recent`)
+        self._row_recent = np.zeros((max_slots, 2, k))  # the same per slot (since its request's admission)
+        self._plain_since = 0  # plain steps booked since the counts were last faded (`_faded`)
         self._schedule = self._costs = None
         self.reset()
 
@@ -194,6 +196,36 @@ class SpeculationPolicy:
         costs stay."""
         self.totals = dict.fromkeys(COUNTERS, 0)
         self.by_position = np.zeros((2, self.num_draft_tokens), np.int64)  # [reached, accepted] per draft position
+
+    @property
+    def seconds(self) -> np.ndarray | None:
+        """[K + 1] step seconds in use: pinned, measured at warm-up, or refreshed from the
+        observed step times (`observe`), which is done here, when they are next read: a step's
+        booking stays a few appends (on a 2-core CPU the host's Python shares XLA's cores)."""
+        if self._observed_since:
+            self._observed_since = False
+            self._refresh()
+        return self._seconds
+
+    @property
+    def recent(self) -> np.ndarray:
+        """[judged, accepted] per draft position, decayed; plain steps' fading applied."""
+        return self._faded()[0]
+
+    @property
+    def row_recent(self) -> np.ndarray:
+        """The same per slot [max_slots, 2, K]."""
+        return self._faded()[1]
+
+    def _faded(self) -> tuple[np.ndarray, np.ndarray]:
+        """The acceptance counts with the PLAIN_DECAY of the plain steps booked since the last
+        read applied at once (`count_plain` only counts them)."""
+        if self._plain_since:
+            fade = PLAIN_DECAY ** self._plain_since
+            self._plain_since = 0
+            self._recent *= fade
+            self._row_recent *= fade
+        return self._recent, self._row_recent
 
     def acceptance(self) -> np.ndarray:
         """Calibrated acceptance at each confidence bin's centre: (accepted + prior x centre) /
@@ -204,10 +236,11 @@ class SpeculationPolicy:
     @property
     def costs(self) -> jax.Array | None:
         """[K + 1] step costs relative to a plain step, on the device (the schedule's)."""
-        if self.seconds is None:
+        seconds = self.seconds  # (a refresh drops the arrays made from the old ones)
+        if seconds is None:
             return None
         if self._costs is None:
-            self._costs = jnp.asarray(self.seconds / self.seconds[0], jnp.float32)
+            self._costs = jnp.asarray(seconds / seconds[0], jnp.float32)
         return self._costs
 
     @property
@@ -240,7 +273,7 @@ class SpeculationPolicy:
 
     @property
     def needs_costs(self) -> bool:
-        return self.enabled and self.name == "confidence" and self.seconds is None
+        return self.enabled and self.name == "confidence" and self._seconds is None
 
     @property
     def plain_steps(self) -> bool:
@@ -272,7 +305,7 @@ class SpeculationPolicy:
             return True
         if self.plain_left > 0:
             return False
-        return self.verifying or self.probe_left > 0 or self.seconds is None or not self.plain_is_better()
+        return self.verifying or self.probe_left > 0 or self._seconds is None or not self.plain_is_better()
 
     def prefilled(self, slot: int, drafted: bool, last: bool) -> None:
         """A prompt chunk of `slot` was planned, through the drafter or not (`drafting`); `last`:
@@ -325,7 +358,7 @@ class SpeculationPolicy:
         k = self.num_draft_tokens
         self.last_stale = frozenset(self.stale.intersection(slots))
         self.last_cold, self.last_probe = frozenset(), False
-        if self.name == "fixed" or not self.enabled or self.seconds is None:
+        if self.name == "fixed" or not self.enabled or self._seconds is None:
             return k
         fresh = [s for s in slots if s not in self.stale]
         asked = max((self.next_k[s] for s in fresh), default=k)
@@ -387,26 +420,29 @@ class SpeculationPolicy:
         Pinned costs never move."""
         if self.pinned or self.warm is None or not self.plain_steps:
             return
-        self.observed[k].append(seconds)  # (pure Python: a step's booking runs beside the next step)
+        self.observed[k].append(seconds)  # the costs follow when next read (`seconds`)
+        self._observed_since = True
+
+    def _refresh(self) -> None:
+        """`observe`'s rule, applied to the step times observed so far."""
         seen = [j for j, d in enumerate(self.observed) if len(d) >= OBSERVED_MIN]
         if not seen:
             return
         medians = {j: statistics.median(self.observed[j]) for j in seen}
         scale = statistics.median([medians[j] / self.warm[j] for j in seen])
         new = [medians.get(j, self.warm[j] * scale) for j in range(len(self.warm))]
-        if max(abs(a - b) / b for a, b in zip(new, self.seconds)) > 0.02:
+        if max(abs(a - b) / b for a, b in zip(new, self._seconds)) > 0.02:
             self._set_seconds(np.array(new))
 
     def _set_seconds(self, seconds: np.ndarray) -> None:
-        self.seconds = np.asarray(seconds, np.float64)
+        self._seconds = np.asarray(seconds, np.float64)
         self._costs = self._schedule = None
 
     def count_plain(self, host, owners: dict) -> None:
         """Book a plain decode step's host outputs (`owners`: row -> Request)."""
         self.totals["target_steps"] += 1
         self.totals["plain_steps"] += 1
-        self.recent *= PLAIN_DECAY  # what was seen of the drafts grows old: back toward the prior
-        self.row_recent *= PLAIN_DECAY
+        self._plain_since += 1  # what was seen of the drafts grows old, back toward the prior (`_faded`)
         produced = host.emitted.sum(axis=0).tolist()  # per row, once (a step's booking runs beside the next)
         live = [(req, produced[row]) for row, req in owners.items() if not req.done]
         for req, n in live:
@@ -420,7 +456,8 @@ class SpeculationPolicy:
         engine-wide; each row's ask for the next step. Rows in `stale` verified drafts made
         before a plain step: their tokens count, their drafts' outcomes do not."""
         self.totals["target_steps"] += 1
-        self.recent *= RECENT_DECAY
+        recent, row_recent = self._faded()
+        recent *= RECENT_DECAY
         for row, req in owners.items():
             if req.done:
                 continue
@@ -439,11 +476,11 @@ class SpeculationPolicy:
                 continue
             self.by_position[0, :judged] += 1
             self.by_position[1, :accepted] += 1
-            self.recent[0, :judged] += 1
-            self.recent[1, :accepted] += 1
-            self.row_recent[row] *= RECENT_DECAY
-            self.row_recent[row, 0, :judged] += 1
-            self.row_recent[row, 1, :accepted] += 1
+            recent[0, :judged] += 1
+            recent[1, :accepted] += 1
+            row_recent[row] *= RECENT_DECAY
+            row_recent[row, 0, :judged] += 1
+            row_recent[row, 1, :accepted] += 1
             if host.draft_confidence is not None and judged:
                 bins = np.minimum((host.draft_confidence[row, :judged] * CALIBRATION_BINS).astype(int),
                                   CALIBRATION_BINS - 1)
