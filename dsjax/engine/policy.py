@@ -185,7 +185,7 @@ class SpeculationPolicy:
         self.verify_run = 0  # verify steps since the last plain one (plain probes)
         self.last_stale, self.last_cold, self.last_probe = frozenset(), frozenset(), False  # (`step_k`)
         self.calibration = np.zeros((2, CALIBRATION_BINS), np.int64)  # [judged, accepted] per confidence bin
-        self._recent = np.zeros((2, k))  # [judged, accepted] per draft position, decayed (`recent`)
+        self._recent = np.zeros((2, k))  # [judged, accepted] per draft position, decayed (`_faded`)
         self._row_recent = np.zeros((max_slots, 2, k))  # the same per slot (since its request's admission)
         self._plain_since = 0  # plain steps booked since the counts were last faded (`_faded`)
         self._schedule = self._costs = None
@@ -199,27 +199,16 @@ class SpeculationPolicy:
 
     @property
     def seconds(self) -> np.ndarray | None:
-        """[K + 1] step seconds in use: pinned, measured at warm-up, or refreshed from the
-        observed step times (`observe`), which is done here, when they are next read: a step's
-        booking stays a few appends (on a 2-core CPU the host's Python shares XLA's cores)."""
+        """[K + 1] step seconds in use: pinned, measured, or refreshed here from the step times
+        `observe` appended (a step's booking on a 2-core CPU shares the cores XLA runs on)."""
         if self._observed_since:
             self._observed_since = False
             self._refresh()
         return self._seconds
 
-    @property
-    def recent(self) -> np.ndarray:
-        """[judged, accepted] per draft position, decayed; plain steps' fading applied."""
-        return self._faded()[0]
-
-    @property
-    def row_recent(self) -> np.ndarray:
-        """The same per slot [max_slots, 2, K]."""
-        return self._faded()[1]
-
     def _faded(self) -> tuple[np.ndarray, np.ndarray]:
-        """The acceptance counts with the PLAIN_DECAY of the plain steps booked since the last
-        read applied at once (`count_plain` only counts them)."""
+        """The acceptance counts (batch, per slot), faded by the plain steps booked since they
+        were last read (`count_plain` only counts them)."""
         if self._plain_since:
             fade = PLAIN_DECAY ** self._plain_since
             self._plain_since = 0
@@ -294,7 +283,7 @@ class SpeculationPolicy:
         self.next_k[slot] = self.num_draft_tokens
         self.stale.discard(slot)  # its prefill drafts after its prompt
         self.cold.discard(slot)
-        self.row_recent[slot] = 0
+        self._faded()[1][slot] = 0
 
     def drafting(self) -> bool:
         """Whether a prompt chunk planned now goes through the drafter (the speculative
@@ -328,7 +317,8 @@ class SpeculationPolicy:
         slowest row's pace, and the steps the faster rows save sit idle. optimism: the batch's
         acceptance at each position read this many standard deviations of its Beta posterior
         above the estimate (at most 1), the target the rows' own shrink toward."""
-        judged, accepted = self.recent
+        recent, row_recent = self._faded()
+        judged, accepted = recent
         n = judged + RECENT_PRIOR
         a = (accepted + RECENT_PRIOR / 2) / n
         if optimism:
@@ -337,7 +327,7 @@ class SpeculationPolicy:
         if not remaining or len(remaining) < 2:
             return batch
         slots = list(remaining)
-        judged, accepted = self.row_recent[slots, 0], self.row_recent[slots, 1]  # [R, K]
+        judged, accepted = row_recent[slots, 0], row_recent[slots, 1]  # [R, K]
         rows = (accepted + ROW_PRIOR * a) / (judged + ROW_PRIOR)
         e = 1.0 + np.concatenate([np.zeros((len(slots), 1)), np.cumsum(np.cumprod(rows, axis=1), axis=1)], axis=1)
         n = np.array([max(remaining[s], 1) for s in slots], np.float64)[:, None]
@@ -423,8 +413,7 @@ class SpeculationPolicy:
         self.observed[k].append(seconds)  # the costs follow when next read (`seconds`)
         self._observed_since = True
 
-    def _refresh(self) -> None:
-        """`observe`'s rule, applied to the step times observed so far."""
+    def _refresh(self) -> None:  # `observe`'s rule, applied to the step times observed so far
         seen = [j for j, d in enumerate(self.observed) if len(d) >= OBSERVED_MIN]
         if not seen:
             return
