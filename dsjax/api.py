@@ -21,7 +21,7 @@ from dsjax.checkpoint.safetensors_io import CheckpointError
 from dsjax.compile_cache import setup_compile_cache
 from dsjax.config import ModelConfig, RuntimeOptions, load_config
 from dsjax.layers.quantized import Bf16Weight, resident_specs
-from dsjax.engine.policy import check_draft_vocab
+from dsjax.engine.spec_options import check_draft_vocab
 from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory, show_bytes
 from dsjax.model.family import family_of

@@ -12,7 +12,7 @@ import pytest
 
 from dsjax.config import CSA, SLIDING, ConfigError, from_hf_dict, load_config, to_hf_dict
 from dsjax.config.io import from_flat_v41, to_flat_v41
-from dsjax.engine.policy import engine_draft_vocab
+from dsjax.engine.spec_options import engine_draft_vocab
 from dsjax.model.cache_layout import cache_bytes
 from dsjax.param_count import count_params
 

@@ -17,7 +17,7 @@ from scipy import stats
 import dsjax
 from dsjax.engine.engine import Engine
 from dsjax.engine.programs import spec_decode_step
-from dsjax.engine.policy import CALIBRATION_PRIOR, SpeculationPolicy
+from dsjax.engine.policy import CALIBRATION_PRIOR, CALIBRATION_REFRESH, SpeculationPolicy
 from dsjax.engine.sampler import SamplingParams, argmax_first
 from dsjax.engine.scheduler import StepPlan
 from dsjax.engine.slots import init_slots
@@ -237,8 +237,9 @@ def test_choose_limits_closed_form(rng):
 def test_calibration_books_each_judged_draft():
     """The confidence policy's calibration: a draft is judged iff the drafts before it were
     accepted; each judged draft's confidence bin counts it, and the accepted ones; the
-    schedule's acceptance per bin is (accepted + prior x centre) / (judged + prior), the
-    centre itself before anything is judged."""
+    acceptance per bin is (accepted + prior x centre) / (judged + prior), the centre itself
+    before anything is judged; the programs' schedule takes it every CALIBRATION_REFRESH
+    verify steps that booked drafts."""
     policy = SpeculationPolicy(3, "confidence", verify_costs=[1.0, 1.1, 1.2, 1.3], max_slots=2)
     np.testing.assert_allclose(np.asarray(policy.schedule.acceptance), calibration_centres(), rtol=1e-6)
     host = types.SimpleNamespace(drafts_checked=np.array([3, 2]), drafts_accepted=np.array([1, 2]),
@@ -250,9 +251,14 @@ def test_calibration_books_each_judged_draft():
     judged, accepted = np.zeros(CALIBRATION_BINS), np.zeros(CALIBRATION_BINS)
     judged[[0, 3, 5]], accepted[[0, 3]] = [1, 2, 1], [1, 2]  # row 0: 0.05 yes, 0.55 no; row 1: 0.31, 0.39 yes
     assert policy.calibration.tolist() == [judged.tolist(), accepted.tolist()]
-    want = (accepted + CALIBRATION_PRIOR * calibration_centres()) / (judged + CALIBRATION_PRIOR)
-    np.testing.assert_allclose(np.asarray(policy.schedule.acceptance), want, rtol=1e-6)
+    def want(n):  # after n such steps
+        return (n * accepted + CALIBRATION_PRIOR * calibration_centres()) / (n * judged + CALIBRATION_PRIOR)
+    np.testing.assert_allclose(policy.acceptance(), want(1), rtol=1e-6)
     assert policy.next_k == [3, 1]
+    np.testing.assert_allclose(np.asarray(policy.schedule.acceptance), calibration_centres(), rtol=1e-6)
+    for _ in range(CALIBRATION_REFRESH - 1):
+        policy.count(host, {0: req(), 1: req()})
+    np.testing.assert_allclose(np.asarray(policy.schedule.acceptance), want(CALIBRATION_REFRESH), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- sampled

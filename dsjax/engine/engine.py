@@ -48,7 +48,7 @@ import numpy as np
 from dsjax.engine.capture import resolve
 from dsjax.engine.constraints import Constraint
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
-from dsjax.engine.policy import SpeculationPolicy, check_speculation, engine_draft_vocab, max_drafts
+from dsjax.engine.policy import SpeculationPolicy
 from dsjax.engine.prefix_cache import PrefixCache, PrefixCacheOptions, PrefixPlanner
 from dsjax.engine.programs import DeviceOutput
 from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_request, first_tokens_mask,
@@ -56,6 +56,7 @@ from dsjax.engine.requests import (Request, TokenEvent, check_constraint, check_
 from dsjax.engine.runner import Dispatch, Runner, StepOutput
 from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.scheduler import DecodePlan, Scheduler
+from dsjax.engine.spec_options import check_speculation, engine_draft_vocab, max_drafts
 from dsjax.model.interface import (INVARIANT_ROWS, Model, capture_points, decodes_equal_prefill, reference_key_rule,
                                    step_bytes)
 from dsjax.sharding.distributed import to_host

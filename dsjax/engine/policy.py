@@ -47,9 +47,10 @@ of them in their first verify step.
 
 The drafter's confidence is calibrated online: every judged draft's confidence and outcome
 are binned, and the acceptance observed per bin (shrunk toward the bin's centre by
-CALIBRATION_PRIOR pseudo-drafts) replaces the raw confidence (a small drafter's softmax can be
-far below the rate at which its greedy drafts match the target: docs/speculation.md). The
-output distribution never depends on the policy; sampled tokens follow the steps chosen.
+CALIBRATION_PRIOR pseudo-drafts; the programs get it every CALIBRATION_REFRESH verify steps)
+replaces the raw confidence (a small drafter's softmax can be far below the rate at which its
+greedy drafts match the target: docs/speculation.md). The output distribution never depends
+on the policy; sampled tokens follow the steps chosen.
 
 A policy with K = 0 is plain decoding: every question gets the no-speculation answer.
 """
@@ -65,15 +66,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax.config import ModelConfig
 from dsjax.engine.speculative import CALIBRATION_BINS, Schedule, calibration_centres
-from dsjax.model.interface import draft_block_limit, drafter_takes_vocab, min_ring
 
 SPEC_POLICIES = ("confidence", "fixed")
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per bin at the bin's centre: the raw confidence until drafts are judged
+CALIBRATION_REFRESH = 16  # verify steps between the calibration's uploads to the device (a per-step upload was
+# ~8 % of a batch-1 step's host time on 2 cores; with the prior above it moves little in 16 steps)
 COUNTERS = ("target_steps", "plain_steps", "row_steps", "drafts_proposed", "drafts_accepted", "decode_tokens",
             "plain_prefills")
 OBSERVED, OBSERVED_MIN = 16, 4  # step times of each kind a cost is the median of, at most / at least
+COST_REFRESH = 0.05  # the costs move (and reach the device) when a kind's moves this much (margins: 10 %)
 RECENT_DECAY = 0.9  # the recent acceptance counts, per verify step
 RECENT_PRIOR = 2.0  # pseudo-drafts at 1/2 per draft position
 PLAIN_DECAY = 0.5 ** (1 / 8)  # the acceptance counts fade this much a plain step (halved by 8: back to the prior)
@@ -87,68 +89,6 @@ PROBE_GAP, MAX_PROBE_GAP, PROBE_STEPS = 8, 64, 3
 # OBSERVED_MIN plain steps were timed): the observed costs then compare the two kinds as served,
 # host overhead included (warm-up times idle rows, which may flatter a verify step)
 PLAIN_EVERY, PLAIN_PROBE = 128, 4  # (a plain step is timed between two others: `Engine._book`)
-
-
-def max_drafts(cfg: ModelConfig) -> int:
-    """The most drafts a verify step can check: its k + 1 positions fit the smallest cache ring
-    (DeepSeek-V4.1: and DSpark drafts a block of block_size)."""
-    ring = min_ring(cfg) - 1
-    return ring if (block := draft_block_limit(cfg)) is None else min(ring, block)
-
-
-def check_speculation(num_draft_tokens: int, *, has_mtp: bool, max_drafts: int, unsupported: dict[str, bool]):
-    """Refuse speculation the engine cannot run: no drafter (MTP layer / DSpark head), more
-    drafts than `max_drafts`, or an engine option (name -> set) it does not combine with."""
-    k = num_draft_tokens
-    if not k:
-        return
-    if not has_mtp:
-        raise ValueError("num_draft_tokens > 0 needs the model's drafter (the MTP layer; DeepSeek-V4.1: the DSpark "
-                         "head): load a checkpoint with mtp.0.* tensors, or load_model(..., mtp=True)")
-    if k > max_drafts:
-        raise ValueError(f"num_draft_tokens={k} is too many for this model: at most {max_drafts} (a verify step's "
-                         f"k + 1 positions fit its smallest cache ring; DSpark drafts a block at a time)")
-    for name, bad in unsupported.items():
-        if bad:
-            raise ValueError(f"speculative decoding (num_draft_tokens > 0) does not support {name}")
-
-
-def engine_draft_vocab(draft_vocab, model_ids, cfg: ModelConfig) -> np.ndarray | None:
-    """The drafter vocabulary an Engine uses: `draft_vocab` None = the model's (`model_ids`, maybe
-    None), False = the full vocabulary (None), else a list of ids, checked. DeepSeek-V4.1's
-    DSpark head drafts over the whole vocabulary and takes none."""
-    if draft_vocab is None:
-        return None if model_ids is None else check_draft_vocab(model_ids, cfg.vocab_size, "model.draft_vocab")
-    if draft_vocab is False:
-        return None
-    if not drafter_takes_vocab(cfg):
-        raise ValueError("draft_vocab is for the MTP drafter; DeepSeek-V4.1's DSpark head drafts over the whole "
-                         "vocabulary (leave draft_vocab None)")
-    if draft_vocab is True:
-        raise ValueError("draft_vocab must be None (the model's), False (the full vocabulary) or a list of "
-                         "token ids, got True")
-    return check_draft_vocab(draft_vocab, cfg.vocab_size)
-
-
-def check_draft_vocab(ids, vocab_size: int, where: str = "draft_vocab") -> np.ndarray:
-    """A drafter vocabulary (token ids the MTP drafter may propose) -> sorted int32 [|D|].
-    Refused, naming `where`: not a 1-D list of integers, empty, out of [0, vocab_size),
-    repeated ids."""
-    a = np.asarray(ids)
-    if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
-        raise ValueError(f"{where} must be a 1-D list of integer token ids, got an array of shape {a.shape} "
-                         f"and dtype {a.dtype}")
-    if a.size == 0:
-        raise ValueError(f"{where} is empty: the drafter needs at least one token id")
-    bad = a[(a < 0) | (a >= vocab_size)]
-    if bad.size:
-        raise ValueError(f"{where}: token id {int(bad[0])} is outside the model's vocabulary [0, {vocab_size}) "
-                         f"({bad.size} such ids)")
-    uniq, counts = np.unique(a, return_counts=True)
-    if uniq.size != a.size:
-        raise ValueError(f"{where}: token id {int(uniq[counts > 1][0])} appears more than once "
-                         f"({a.size - uniq.size} repeats)")
-    return uniq.astype(np.int32)
 
 
 class SpeculationPolicy:
@@ -189,6 +129,7 @@ class SpeculationPolicy:
         self._row_recent = np.zeros((max_slots, 2, k))  # the same per slot (since its request's admission)
         self._plain_since = 0  # plain steps booked since the counts were last faded (`_faded`)
         self._schedule = self._costs = None
+        self._calibrated_since = 0  # verify steps that booked drafts into the calibration since its upload
         self.reset()
 
     def reset(self) -> None:
@@ -237,8 +178,9 @@ class SpeculationPolicy:
         """The programs' argument: None for the fixed policy (or before the costs are known)."""
         if self.seconds is None or self.name != "confidence":
             return None
-        if self._schedule is None:
+        if self._schedule is None or self._calibrated_since >= CALIBRATION_REFRESH:
             self._schedule = Schedule(self.costs, jnp.asarray(self.acceptance(), jnp.float32))
+            self._calibrated_since = 0
         return self._schedule
 
     def step_schedule(self, probe: bool) -> Schedule | None:
@@ -420,7 +362,7 @@ class SpeculationPolicy:
         medians = {j: statistics.median(self.observed[j]) for j in seen}
         scale = statistics.median([medians[j] / self.warm[j] for j in seen])
         new = [medians.get(j, self.warm[j] * scale) for j in range(len(self.warm))]
-        if max(abs(a - b) / b for a, b in zip(new, self._seconds)) > 0.02:
+        if max(abs(a - b) / b for a, b in zip(new, self._seconds)) > COST_REFRESH:
             self._set_seconds(np.array(new))
 
     def _set_seconds(self, seconds: np.ndarray) -> None:
@@ -447,6 +389,7 @@ class SpeculationPolicy:
         self.totals["target_steps"] += 1
         recent, row_recent = self._faded()
         recent *= RECENT_DECAY
+        calibrated = False
         for row, req in owners.items():
             if req.done:
                 continue
@@ -475,7 +418,8 @@ class SpeculationPolicy:
                                   CALIBRATION_BINS - 1)
                 np.add.at(self.calibration[0], bins, 1)
                 np.add.at(self.calibration[1], bins[:accepted], 1)
-                self._schedule = None
+                calibrated = True
+        self._calibrated_since += calibrated
 
     def metrics(self) -> dict:
         """Counters since construction: target steps (verify and plain; `plain_steps` of them

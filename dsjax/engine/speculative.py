@@ -97,7 +97,7 @@ class DraftVocab:
 
 
 def draft_vocab(params, ids) -> DraftVocab:
-    """The head rows of token ids [|D|] (checked ones, `dsjax.engine.policy.check_draft_vocab`)."""
+    """The head rows of token ids [|D|] (checked ones, `dsjax.engine.spec_options.check_draft_vocab`)."""
     ids = jnp.asarray(ids, jnp.int32)
     return DraftVocab(ids, head_rows(params, ids))
 
