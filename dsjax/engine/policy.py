@@ -70,8 +70,8 @@ from dsjax.engine.speculative import CALIBRATION_BINS, Schedule, calibration_cen
 
 SPEC_POLICIES = ("confidence", "fixed")
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per bin at the bin's centre: the raw confidence until drafts are judged
-CALIBRATION_REFRESH = 16  # verify steps between the calibration's uploads to the device (a per-step upload was
-# ~8 % of a batch-1 step's host time on 2 cores; with the prior above it moves little in 16 steps)
+CALIBRATION_REFRESH = 16  # verify steps between the calibration's uploads to the device (uploaded every step: ~8 %
+# of a batch-1 run under cProfile on 2 cores; with the prior above it moves little in 16 steps)
 COUNTERS = ("target_steps", "plain_steps", "row_steps", "drafts_proposed", "drafts_accepted", "decode_tokens",
             "plain_prefills")
 OBSERVED, OBSERVED_MIN = 16, 4  # step times of each kind a cost is the median of, at most / at least
