@@ -2,7 +2,8 @@
 the routing (experts, hash layers' too, and weights) and the indexer selections an engine records
 for a request's every computed position equal `inspect.forward`'s over prompt + tokens[:-1]; an
 engine without capture runs the programs it ran before; bad names list the valid ones. Tiny V4,
-greedy, a handful of tokens; two engines of three programs each."""
+greedy, a handful of tokens; two engines of three programs each; and tiny V4.1 (routing, the
+candidate-block indexer's selections, Engram gates) in one engine."""
 
 import jax
 import numpy as np
@@ -89,6 +90,43 @@ def test_engine_capture_is_the_full_forwards(tiny, captured):
                 entries = np.arange(cfg.index_topk)
                 fill = np.where(entries < (np.arange(seq.shape[1])[:, None] + 1) // ratio, entries, -1)
                 np.testing.assert_array_equal(np.sort(got[name], axis=-1), np.sort(fill, axis=-1))
+
+
+def test_v41_engine_capture_is_the_full_forwards():
+    """Tiny V4.1, its Engram rows fetched from host tables during the steps: routing, indexer
+    selections (ratio-2 and ratio-1 layers) and Engram gates per computed position against
+    `inspect.forward` over prompt + tokens[:-1]. Under the reference's numerics a cached chunk is
+    not the full forward (the published-key rule and FP8 round trips move routing past the first
+    chunk: tests/test_inspect.py checks those chunks against `route`), so this runs the
+    mechanisms' fp32 numerics (`round_trips=False`, `index_keys_from_owner=True`), where the two
+    must agree."""
+    base = dsjax.load_model("tiny-v41", dtype="float32", seed=0)
+    model = base.replace(options=base.options.replace(round_trips=False, index_keys_from_owner=True))
+    cfg = model.config
+    points = ("layers.*.moe.experts", "layers.*.moe.weights", "layers.*.indexer.selected", "layers.*.engram.gate")
+    engine = Engine(model, max_slots=1, capacity=64, prefill_chunk=32, capture=points)
+    prompt = np.random.default_rng(5).integers(3, 5000, SHORT).tolist()
+    (tokens, events), (_, others) = _run(engine, [prompt, prompt[:20]])
+    assert all(e.capture is None for e in others)
+    got = _trace(events)
+    seq = np.asarray([prompt + tokens[:-1]], np.int32)
+    logits, want = inspect.forward(model, seq, capture=set(points))
+    assert np.argmax(np.asarray(logits)[0, len(prompt) - 1:], axis=-1).tolist() == tokens
+    indexed = [i for i, layer in enumerate(cfg.layers) if layer.has_indexer]
+    engram = [f"layers.{i}.engram.gate" for i in cfg.v41.engram.layer_ids]
+    assert {n for n in got if n.endswith("selected")} == {f"layers.{i}.indexer.selected" for i in indexed}
+    assert {n for n in got if n.endswith("gate")} == set(engram) and len({cfg.layers[i].compress_ratio
+                                                                         for i in indexed}) == 2
+    for name, value in got.items():
+        full = np.asarray(want[name][0])
+        assert value.shape[0] == seq.shape[1], name
+        if name.endswith("experts"):
+            np.testing.assert_array_equal(value, full, err_msg=name)
+        elif name.endswith("selected"):
+            ratio = cfg.layers[int(name.split(".")[1])].compress_ratio
+            np.testing.assert_array_equal(np.sort(value, axis=-1), _visible_only(full, ratio), err_msg=name)
+        else:
+            np.testing.assert_allclose(value, full, atol=1e-5, rtol=0, err_msg=name)
 
 
 def test_expert_counts(tiny, captured):
