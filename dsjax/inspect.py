@@ -30,18 +30,28 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers import taps
 from dsjax.layers.taps import EDITS, Add, Replace, describe
 from dsjax.model.forward_pass import forward_traced
+from dsjax.model.interface import draft_block_limit, drafter_for
 from dsjax.sharding.rules import batch_sharding
 
 __all__ = ["Add", "Replace", "ablate", "at_positions", "forward", "force_experts", "mask_entries", "names", "patch",
            "steer"]
 
 
-def forward(model: Model, tokens, capture=(), edits: dict | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+DRAFTS = ("drafter.tokens", "drafter.logits")  # a model with its drafter: its greedy drafts after each position
+
+
+def forward(model: Model, tokens, capture=(), edits: dict | None = None, *,
+            draft_tokens: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """tokens [B, S] (a whole sequence from position 0) -> (logits [B, S, V] fp32, trace: name ->
     captured array). capture: a name or an iterable of names / fnmatch patterns, each matching at
     least one point; edits: name -> `Replace` | `Add` (or merged dicts of the helpers below).
     On a mesh the tokens are split over the batch axes as `Model.logits` splits them (B a multiple
-    of the batch shards) and the captured arrays keep the shardings the program gives them."""
+    of the batch shards) and the captured arrays keep the shardings the program gives them.
+    Drafts (`drafter.tokens` [B, S - 1, k] int32, `drafter.logits` [B, S - 1, k, V] fp32, a model
+    loaded with its drafter): at each position t < S - 1, the k greedy drafts the drafter makes
+    once the target has run positions 0..t and emitted token t + 1 (as the engine drafts after
+    a step), i.e. its guesses for tokens t + 2 .. t + k + 1, with the logits each was the
+    first maximum of (V4.1: Markov-corrected). draft_tokens: k (default: DSpark's block, MTP 1)."""
     capture = (capture,) if isinstance(capture, str) else tuple(sorted(set(capture)))
     edits = dict(edits or {})
     for name, edit in edits.items():
@@ -50,20 +60,82 @@ def forward(model: Model, tokens, capture=(), edits: dict | None = None) -> tupl
     ids = np.asarray(tokens, np.int32)
     if ids.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {ids.shape}")
+    drafts = _drafts_asked(model, capture, draft_tokens)
     with model.mesh_context():
         shards = model.batch_shards()
         if ids.shape[0] % shards:
             raise ValueError(f"{ids.shape[0]} rows do not split over the mesh's {shards} batch shards")
         x = jnp.asarray(ids) if model.mesh is None else jax.device_put(ids, batch_sharding(model.mesh, 2))
-        return _inspect(model.params, x, edits, cfg=model.config, opts=model.options, capture=capture)
+        return _inspect(model.params, x, edits, model.mtp if drafts[0] else None, cfg=model.config,
+                        opts=model.options, capture=capture, drafts=drafts, dtype=jnp.dtype(model.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "capture"))
-def _inspect(params, tokens, edits, cfg: ModelConfig, opts: RuntimeOptions, capture: tuple[str, ...]):
-    with taps.session(capture, edits) as s:
+def _drafts_asked(model: Model, capture: tuple[str, ...], k: int | None) -> tuple[tuple[str, ...], int]:
+    """(the draft points the capture patterns match, k); none without the model's drafter."""
+    asked = tuple(n for n in DRAFTS if any(fnmatch.fnmatchcase(n, p) for p in capture)) if model.mtp is not None \
+        else ()
+    limit = draft_block_limit(model.config)
+    k = (limit or 1) if k is None else k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (limit is not None and k > limit):
+        raise ValueError(f"draft_tokens must be an int in 1..{limit or 'any'} for this drafter, got {k!r}")
+    return asked, k
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "capture", "drafts", "dtype"))
+def _inspect(params, tokens, edits, drafter_weights=None, *, cfg: ModelConfig, opts: RuntimeOptions,
+             capture: tuple[str, ...], drafts: tuple[tuple[str, ...], int] = ((), 1), dtype=None):
+    asked, k = drafts
+    drafter = drafter_for(cfg) if asked else None
+    features = drafter.feature_points(cfg) if asked else ()
+    with taps.session(capture + features, edits) as s:
         logits, _ = forward_traced(params, tokens, cfg, opts=opts)
-    _check(s.seen, capture, edits)
-    return logits, dict(sorted(s.found.items(), key=lambda kv: _order(kv[0])))
+    _check({**s.seen, **_draft_shapes(drafter_weights, tokens, cfg, k)}, capture, edits)
+    found = {n: v for n, v in s.found.items() if any(fnmatch.fnmatchcase(n, p) for p in capture)}
+    if asked:
+        made = _drafts(drafter, drafter_weights, params, drafter.features_from(s.found, cfg), tokens, cfg, opts, k,
+                       dtype)
+        found.update({n: made[n] for n in asked})
+    return logits, dict(sorted(found.items(), key=lambda kv: _order(kv[0])))
+
+
+def _draft_shapes(weights, tokens, cfg: ModelConfig, k: int) -> dict[str, tuple]:
+    b, s = tokens.shape
+    return {} if weights is None else {"drafter.tokens": ((b, s - 1, k), jnp.int32),
+                                       "drafter.logits": ((b, s - 1, k, cfg.vocab_size), jnp.float32)}
+
+
+class _GreedyLogits:
+    """A `DraftSampling` that drafts greedily (the first maximum) and hands back the logits it
+    drafted from as the drafts' "distributions"."""
+
+    sampled, confidence = True, False
+
+    def pick(self, logits, position):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def choose(self, logits, position):
+        return self.pick(logits, position), logits, None
+
+    def probs(self, logits):
+        return logits
+
+
+def _drafts(drafter, weights, params, features, tokens, cfg, opts, k: int, dtype) -> dict[str, jax.Array]:
+    """At each position t < S - 1: commit positions 0..t (each with the token after it) into an
+    empty drafter state, then draft k tokens, as the engine does after the step that ran t
+    (`dsjax.model.interface.Drafter`); one position at a time (memory: one state)."""
+    b, s = tokens.shape
+    after = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # the token after each position (last: unused)
+    start = jnp.zeros((b,), jnp.int32)
+
+    def at(t):
+        state, context = drafter.commit(weights, params, drafter.init_state(cfg, b, dtype), features, after, start,
+                                        jnp.full((b,), t + 1, jnp.int32), cfg, opts)
+        drafted, logits, _ = drafter.draft(weights, params, state, context, cfg, opts, k=k, sampler=_GreedyLogits())
+        return drafted, logits.astype(jnp.float32)
+
+    drafted, logits = jax.lax.map(at, jnp.arange(s - 1, dtype=jnp.int32))  # [S - 1, B, k, ...]
+    return {"drafter.tokens": jnp.moveaxis(drafted, 0, 1), "drafter.logits": jnp.moveaxis(logits, 0, 1)}
 
 
 def _order(name: str):
@@ -75,7 +147,9 @@ def _order(name: str):
 def _check(seen: dict, capture: tuple[str, ...], edits: dict) -> None:
     unknown = [p for p in capture if not any(fnmatch.fnmatchcase(n, p) for n in seen)]
     if unknown:
-        raise ValueError(f"capture {unknown} matches no point of this forward; its points are:\n{describe(seen)}")
+        raise ValueError(f"capture {unknown} matches no point of this forward; its points are:\n{describe(seen)}"
+                         + ("" if "drafter.tokens" in seen else
+                            "\n(a model loaded with its drafter also has drafter.tokens and drafter.logits)"))
     unknown = [n for n in edits if n not in seen]
     if unknown:
         raise ValueError(f"edits of {unknown}: no such point in this forward (edits name one point each); "
@@ -85,7 +159,8 @@ def _check(seen: dict, capture: tuple[str, ...], edits: dict) -> None:
 def names(model: Model, batch: int = 1, seq: int = 16) -> dict[str, tuple]:
     """Every point the forward taps for tokens [batch, seq] -> name -> (shape, dtype), without
     running it (an abstract trace). Which points exist can depend on seq: a CSA layer's indexer
-    selects (`indexer.*`) only once a query sees more compressed entries than it keeps."""
+    selects (`indexer.*`) only once a query sees more compressed entries than it keeps. With the
+    model's drafter: its drafts too (`forward`'s default draft_tokens)."""
     def trace(params, tokens):
         with taps.session((), {}) as s:
             forward_traced(params, tokens, model.config, opts=model.options)
@@ -93,7 +168,9 @@ def names(model: Model, batch: int = 1, seq: int = 16) -> dict[str, tuple]:
 
     found: dict = {}
     with model.mesh_context():
-        jax.eval_shape(trace, model.params, jax.ShapeDtypeStruct((batch, seq), jnp.int32))
+        tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+        jax.eval_shape(trace, model.params, tokens)
+    found.update(_draft_shapes(model.mtp, tokens, model.config, _drafts_asked(model, (), None)[1]))
     return {n: found[n] for n in sorted(found, key=_order)}
 
 

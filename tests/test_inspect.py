@@ -217,6 +217,10 @@ def test_bad_names_and_shapes(tiny):
         inspect.forward(tiny, x, edits=inspect.patch("layers.1.mhc.streams_in", 0.0, where=np.ones((1, 7), bool)))
     with pytest.raises(TypeError, match="not one of"):
         inspect.forward(tiny, x, edits={"layers.1.moe.in": np.zeros(3)})
+    with pytest.raises(ValueError, match=r"\['drafter\.logits'\] matches no point(.|\n)*loaded with its drafter"):
+        inspect.forward(tiny, x, capture="drafter.logits")  # tiny is loaded without its MTP layer
+    with pytest.raises(ValueError, match="draft_tokens must be an int in 1..any"):
+        inspect.forward(tiny, x, capture="final.hidden", draft_tokens=0)
 
 
 def fp32_mechanisms(model):
@@ -251,6 +255,46 @@ def test_on_a_mesh_with_expert_parallelism(models, name):
         np.testing.assert_allclose(trace[point], want[point], atol=1e-5, rtol=0, err_msg=point)
         shard = trace[point].sharding.shard_shape(trace[point].shape)
         assert shard[0] == 4 // sharded.batch_shards(), (point, trace[point].sharding)
+
+
+@pytest.mark.parametrize("name,k", [("tiny", 3), ("tiny-v41", 5)])
+def test_drafts_are_the_drafters_after_each_position(name, k):
+    """`drafter.tokens` / `drafter.logits` at position t are what the drafter drafts on the engine's
+    path: the target's cached prefill of positions 0..t (its own features, not the full forward's
+    taps), committed, then k greedy drafts; MTP's first draft is also its full-sequence forward
+    (the training path). Capturing them changes no logit."""
+    from dsjax.model import mtp_forward, mtp_head
+    from dsjax.model.cache_layout import init_cache
+    from dsjax.model.interface import drafter_for
+
+    model = dsjax.load_model(name, dtype="float32", seed=0, mtp=True)
+    cfg, opts, drafter = model.config, model.options, drafter_for(model.config)
+    x = ids(9, b=2, s=20)
+    plain, _ = inspect.forward(model, x)
+    logits, trace = inspect.forward(model, x, capture="drafter.*", draft_tokens=k)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain))
+    tokens, drafted = np.asarray(trace["drafter.tokens"]), np.asarray(trace["drafter.logits"])
+    assert tokens.shape == (2, 19, k) and drafted.shape == (2, 19, k, cfg.vocab_size)
+    np.testing.assert_array_equal(tokens, np.argmax(drafted, axis=-1))
+    scale = np.abs(drafted).max()
+    if name == "tiny":
+        _, full = inspect.forward(model, x, capture="final.streams")
+        out, _ = mtp_forward(model.mtp, model.params, full["final.streams"][:, :-1], jnp.asarray(x[:, 1:]), cfg)
+        np.testing.assert_allclose(drafted[:, :, 0], mtp_head(model.mtp, model.params, out, cfg), atol=1e-5 * scale)
+
+    @jax.jit
+    def engine_path(params, weights, n):  # positions 0..n-1 prefilled in one chunk, committed, then k drafts
+        start, n_valid = jnp.zeros((2,), jnp.int32), jnp.full((2,), n, jnp.int32)
+        _, features, _ = drafter.target_chunk(params, jnp.asarray(x), cfg, init_cache(cfg, 2, 32, jnp.float32),
+                                              opts=opts, n_valid=n_valid, ctx_bucket=32)
+        state, context = drafter.commit(weights, params, drafter.init_state(cfg, 2, jnp.float32), features,
+                                        jnp.asarray(np.roll(x, -1, axis=1)), start, n_valid, cfg, opts)
+        return drafter.draft(weights, params, state, context, cfg, opts, k=k, sampler=inspect._GreedyLogits())[:2]
+
+    for t in (0, 8, 18):
+        want_tokens, want_logits = engine_path(model.params, model.mtp, t + 1)
+        np.testing.assert_array_equal(tokens[:, t], want_tokens, err_msg=f"t={t}")
+        np.testing.assert_allclose(drafted[:, t], want_logits, atol=1e-5 * scale, err_msg=f"t={t}")
 
 
 @pytest.mark.parametrize("name", ["scanned", "v41"])

@@ -182,6 +182,13 @@ class Drafter(Protocol):
         [B, k] when sampler.confidence else None). vocab (ids, head rows): a reduced draft
         vocabulary, where the drafter supports one."""
 
+    def feature_points(self, cfg: ModelConfig) -> tuple[str, ...]:
+        """The full forward's points (dsjax.inspect's names) its features are made of."""
+
+    def features_from(self, found: dict[str, jax.Array], cfg: ModelConfig) -> Any:
+        """Its features of each position [B, S, ...], as `target_chunk` gives them, from the
+        values of `feature_points` in a full forward (dsjax.inspect's drafts)."""
+
 
 def drafter_for(cfg: ModelConfig) -> Drafter:
     """The model's drafter: DeepSeek-V4's MTP layer, V4.1's DSpark head."""

@@ -112,6 +112,12 @@ class MTPDrafter:
             return head_input(params.hc_head, params.norm, out, cfg), streams, cache
         return logits_of(params, out, cfg), streams, cache
 
+    def feature_points(self, cfg: ModelConfig) -> tuple[str, ...]:
+        return ("final.streams",)
+
+    def features_from(self, found: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
+        return found["final.streams"]
+
     def commit(self, mtp: MTPParams, params: ModelParams, state: AttentionState, streams: jax.Array,
                next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
                opts: RuntimeOptions = DEFAULT_OPTIONS):

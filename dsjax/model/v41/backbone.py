@@ -110,7 +110,7 @@ def _backbone(params, tokens, cfg, states, n_entries_of, attend_of, engram_rows,
     return streams, pi, None if states is None else tuple(new_states), main_hidden
 
 
-def _tap(streams: jax.Array) -> jax.Array:
+def stream_tap(streams: jax.Array) -> jax.Array:
     """DSpark's tap of a block input: the mean over the N streams, in their dtype (§1.3)."""
     return jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
 
@@ -134,7 +134,7 @@ def _run(run, blocks, carry, states, tokens, attends, targets, cfg, opts):
         def step(c, xs):
             streams, pi, shared, state = c
             p, at = xs
-            tap = _tap(streams) if wants else None
+            tap = stream_tap(streams) if wants else None
             with inspect_taps.collect() as bodies[j], inspect_taps.layer(run.indices[j], at):
                 streams, pi, (state, shared) = block_apply(
                     p, streams, tokens, lambda pa, h: attends[j](pa, h, state, at, shared), cfg, opts, pi=pi,

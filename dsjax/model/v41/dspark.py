@@ -34,7 +34,7 @@ from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.model.block import DEFAULT_OPTIONS, block_apply, embed_streams
 from dsjax.model.cache import Cache
-from dsjax.model.v41.backbone import first_pi, v41_forward_rows
+from dsjax.model.v41.backbone import first_pi, stream_tap, v41_forward_rows
 from dsjax.model.v41.params import DSparkParams, ModelParamsV41, dspark_config
 from dsjax.model.v41.shared_attention import SharedAttention, attend_and_project, project_q_kv, round_trip
 from dsjax.sharding.rules import lookup
@@ -226,6 +226,13 @@ class DSparkDrafter:
         logits, cache, hidden = v41_forward_rows(params, tokens, cfg, cache, opts, n_valid, ctx_bucket, last_only,
                                                  taps=True)
         return logits, hidden, cache
+
+    def feature_points(self, cfg: ModelConfig) -> tuple[str, ...]:
+        """The block inputs of the target layers, whose stream means the taps are (§1.3)."""
+        return tuple(f"layers.{i}.mhc.streams_in" for i in cfg.v41.dspark.target_layer_ids)
+
+    def features_from(self, found: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
+        return jnp.concatenate([stream_tap(found[n]) for n in self.feature_points(cfg)], axis=-1)
 
     def commit(self, ds: DSparkParams, params: ModelParamsV41, ring: DSparkRing, hidden: jax.Array,
                next_tokens: jax.Array, start: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
