@@ -324,8 +324,10 @@ def test_vmem_budgets_fit_every_generation(model):
 
     cfg = load_config(model)
     assert tpu_budget.FP8_BLOCKS[model] == family_of(cfg).stored_format.fp8_block
-    table = tpu_budget.budgets(cfg, tpu_budget.FP8_BLOCKS[model])
-    assert len(table) == 11
+    v41 = getattr(cfg, "v41", None)
+    assert tpu_budget.CANDIDATE_BLOCKS.get(model) == (v41.candidate_block_size if v41 else None)
+    table = tpu_budget.budgets(cfg, tpu_budget.FP8_BLOCKS[model], tpu_budget.CANDIDATE_BLOCKS.get(model))
+    assert len(table) == (13 if v41 else 11)
     for case, per_gen in table.items():
         for gen in GENERATIONS:
             assert 0 < per_gen[gen] <= SCOPED_VMEM[gen], (case, gen, per_gen[gen] / 2 ** 20)
