@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsjax.config import CSA, HCA, load_config  # noqa: E402
 from dsjax.kernels import tpu_attention, tpu_grouped_matmul, tpu_index_scores  # noqa: E402
 from dsjax.kernels.tpu_blocks import GENERATIONS  # noqa: E402
-from dsjax.kernels.tpu_budget import kernel_shapes  # noqa: E402
+from dsjax.kernels.tpu_budget import FP8_BLOCKS, kernel_shapes  # noqa: E402
 from dsjax.model.cache_layout import cache_shapes  # noqa: E402
 from dsjax.model.stored import weight_specs  # noqa: E402
 from dsjax.params import spec_leaves, weight_group  # noqa: E402
@@ -126,13 +126,13 @@ def even_groups(m: int, experts: int) -> np.ndarray:
     return np.full(experts, m // experts) + (np.arange(experts) < m % experts)
 
 
-def grouped_ffn_cost(m, d, inter, dtype=jnp.bfloat16, gen=None, mxfp4=False, experts=32) -> tuple[int, int]:
+def grouped_ffn_cost(m, d, inter, dtype=jnp.bfloat16, gen=None, mxfp4=False, experts=32, fp8=None) -> tuple[int, int]:
     """(HBM bytes, MXU FLOPs) of one `tpu_grouped_ffn` call (both kernels) on m rows over
-    `experts` local experts, evenly (`even_groups`)."""
+    `experts` local experts, evenly (`even_groups`); fp8: FP8 experts in these blocks."""
     sizes = even_groups(m, experts)
     cost = [0, 0]
     for k_dim, n_dim, n_w, out in ((d, inter, 2, dtype), (inter, d, 1, jnp.float32)):
-        p = tpu_grouped_matmul._plan(m, k_dim, n_dim, dtype, out, n_w, gen=gen, mxfp4=mxfp4)
+        p = tpu_grouped_matmul._plan(m, k_dim, n_dim, dtype, out, n_w, gen=gen, mxfp4=mxfp4, fp8=fp8)
         expert, tile, *_, used = (np.asarray(a) for a in jax.device_get(
             tpu_grouped_matmul.group_visits(jnp.asarray(sizes, jnp.int32), m, p["tm"])))
         grid = (p["np"] // p["tn"], len(expert), p["kp"] // p["tk"])
@@ -142,11 +142,17 @@ def grouped_ffn_cost(m, d, inter, dtype=jnp.bfloat16, gen=None, mxfp4=False, exp
         if mxfp4:  # x's even and odd columns; per weight its bytes and its rows' exponents (whole K)
             ops = [(blocks[0], x_at), (blocks[1], x_at)] + [
                 (bb, at) for _ in range(n_w) for bb, at in ((blocks[2], w_at), (blocks[3], lambda n, v, k: (expert[v], n)))]
+        elif fp8:  # x; per weight its bytes and the expert's exponents (whole)
+            ops = [(blocks[0], x_at)] + [(bb, at) for _ in range(n_w)
+                                         for bb, at in ((blocks[1], w_at), (blocks[2], lambda n, v, k: expert[v]))]
         else:
             ops = [(blocks[0], x_at)] + [(blocks[1], w_at)] * n_w
         ops.append((_nbytes(*p["out"]), lambda n, v, k: (tile[v], n)))
         cost[0] += grid_traffic(grid, ops)
         step = 2 * p["tm"] * p["tn"] * p["tk"] + (2 * p["tn"] * (p["kp"] // 32) * (p["tk"] // 2) if mxfp4 else 0)
+        if fp8:  # the exponents spread over the tile: two one-hot products, the cheaper order
+            (nb, kb), tn, tk = p["ins"][2][0][1:], p["tn"], p["tk"]
+            step += 2 * min(tn * kb * (nb + tk), nb * tk * (kb + tn))
         cost[1] += grid[0] * int(used[0]) * grid[2] * n_w * step  # used visits only
     return cost[0], cost[1]
 
@@ -162,8 +168,9 @@ def call_time(nbytes: float, flops: float, gen: str) -> dict:
 def kernel_rows(cfg) -> list[dict]:
     """Each tpu_budget case at cfg's shapes: bytes, FLOPs and per generation the expected time."""
     rows = []
-    for name, (fn, args) in kernel_shapes(cfg).items():
+    for name, (fn, args) in kernel_shapes(cfg, FP8_BLOCKS[cfg.name]).items():
         module, mxfp4 = getattr(fn, "func", fn).__module__, getattr(fn, "keywords", {}).get("mxfp4", False)
+        fp8 = getattr(fn, "keywords", {}).get("fp8")
         per_gen = {}
         for gen in GENERATIONS:
             if module == tpu_attention.__name__:
@@ -171,7 +178,8 @@ def kernel_rows(cfg) -> list[dict]:
             elif module == tpu_index_scores.__name__:
                 nbytes, flops = index_scores_cost(*args, gen=gen)
             else:
-                nbytes, flops = grouped_ffn_cost(*args, gen=gen, mxfp4=mxfp4, experts=cfg.n_routed_experts // EP)
+                nbytes, flops = grouped_ffn_cost(*args, gen=gen, mxfp4=mxfp4, experts=cfg.n_routed_experts // EP,
+                                                 fp8=fp8)
             per_gen[gen] = dict(mbytes=nbytes / 1e6, gflop=flops / 1e9, **call_time(nbytes, flops, gen))
         rows.append(dict(kernel=name, shape=", ".join(map(str, args)), **per_gen))
     return rows

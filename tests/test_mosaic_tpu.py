@@ -185,6 +185,74 @@ def test_resident_mxfp4_experts_through_the_tpu_kernel(rng, monkeypatch):
     assert seen and all(t is tuple for t in seen)  # (bytes, exponents), not a dequantized array
 
 
+def _fp8(rng, e, n, k, block):
+    """Random FP8 weights as stored: every E4M3 code but NaN (either sign, subnormals, zero),
+    exponents 2^-7 .. 2^-1."""
+    import ml_dtypes
+
+    from dsjax.layers.quantized import Fp8Weight
+
+    codes = rng.integers(0, 256, (e, n, k)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E
+    return Fp8Weight(jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn)),
+                     jnp.asarray(rng.integers(120, 127, (e, -(-n // block[0]), -(-k // block[1]))), jnp.uint8), block)
+
+
+def test_fp8_tile_decodes_every_e4m3_code():
+    """The kernel's E4M3 decode by bits, at scale 1: ml_dtypes' value for each of the 254 codes
+    (NaN aside), bit for bit."""
+    import ml_dtypes
+
+    from dsjax.kernels.tpu_grouped_matmul import _fp8_tile
+
+    codes = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    got = _fp8_tile(jnp.asarray(codes.view(np.int8)), jnp.full((1, 1), 127, jnp.uint8), 0, 0, (128, 128))
+    np.testing.assert_array_equal(got, codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@pytest.mark.parametrize("sizes,i,d,block,tiles", [
+    ([5, 0, 20, 3], 260, 300, (128, 128), dict(tm=16, tk=128, tn=128)),  # V4's block; 3 x 3 tiles, remainders
+    (GROUPS["ragged"], 72, 48, (32, 32), dict(tm=8)),  # V4.1's block; several per tile, empty groups
+    ([0] * 4, 64, 64, (32, 32), dict(tm=8))])  # no rows at all
+def test_grouped_ffn_fp8_weights_as_stored(sizes, i, d, block, tiles):
+    """FP8 experts read as stored (E4M3 bytes + E8M0 exponents per block), dequantized per tile
+    in VMEM: the reference on the dequantized weights (`dense`), to fp32 rounding (measured
+    3.4e-7 of the output's scale; the dequantized values are the same numbers, only the sums'
+    order differs)."""
+    rng = np.random.default_rng(7)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    m, e = int(sizes.sum()) + 3, sizes.shape[0]
+    w1, w3, w2 = _fp8(rng, e, i, d, block), _fp8(rng, e, i, d, block), _fp8(rng, e, d, i, block)
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    want = grouped_matmul.reference(x, sizes, *(w.dense(jnp.float32) for w in (w1, w3, w2)), limit=3.0)
+    got = tpu_grouped_ffn(x, sizes, *((w.q, w.scale_exp) for w in (w1, w3, w2)), limit=3.0, block=block,
+                          interpret=True, **tiles)
+    assert _max_err(got, want) <= 1e-6 if np.asarray(want).any() else not np.asarray(got).any()
+    assert not np.asarray(got[-3:]).any()
+
+
+def test_resident_fp8_experts_through_the_tpu_kernel(rng, monkeypatch):
+    """The tiny model with its routed experts kept FP8 (V4.1's 32 x 32 blocks, several per
+    expert): the TPU grouped FFN reads their bytes, with the logits of the reference path
+    (which dequantizes) within 1e-5 of their scale."""
+    from dsjax.layers.quantized import resident_specs
+    from dsjax.model.family import family_of
+    from dsjax.params import init_params
+
+    seen = []
+    fn = grouped_matmul.tpu_grouped_ffn
+    monkeypatch.setattr(grouped_matmul, "tpu_grouped_ffn", lambda *a, **k: seen.append(a[2][0].dtype) or fn(*a, **k))
+    cfg = load_config("tiny")
+    specs = resident_specs(family_of(cfg).param_specs(cfg, jnp.float32), (32, 32), experts_fp4=False, fp8_linears=())
+    ref = dsjax.load_model("tiny", dtype="float32", quantized="resident").replace(params=init_params(specs, 3))
+    ids = rng.integers(0, 500, (1, 19))
+    want = np.asarray(ref.logits(ids))
+    got = ref.replace(options=ref.options.replace(kernels="mosaic_tpu")).logits(ids)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert seen and all(t == jnp.float8_e4m3fn for t in seen)  # the stored bytes, not a dequantized array
+
+
 def test_group_visits():
     """The megablox visit list: one visit per (8-row tile, expert) sharing rows, in row order,
     the unused ones repeating the last."""
@@ -252,8 +320,14 @@ def test_vmem_budgets_fit_every_generation(model):
     """Each kernel's double-buffered blocks + scratch + largest intermediates, at the model's
     widths (decode batch 32, 256-token prefill chunks, 1M tokens of context), within each
     generation's scoped VMEM (docs/kernels.md tabulates them)."""
-    table = tpu_budget.budgets(load_config(model))
-    assert len(table) == 9
+    from dsjax.model.family import family_of
+
+    cfg = load_config(model)
+    assert tpu_budget.FP8_BLOCKS[model] == family_of(cfg).stored_format.fp8_block
+    v41 = getattr(cfg, "v41", None)
+    assert tpu_budget.CANDIDATE_BLOCKS.get(model) == (v41.candidate_block_size if v41 else None)
+    table = tpu_budget.budgets(cfg, tpu_budget.FP8_BLOCKS[model], tpu_budget.CANDIDATE_BLOCKS.get(model))
+    assert len(table) == (13 if v41 else 11)
     for case, per_gen in table.items():
         for gen in GENERATIONS:
             assert 0 < per_gen[gen] <= SCOPED_VMEM[gen], (case, gen, per_gen[gen] / 2 ** 20)
@@ -278,9 +352,11 @@ def test_attention_lowers_for_tpu(b, s, h, t, k):
     assert "tpu_custom_call" in _exported_for_tpu(tpu_sink_attention, *avals)
 
 
-@pytest.mark.parametrize("m,e,i,d", [(192, 256, 2048, 4096), (4096, 384, 3072, 7168), (192, 384, 2304, 5120)])
-def test_grouped_ffn_lowers_for_tpu(m, e, i, d):
-    """V4-Flash decode (32 x 6 rows), V4-Pro's and V4.1-Flash's expert shapes."""
+@pytest.mark.parametrize("m,e,i,d,block", [(192, 256, 2048, 4096, (128, 128)), (4096, 384, 3072, 7168, (128, 128)),
+                                           (192, 384, 2304, 5120, (32, 32))])
+def test_grouped_ffn_lowers_for_tpu(m, e, i, d, block):
+    """V4-Flash decode (32 x 6 rows), V4-Pro's and V4.1-Flash's expert shapes; bf16, MXFP4 and
+    FP8 (the model's block) experts."""
     bf16 = jnp.bfloat16
     avals = [S((m, d), bf16), S((e,), jnp.int32), S((e, i, d), bf16), S((e, i, d), bf16), S((e, d, i), bf16)]
     text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0), *avals)
@@ -288,6 +364,10 @@ def test_grouped_ffn_lowers_for_tpu(m, e, i, d):
     mxfp4 = [(S((e, n, k // 2), jnp.int8), S((e, n, k // 32), jnp.uint8)) for n, k in ((i, d), (i, d), (d, i))]
     text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0), *avals[:2], *mxfp4)
     assert text.count("tpu_custom_call") >= 2  # the stored experts
+    fp8 = [(S((e, n, k), jnp.float8_e4m3fn), S((e, -(-n // block[0]), -(-k // block[1])), jnp.uint8))
+           for n, k in ((i, d), (i, d), (d, i))]
+    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0, block=block), *avals[:2], *fp8)
+    assert text.count("tpu_custom_call") >= 2
 
 
 @pytest.mark.parametrize("b,s,t", [(32, 1, 262144), (2, 256, 8192)])

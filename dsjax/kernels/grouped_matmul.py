@@ -311,7 +311,7 @@ def mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, block_n
 
 
 def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = "reference", layer=None,
-                rows: int | None = None, scale=None, down=None):
+                rows: int | None = None, scale=None, down=None, block=None):
     """THE dispatch (dispatch.py's rule), same contract as `reference`: "reference" runs
     ragged_dot, or the tile loop on CPU; "pallas": the Mosaic GPU kernels on Hopper+, the
     Mosaic TPU kernels on a TPU, else the generic kernel (interpreted on CPU); "mosaic_gpu" /
@@ -320,7 +320,8 @@ def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = 
     ([R, E, ...]) and this is layer `layer` of them. rows: the tile loop's / generic
     kernel's rows per tile (default `row_tile`; batch-invariant mode fixes it, so a row's
     products do not change with how many rows run). scale [M] / down: W2's input is
-    `down(h, scale)` (`hidden`; DeepSeek-V4.1's Lin4)."""
+    `down(h, scale)` (`hidden`; DeepSeek-V4.1's Lin4). block: the FP8 block of weights given
+    as stored (the Mosaic TPU kernels only; dsjax/layers/moe.py hands them so)."""
     rows = rows or row_tile(x_sorted.shape[0], group_sizes.shape[0])
     kind, interpret = kernel_choice(impl)
     down_args = {} if down is None else dict(scale=scale, down=down)
@@ -331,7 +332,8 @@ def grouped_ffn(x_sorted, group_sizes, w1, w3, w2, *, limit: float, impl: str = 
     if kind == "mosaic_gpu":
         return mgpu_grouped_ffn(x_sorted, group_sizes, w1, w3, w2, limit=limit, interpret=interpret, **down_args)
     if kind in ("mosaic_tpu", "pallas"):  # on a mesh outside the expert-parallel step: every device all rows
-        fn = tpu_grouped_ffn if kind == "mosaic_tpu" else functools.partial(pallas_grouped_ffn, rows=rows)
+        fn = (functools.partial(tpu_grouped_ffn, block=block) if kind == "mosaic_tpu"
+              else functools.partial(pallas_grouped_ffn, rows=rows))
         kernel = lambda x, sizes, w1, w3, w2, scale: fn(  # noqa: E731
             x, sizes, w1, w3, w2, limit=limit, interpret=interpret, scale=scale, down=down)
         return on_batch_shards(kernel, (), (x_sorted, group_sizes, w1, w3, w2, scale))

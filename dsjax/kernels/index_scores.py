@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from dsjax.kernels.dispatch import kernel_choice, on_batch_shards
 from dsjax.kernels.mgpu import (interpret_params, layout, matmul_nt, operand_transforms, pad_axis, round_up,
                                        store_tile)
+from dsjax.kernels.tpu_candidate_scores import tpu_candidate_scores
 from dsjax.kernels.tpu_index_scores import tpu_index_scores
 
 KEYS = 64  # keys per Mosaic GPU program: the wgmma M
@@ -120,3 +121,21 @@ def index_scores(q, keys, weights, *, scale: float, impl: str = "reference"):
         return reference(q, keys, weights, scale=scale)
     fn = {"mosaic_gpu": mgpu_index_scores, "mosaic_tpu": tpu_index_scores}.get(kind, pallas_index_scores)
     return on_batch_shards(lambda q, keys, w: fn(q, keys, w, scale=scale, interpret=interpret), (q, keys, weights))
+
+
+def candidate_scores_kernel(impl: str) -> bool:
+    """Whether `impl` runs DeepSeek-V4.1's bf16 index scores with the candidate blocks' maxima
+    as a kernel (`candidate_scores`): the Mosaic TPU one (interpreted off a TPU); elsewhere the
+    layers run candidate_selection.py's pure-jnp rule."""
+    return kernel_choice(impl)[0] == "mosaic_tpu"
+
+
+def candidate_scores(q, keys, weights, vis, *, block: int, impl: str):
+    """DeepSeek-V4.1's bf16 index scores and the candidate blocks' maxima through
+    tpu_candidate_scores.py (per device on a mesh): q [B, S, H, d], keys [B, T, d], weights
+    [B, S, H] (omega), vis [B, S] visible entries per row -> (scores [B, S, T], beta [B, S, T / block])."""
+    kind, interpret = kernel_choice(impl)
+    if kind != "mosaic_tpu":
+        raise ValueError(f"candidate_scores runs the Mosaic TPU kernel only, not {kind!r}")
+    return on_batch_shards(lambda q, k, w, v: tpu_candidate_scores(q, k, w, v, block=block, interpret=interpret),
+                           (q, keys, weights, vis))

@@ -85,8 +85,11 @@ def visible_entries(q_pos: jax.Array, n_entries: int, ratio: int) -> jax.Array:
     return jnp.arange(n_entries, dtype=jnp.int32) < vis[..., None]
 
 
-def candidate_mask(scores: jax.Array, visible: jax.Array, *, k_blocks: int, block: int = 8) -> jax.Array:
-    """Layer 20's candidate blocks. scores / visible [B, S, T] -> bool [B, S, T].
+def candidate_mask(scores: jax.Array, visible: jax.Array, *, k_blocks: int, block: int = 8,
+                   beta: jax.Array | None = None) -> jax.Array:
+    """Layer 20's candidate blocks. scores / visible [B, S, T] -> bool [B, S, T]. beta: the
+    blocks' maxima of the visible scores [B, S, ceil(T / block)] where a kernel has taken them
+    (dsjax/kernels/tpu_candidate_scores.py), else computed here.
 
     The newest visible entry is the last True of `visible` (entry vis_t - 1 for the prefix
     masks of `visible_entries`); a row with nothing visible (a padding query) pins no block
@@ -99,9 +102,11 @@ def candidate_mask(scores: jax.Array, visible: jax.Array, *, k_blocks: int, bloc
     n_blocks = -(-t // block)
     if n_blocks == 0:  # no entries yet (§2.5: the indexer is skipped)
         return jnp.zeros(scores.shape, bool)
-    masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    masked = jnp.pad(masked, [(0, 0), (0, 0), (0, n_blocks * block - t)], constant_values=-jnp.inf)
-    beta = jnp.max(reshape(masked, (b, s, n_blocks, block)), axis=-1)  # [B, S, n_blocks]
+    if beta is None:
+        masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+        masked = jnp.pad(masked, [(0, 0), (0, 0), (0, n_blocks * block - t)], constant_values=-jnp.inf)
+        beta = jnp.max(reshape(masked, (b, s, n_blocks, block)), axis=-1)  # [B, S, n_blocks]
+    _expect_shape("beta", beta, (b, s, n_blocks))
     newest = jnp.max(jnp.where(visible, jnp.arange(t, dtype=jnp.int32), -1), axis=-1)  # [B, S]
     pinned = (jnp.arange(n_blocks, dtype=jnp.int32) == newest[..., None] // block) & (newest[..., None] >= 0)
     beta = _canonical_zero(jnp.where(pinned, jnp.inf, beta))

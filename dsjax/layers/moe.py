@@ -213,12 +213,11 @@ def expert_layer(p: MoE, layer: jax.Array | None) -> MoE:
 
 def stored_kernel(p: MoE, kernels: str) -> bool:
     """Whether the routed experts run a kernel that reads their stored bytes: kept as stored,
-    all three in one format, and `kernels` resolving to Mosaic GPU (MXFP4, or FP8 per expert)
-    or Mosaic TPU (MXFP4; dsjax/kernels/dispatch.py). Otherwise they are dequantized first."""
+    all three in one format, and `kernels` resolving to Mosaic GPU or Mosaic TPU (MXFP4, or
+    FP8 per expert; dsjax/kernels/dispatch.py). Otherwise they are dequantized first."""
     forms = [stored_form(w) for w in (p.w1, p.w3, p.w2)]
-    kind = kernel_choice(kernels)[0]
     return (forms[0] is not None and all(f is not None and f[:2] == forms[0][:2] for f in forms)
-            and (kind == "mosaic_gpu" or (kind == "mosaic_tpu" and forms[0][0] == "mxfp4")))
+            and kernel_choice(kernels)[0] in ("mosaic_gpu", "mosaic_tpu"))
 
 
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
@@ -250,7 +249,8 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     if stored:
         (fmt, block, w1), w3, w2 = stored_form(p.w1), stored_form(p.w3)[2], stored_form(p.w2)[2]
         if kernel_choice(kernels)[0] == "mosaic_tpu":  # (bytes, exponents) pairs, dequantized in VMEM
-            y = grouped_ffn(x[order // k], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, **lin4_args)
+            y = grouped_ffn(x[order // k], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, block=block,
+                            **lin4_args)
         else:
             y = mgpu_stored_grouped_ffn(x[order // k], group_sizes, w1, w3, w2, fmt=fmt, block=block,
                                         limit=cfg.swiglu_limit, interpret=kernel_choice(kernels)[1], **lin4_args)

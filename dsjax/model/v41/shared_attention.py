@@ -32,6 +32,7 @@ from dsjax.layers.norms import rms_norm
 from dsjax.layers.qdq import qdq_fp4_e4m3, qdq_fp4_e8m0, qdq_fp8
 from dsjax.layers.rope import apply_rope, rope_cos_sin
 from dsjax.layers.taps import tap
+from dsjax.kernels.index_scores import candidate_scores, candidate_scores_kernel
 from dsjax.kernels.sink_attention import sink_attention as attention_kernel
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import batch_major, reshape
@@ -159,18 +160,24 @@ def round_trip(x: jax.Array, qdq, on: bool) -> jax.Array:
 
 
 def index_scores_of(p: IndexQueries, cq: jax.Array, x: jax.Array, keys: jax.Array, cos, sin, cfg: ModelConfig,
-                    kernels: str = "reference", round_trips: bool = False) -> jax.Array:
-    """s_{t,j} = sum_h w_h ReLU(q^I_h . k^I_j) with w = W_wp x / sqrt(H_I d_I) (§2.6) -> [B, S, E]
-    (fp32; with round trips the reference's FP4 queries and bf16 score pipeline)."""
+                    kernels: str = "reference", round_trips: bool = False, visible: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array | None]:
+    """s_{t,j} = sum_h w_h ReLU(q^I_h . k^I_j) with w = W_wp x / sqrt(H_I d_I) (§2.6) -> ([B, S, E]
+    (fp32; with round trips the reference's FP4 queries and bf16 score pipeline), the candidate
+    blocks' maxima of the `visible` (a prefix per row) scores [B, S, E / b_c] where a kernel
+    gives them with the scores (V4.1's Mosaic TPU kernel, under round trips), else None)."""
     q = linear(cq, p.q_b_proj, fp8_act=round_trips)
     q = reshape(q, (*cq.shape[:-1], cfg.index_n_heads, cfg.index_head_dim))
     q = apply_rope(q, cos[..., None, :], sin[..., None, :])
     if round_trips:
         w = index_head_weights(linear(x, p.weights_proj).astype(jnp.bfloat16), head_dim=cfg.index_head_dim)
         q = round_trip(q, qdq_fp4_e8m0, True)
-        return index_scores_bf16(q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16), w).astype(jnp.float32)
+        if visible is not None and keys.shape[1] and candidate_scores_kernel(kernels):
+            return candidate_scores(q, keys, w, jnp.sum(visible, axis=-1, dtype=jnp.int32),
+                                    block=cfg.v41.candidate_block_size, impl=kernels)
+        return index_scores_bf16(q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16), w).astype(jnp.float32), None
     w = linear(x, p.weights_proj).astype(jnp.float32) * cfg.index_n_heads ** -0.5
-    return index_scores(q, keys, w, cfg, kernels=kernels)
+    return index_scores(q, keys, w, cfg, kernels=kernels), None
 
 
 def project_q_kv(p: SharedAttention, x: jax.Array, positions: jax.Array, layer: LayerSpec, cfg: ModelConfig,
@@ -201,13 +208,15 @@ def index_select(p: SharedAttention, layer: LayerSpec, cq, x, shared: Shared, vi
     """An index source's top-k over the published keys (rows where `use_alt` [B, S] score
     `alt_keys` instead: the reference's published-key rule); the candidate source also
     publishes its blocks, a restricted source masks its scores by them (§2.6-2.8)."""
-    scores = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels, round_trips)
+    scores, beta = index_scores_of(p.index_queries, cq, x, shared.index_keys, cos, sin, cfg, kernels, round_trips,
+                                   visible)
     if alt_keys is not None:
-        alt = index_scores_of(p.index_queries, cq, x, alt_keys, cos, sin, cfg, kernels, round_trips)
+        alt, alt_beta = index_scores_of(p.index_queries, cq, x, alt_keys, cos, sin, cfg, kernels, round_trips, visible)
         scores = jnp.where(use_alt[..., None], alt, scores)
+        beta = None if beta is None else jnp.where(use_alt[..., None], alt_beta, beta)  # blocks follow scores
     if layer.sharing.publishes_candidates:
         shared = shared.replace(candidates=candidate_mask(
-            scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size))
+            scores, visible, k_blocks=cfg.v41.candidate_topk_blocks, block=cfg.v41.candidate_block_size, beta=beta))
     restrict = shared.candidates if layer.sharing.candidates_from is not None else None
     top, valid = select_entries(tap("indexer.scores", scores), tap("indexer.visible", visible), shared.top.shape[-1],
                                 restrict)
