@@ -77,12 +77,11 @@ def measure(args) -> dict:
                 os.path.join(args.bin, "llama-batched-bench"), "-m", gguf, "-t", str(args.threads), "-tb",
                 str(args.threads), "-c", str(ctx), "-npp", str(args.prompt_len), "-ntg", str(args.new_tokens),
                 "-npl", args.batches, "--output-format", "jsonl"]))
-        row["batched_bench"] = {str(b): {"decode_tokens_per_s": float(np.median([r["speed_tg"] for r in runs
-                                                                                   if r["pl"] == b])),
-                                         "decode_tokens_per_s_all": [r["speed_tg"] for r in runs if r["pl"] == b],
-                                         "prefill_tokens_per_s": float(np.median([r["speed_pp"] for r in runs
-                                                                                  if r["pl"] == b]))}
-                                for b in batches}
+        row["batched_bench"] = {}
+        for b in batches:
+            tg, pp = ([r[k] for r in runs if r["pl"] == b] for k in ("speed_tg", "speed_pp"))
+            row["batched_bench"][str(b)] = {"decode_tokens_per_s": float(np.median(tg)), "decode_tokens_per_s_all": tg,
+                                            "prefill_tokens_per_s": float(np.median(pp))}
         row["load_average_after"] = load_average()
         out["models"][w] = row
         pp = row["llama_bench"][f"pp{args.prompt_len}"]["tokens_per_s"]
@@ -136,10 +135,13 @@ def combine(args) -> dict:
                for k, b in (("decode_b1", "1"), ("decode_b8", "8"))}
         per[f"prefill_{p}"] = [r["models"][w]["llama_bench"][f"pp{p}"]["tokens_per_s"] for r in rounds]
         row = {f"{k}_tokens_per_s": float(np.mean(v)) for k, v in per.items()}
-        row[f"llama_bench_tg{n}_tokens_per_s"] = float(np.mean(
-            [r["models"][w]["llama_bench"][f"tg{n}"]["tokens_per_s"] for r in rounds]))
-        row[f"llama_bench_tg{n}_at_depth_{p}_tokens_per_s"] = float(np.mean(
-            [r["models"][w]["llama_bench"][f"tg{n}@d{p}"]["tokens_per_s"] for r in rounds]))
+        row["decode_b1_best_tokens_per_s"], row["decode_b8_best_tokens_per_s"] = (
+            max(max(r["models"][w]["batched_bench"][b]["decode_tokens_per_s_all"]) for r in rounds) for b in ("1", "8"))
+        row[f"prefill_{p}_best_tokens_per_s"] = max(max(r["models"][w]["llama_bench"][f"pp{p}"]["samples"])
+                                                    for r in rounds)
+        for test in (f"tg{n}", f"tg{n}@d{p}"):
+            row[f"llama_bench_{test}_tokens_per_s"] = float(np.mean(
+                [r["models"][w]["llama_bench"][test]["tokens_per_s"] for r in rounds]))
         for r in rounds:
             m = r["models"][w]
             row[f"{r['round']}: b1, b8, prefill"] = [m["batched_bench"]["1"]["decode_tokens_per_s"],
@@ -148,20 +150,24 @@ def combine(args) -> dict:
             row[f"{r['round']}: load before"] = m["load_average_before"]
         runs[f"llama.cpp {w}"] = row
     b = engine["batches"]
-    for name, key in (("dsjax fp32", "dsjax"), ("dsjax 16-bit weights", "dsjax_bf16_weights")):
-        runs[name] = {"decode_b1_tokens_per_s": b["1"][key]["decode_tokens_per_s"],
-                      "decode_b8_tokens_per_s": b["8"][key]["decode_tokens_per_s"],
-                      f"prefill_{p}_tokens_per_s": engine["prefill"][key]["prefill_tokens_per_s"],
-                      "decode_b1_4_steps_tokens_per_s": b["1"][key + "_decode_steps_4"]["decode_tokens_per_s"],
-                      "decode_b8_4_steps_tokens_per_s": b["8"][key + "_decode_steps_4"]["decode_tokens_per_s"],
-                      "engine_bench: load before b1, b8": [b["1"]["load"]["load_average_before"][0],
-                                                           b["8"]["load"]["load_average_before"][0]]}
-    if "hf" in b["1"]:
-        runs["HF transformers fp32"] = {"decode_b1_tokens_per_s": b["1"]["hf"]["decode_tokens_per_s"],
-                                        "decode_b8_tokens_per_s": b["8"]["hf"]["decode_tokens_per_s"],
-                                        f"prefill_{p}_tokens_per_s": engine["prefill"]["hf_forward"]["prefill_tokens_per_s"]}
+    pre = engine["prefill"]
+    for name, key in (("dsjax fp32", "dsjax"), ("dsjax 16-bit weights", "dsjax_bf16_weights"),
+                      ("HF transformers fp32", "hf")):
+        if key not in b["1"]:
+            continue
+        row = {f"decode_b{k}_tokens_per_s": b[k][key]["decode_tokens_per_s"] for k in ("1", "8")}
+        pkey = "hf_forward" if key == "hf" else key
+        row[f"prefill_{p}_tokens_per_s"] = pre[pkey]["prefill_tokens_per_s"]
+        row.update({f"decode_b{k}_best_tokens_per_s": max(b[k][key]["decode_tokens_per_s_all"]) for k in ("1", "8")})
+        row[f"prefill_{p}_best_tokens_per_s"] = pre[pkey]["prefill_tokens_per_s_best"]
+        if key != "hf":
+            row.update({f"decode_b{k}_4_steps_tokens_per_s": b[k][key + "_decode_steps_4"]["decode_tokens_per_s"]
+                        for k in ("1", "8")})
+        row["engine_bench: load before prefill, b1, b8"] = [pre["load"]["load_average_before"][0]] + [
+            b[k]["load"]["load_average_before"][0] for k in ("1", "8")]
+        runs[name] = row
     ratios = {}
-    for metric in ("decode_b1", "decode_b8", f"prefill_{p}"):
+    for metric in ("decode_b1", "decode_b8", f"prefill_{p}", "decode_b1_best", "decode_b8_best", f"prefill_{p}_best"):
         k = f"{metric}_tokens_per_s"
         ratios[f"{metric}: dsjax fp32 / llama.cpp f32"] = runs["dsjax fp32"][k] / runs["llama.cpp f32"][k]
         ratios[f"{metric}: dsjax 16-bit / llama.cpp bf16"] = runs["dsjax 16-bit weights"][k] / runs["llama.cpp bf16"][k]
@@ -171,7 +177,8 @@ def combine(args) -> dict:
               "llama_cpp": args.llama_version, "rounds": [r["round"] for r in rounds],
               "note": "llama.cpp decode: llama-batched-bench (b sequences after a prompt_len prompt each, "
                       "as engine_bench); prefill: llama-bench pp (empty context); dsjax prefill: the engine's "
-                      "time to the first token; llama.cpp's KV cache f16 (its default)",
+                      "time to the first token; llama.cpp's KV cache f16 (its default). Figures: medians "
+                      "(llama.cpp: the mean of its rounds' medians); _best: the fastest repeat",
               "ratios": ratios, "agreement": {w: {k: v for k, v in a.items() if k != "dsjax_weights"}
                                               for w, a in agree.items()},
               "runs": runs}
