@@ -13,7 +13,8 @@ after a `--prompt-len` context and from an empty one), and llama-batched-bench's
 `--batches` sequences after a `--prompt-len` prompt each (the engine_bench shape: batch 8 is
 eight sequences decoding together), `--threads` threads, `--reps` repetitions (medians), the
 load average beside each -> W/llama_<round>.json.
-combine: one table, llama.cpp f32 / bf16 (the mean of the rounds; each round kept) beside
+combine: one table, llama.cpp f32 / bf16 (medians of the rounds' pooled repetitions, each
+round's medians kept, and the fastest repetition) beside
 engine_bench's dsjax fp32 / 16-bit and HF rows from the same sitting, the ratios, the
 agreement -> OUT (benchmarks/results/llamacpp_*.json, rendered by report.py).
 """
@@ -131,17 +132,19 @@ def combine(args) -> dict:
     p, n = engine["prompt_len"], engine["new_tokens"]
     runs = {}
     for w in WEIGHTS:
-        per = {k: [r["models"][w]["batched_bench"][b]["decode_tokens_per_s"] for r in rounds]
+        # every repetition of every round pooled: one round stalled by the shared box's bursts
+        # moves a median of the pool less than a mean of the rounds
+        per = {k: sum((r["models"][w]["batched_bench"][b]["decode_tokens_per_s_all"] for r in rounds), [])
                for k, b in (("decode_b1", "1"), ("decode_b8", "8"))}
-        per[f"prefill_{p}"] = [r["models"][w]["llama_bench"][f"pp{p}"]["tokens_per_s"] for r in rounds]
-        row = {f"{k}_tokens_per_s": float(np.mean(v)) for k, v in per.items()}
+        per[f"prefill_{p}"] = sum((r["models"][w]["llama_bench"][f"pp{p}"]["samples"] for r in rounds), [])
+        row = {f"{k}_tokens_per_s": float(np.median(v)) for k, v in per.items()}
         row["decode_b1_best_tokens_per_s"], row["decode_b8_best_tokens_per_s"] = (
             max(max(r["models"][w]["batched_bench"][b]["decode_tokens_per_s_all"]) for r in rounds) for b in ("1", "8"))
         row[f"prefill_{p}_best_tokens_per_s"] = max(max(r["models"][w]["llama_bench"][f"pp{p}"]["samples"])
                                                     for r in rounds)
         for test in (f"tg{n}", f"tg{n}@d{p}"):
-            row[f"llama_bench_{test}_tokens_per_s"] = float(np.mean(
-                [r["models"][w]["llama_bench"][test]["tokens_per_s"] for r in rounds]))
+            row[f"llama_bench_{test}_tokens_per_s"] = float(np.median(
+                sum((r["models"][w]["llama_bench"][test]["samples"] for r in rounds), [])))
         for r in rounds:
             m = r["models"][w]
             row[f"{r['round']}: b1, b8, prefill"] = [m["batched_bench"]["1"]["decode_tokens_per_s"],
@@ -178,7 +181,7 @@ def combine(args) -> dict:
               "note": "llama.cpp decode: llama-batched-bench (b sequences after a prompt_len prompt each, "
                       "as engine_bench); prefill: llama-bench pp (empty context); dsjax prefill: the engine's "
                       "time to the first token; llama.cpp's KV cache f16 (its default). Figures: medians "
-                      "(llama.cpp: the mean of its rounds' medians); _best: the fastest repeat",
+                      "(llama.cpp: of every repetition of its rounds); _best: the fastest repetition",
               "ratios": ratios, "agreement": {w: {k: v for k, v in a.items() if k != "dsjax_weights"}
                                               for w, a in agree.items()},
               "runs": runs}
