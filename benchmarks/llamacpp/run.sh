@@ -4,7 +4,8 @@
 #   2. bench.py prepare: engine_bench's checkpoint -> f32 / bf16 GGUF, and the agreement of
 #      llama.cpp's logits and greedy tokens with dsjax's on it;
 #   3. llama.cpp measured, engine_bench run (dsjax fp32 / 16-bit, HF), llama.cpp measured again;
-#   4. bench.py combine -> benchmarks/results/llamacpp_<TAG>.json; report.py -> REPORT.md.
+#   4. bench.py combine -> benchmarks/results/llamacpp_<TAG>.json (engine_bench's own JSON of the
+#      sitting: engine_<TAG>_llamacpp.json); report.py -> REPORT.md.
 #
 #   benchmarks/llamacpp/run.sh [WORK_DIR]     (default: $LLAMA_BUILD or /work/llama_build)
 #
@@ -30,10 +31,10 @@ python benchmarks/llamacpp/bench.py measure --work "$MODEL_DIR" --bin "$BIN" --r
 echo "== $(date -u +%FT%TZ) $(uptime)"
 # shellcheck disable=SC2086
 python benchmarks/engine_bench.py --config bench-78m --batches 1,8 --new-tokens 64 \
-  --out "benchmarks/results/engine_$TAG.json" ${ENGINE_ARGS:-}
+  --out "benchmarks/results/engine_${TAG}_llamacpp.json" ${ENGINE_ARGS:-}
 echo "== $(date -u +%FT%TZ) $(uptime)"
 python benchmarks/llamacpp/bench.py measure --work "$MODEL_DIR" --bin "$BIN" --round after \
   --threads "$THREADS" --reps "$REPS"
 python benchmarks/llamacpp/bench.py combine --work "$MODEL_DIR" \
-  --engine-json "benchmarks/results/engine_$TAG.json" --out "benchmarks/results/llamacpp_$TAG.json"
+  --engine-json "benchmarks/results/engine_${TAG}_llamacpp.json" --out "benchmarks/results/llamacpp_$TAG.json"
 python benchmarks/report.py
