@@ -6,7 +6,16 @@ jobs' default: 4), the ratio to HF, and the fraction of the measured memory roof
 read; fp32 engines of at most `cpu_kernels.screen_rows()` slots find greedy tokens from the
 head's bf16 screen, so their step reads the head in bf16: `dsjax_no_screen` is the fp32
 engine without it). With --extras: decode step time against context length, async-dispatch
-overlap, batch-invariant mode cost, compile counts in steady state. Writes JSON.
+overlap, batch-invariant mode cost, compile counts in steady state. Also a prefill row: one
+`--prompt-len` prompt at batch 1, the engine's time to its first token (the prompt-chunk program
+plus the first token's sampling) with fp32 and 16-bit weights, and HF's forward on the same
+prompt (`model(ids, logits_to_keep=1)`: the last position's logits, as `generate`, the engine
+and llama.cpp's prompt processing compute). The JSON names the CPU (model, AVX2 / FMA /
+AVX-512 / AVX512-BF16 / AMX flags) and the load average beside each row. Writes JSON.
+
+The model is `bench_checkpoint`'s (HF's init under seed 0, saved and loaded by dsjax):
+benchmarks/llamacpp/run.sh converts the same checkpoint to GGUF and runs llama.cpp on it in
+the same sitting (docs/cpu-decode.md, "Against llama.cpp").
 
     python benchmarks/engine_bench.py --config bench-78m --batches 1,8 --new-tokens 64 \
         --out benchmarks/results/engine_cpu_bench78m.json
@@ -28,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decode_profile import bench_config  # noqa: E402
+from machine import cpu_info, load_average  # noqa: E402
 from results_io import write_result  # noqa: E402
 from roofline import memory_bandwidth, screened_step_bytes  # noqa: E402
 
@@ -82,6 +92,52 @@ def hf_runner(hf_model, batch, prompt_len, new_tokens):
 
     run(_prompts(np.random.default_rng(batch), batch, prompt_len, hf_model.config.vocab_size), 2)
     return lambda prompts: (run(prompts, 1), run(prompts, new_tokens))
+
+
+def bench_checkpoint(cfg, path):
+    """The benchmark's model: HF's DeepseekV4ForCausalLM of `cfg` initialised under seed 0, saved
+    (safetensors + config.json) to `path` -> the HF model. dsjax and llama.cpp (via GGUF) load it."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**dsjax.config.to_hf_dict(cfg))).eval()
+    hf_model.save_pretrained(path)
+    return hf_model
+
+
+def prefill_row(models: dict, hf_model, prompt_len, *, capacity, repeats) -> dict:
+    """One prompt at batch 1: each dsjax model's engine time to the first token (its prompt-chunk
+    program, one chunk of `prompt_len`, and the first token's sampling) and HF's forward on the
+    same prompt (the last position's logits only), interleaved repeat by repeat -> {name:
+    {prefill_s, prefill_tokens_per_s (at the median time), prefill_tokens_per_s_best}}."""
+    runs = {}
+    for name, m in models.items():
+        engine = Engine(m, max_slots=1, capacity=capacity, prefill_chunk=prompt_len)
+        _engine_run(engine, _prompts(np.random.default_rng(0), 1, prompt_len, m.config.vocab_size), 1)
+        runs[name] = lambda p, engine=engine: _engine_run(engine, p, 1)
+    if hf_model is not None:
+        import torch
+
+        def hf_forward(p):
+            t = time.perf_counter()
+            with torch.no_grad():
+                hf_model(torch.tensor(p), logits_to_keep=1)  # the next token's logits, as generate's prefill
+            return time.perf_counter() - t
+        hf_forward(_prompts(np.random.default_rng(0), 1, prompt_len, hf_model.config.vocab_size))
+        runs["hf_forward"] = hf_forward
+    rng = np.random.default_rng(prompt_len)
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        prompts = _prompts(rng, 1, prompt_len, hf_model.config.vocab_size if hf_model else 129280)
+        for name, run in runs.items():
+            times[name].append(run(prompts))
+    out = {name: {"prefill_s": float(np.median(ts)), "prefill_tokens_per_s": prompt_len / float(np.median(ts)),
+                  "prefill_tokens_per_s_best": prompt_len / min(ts)} for name, ts in times.items()}
+    if hf_model is not None:
+        for name in models:
+            out[name]["vs_hf_forward"] = out[name]["prefill_tokens_per_s"] / out["hf_forward"]["prefill_tokens_per_s"]
+    return out
 
 
 def measure(runners: dict, batch, prompt_len, new_tokens, vocab, repeats) -> dict:
@@ -158,17 +214,12 @@ def main():
     bandwidth = memory_bandwidth()
     result = {"config": cfg.name, "dtype": "float32", "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "jax": jax.__version__, "device": str(jax.devices()[0]),
-              "cpus": os.cpu_count(), "platform": platform.platform(), "read_bandwidth_bytes_per_s": bandwidth,
-              "batches": {}}
+              "cpus": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_info(),
+              "read_bandwidth_bytes_per_s": bandwidth, "batches": {}}
     with tempfile.TemporaryDirectory() as tmp:
         hf_model = None
         if not args.no_hf:
-            import torch
-            from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-            torch.manual_seed(0)
-            hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**dsjax.config.to_hf_dict(cfg))).eval()
-            hf_model.save_pretrained(tmp)
+            hf_model = bench_checkpoint(cfg, tmp)
             model = dsjax.load_model(tmp, dtype="float32")
             result["transformers"] = __import__("transformers").__version__
         else:
@@ -178,6 +229,13 @@ def main():
             capacity *= 2
         stored = dsjax.store_weights(model)
         context = args.prompt_len + args.new_tokens // 2  # the mean context of the decode steps
+        load = load_average()
+        result["prefill"] = prefill_row({"dsjax": model, "dsjax_bf16_weights": stored}, hf_model, args.prompt_len,
+                                        capacity=capacity, repeats=max(5, 2 * args.repeats))
+        result["prefill"]["load"] = {"load_average_before": load, "load_average_after": load_average()}
+        for name, r in result["prefill"].items():
+            if "prefill_tokens_per_s" in r:
+                print(f"prefill {args.prompt_len} {name:24s} {r['prefill_tokens_per_s']:8.1f} tok/s", flush=True)
         for b in batches:
             runners, weight_dtype = {}, {}
             for steps, suffix in ((1, ""), (4, "_decode_steps_4")):  # 4: the batch jobs' default
@@ -191,9 +249,10 @@ def main():
             weight_dtype["dsjax_no_screen"] = jnp.float32
             if hf_model is not None:
                 runners["hf"] = hf_runner(hf_model, b, args.prompt_len, args.new_tokens)
-            before = memory_bandwidth()["best"]
+            before, load = memory_bandwidth()["best"], load_average()
             row = measure(runners, b, args.prompt_len, args.new_tokens, cfg.vocab_size, args.repeats)
             row["read_bandwidth_bytes_per_s"] = max(before, memory_bandwidth()["best"])  # the better of before / after
+            row["load"] = {"load_average_before": load, "load_average_after": load_average()}
             for name, dtype in weight_dtype.items():
                 need = decode_step_bytes(cfg, batch=b, context=context, dtype=dtype)
                 row[name]["step_bytes"] = need["total"]
