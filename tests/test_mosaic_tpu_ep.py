@@ -74,17 +74,19 @@ def test_expert_parallel_step_reads_the_stored_experts(fmt, ep_dispatch, rng, mo
     assert seen and all(s == (tuple, stored, n_local, True) for s in seen), seen
 
 
-@pytest.mark.parametrize("experts_fp4", [True, False])
-def test_v4_flash_expert_parallel_step_exports_reading_stored_experts(experts_fp4, monkeypatch):
-    """V4-Flash's decode step (8 rows, 8192 tokens of cache, abstract weights kept as stored:
-    MXFP4 experts as released, or FP8 experts with its (128, 128) blocks) on a v5e-8-sized mesh
-    of fake devices (data=2, expert=4) exports for TPU, the grouped FFN in it reading each
+@pytest.mark.parametrize("experts_fp4,s", [(True, 1), (False, 1), (True, 256)])
+def test_v4_flash_expert_parallel_step_exports_reading_stored_experts(experts_fp4, s, monkeypatch):
+    """V4-Flash's decode step or a 256-token prefill chunk (8 rows, 8192 tokens of cache,
+    abstract weights kept as stored: MXFP4 experts as released, or FP8 experts with its
+    (128, 128) blocks) on a v5e-8-sized mesh of fake devices (data=2, expert=4) exports for TPU
+    with v5e's block table (every kernel's blocks within Mosaic's block-shape rules: the chunk
+    failed them with v5e's 4-query indexer blocks before), the grouped FFN in it reading each
     device's 64 local experts' stored bytes and exponents: int8 [64, N, K/2 | K] and uint8
     operands, no dequantized expert array."""
     import re
 
     from dsjax.config import RuntimeOptions
-    from dsjax.kernels import dispatch
+    from dsjax.kernels import dispatch, tpu_blocks
     from dsjax.layers.quantized import resident_specs
     from dsjax.model import batch_axes, cache_shapes, forward
     from dsjax.model.family import family_of
@@ -94,6 +96,8 @@ def test_v4_flash_expert_parallel_step_exports_reading_stored_experts(experts_fp
 
     S = jax.ShapeDtypeStruct
     monkeypatch.setattr(dispatch, "tpu_available", lambda: True)  # compile, as on a TPU
+    monkeypatch.setattr(tpu_blocks, "generation", lambda: "v5e")
+    jax.clear_caches()  # the kernels read the table when traced: no trace with another's blocks reused
     cfg = load_config("v4-flash")
     stored = family_of(cfg).stored_format
     specs = resident_specs(family_of(cfg).param_specs(cfg, jnp.bfloat16), stored.fp8_block, experts_fp4,
@@ -102,12 +106,13 @@ def test_v4_flash_expert_parallel_step_exports_reading_stored_experts(experts_fp
     params = abstract_params(specs, shardings_for(specs, mesh))
     cache = jax.tree.map(lambda a, ax: S(a.shape, a.dtype, sharding=batch_sharding(mesh, a.ndim, ax)),
                          cache_shapes(cfg, 8, 8192, jnp.bfloat16), batch_axes(cache_shapes(cfg, 8, 8192, jnp.bfloat16)))
-    tokens, n_valid = (S(shape, jnp.int32, sharding=batch_sharding(mesh, len(shape))) for shape in ((8, 1), (8,)))
+    tokens, n_valid = (S(shape, jnp.int32, sharding=batch_sharding(mesh, len(shape))) for shape in ((8, s), (8,)))
     with pltpu.force_tpu_interpret_mode(None), jax.set_mesh(mesh):
         unstable = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
         text = jax.export.export(forward, platforms=["tpu"], disabled_checks=unstable)(
             params, tokens, cfg, cache, opts=RuntimeOptions(kernels="mosaic_tpu"), ctx_bucket=8192,
             n_valid=n_valid).mlir_module()
+    jax.clear_caches()  # nor these traces after
     ffn = [line for line in text.splitlines() if "tpu_custom_call" in line and "dsjax_grouped_ffn" in line]
     pairs = [(len(re.findall(r"tensor<64x\d+x\d+xi8>", f)), len(re.findall(r"tensor<64x\d+x\d+xui8>", f)))
              for f in ffn]  # each call's stored bytes and E8M0 exponents: W1 and W3, then W2
