@@ -301,7 +301,8 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     # in ascending expert order, as `routed_experts` sums them, on any expert-parallel layout
     # the local experts' stored bytes straight to the Mosaic TPU kernel. Under Mosaic GPU the local
     # experts are still dequantized: GPU interpret mode stalls on fake devices inside this shard_map
-    # (already with the 16-bit kernel), so a stored-bytes step there would go unchecked
+    # (already with the kernel on dequantized experts: "Barrier remains allocated"), so a stored-bytes
+    # step there would go unchecked
     if stored_kernel(p, kernels) and kernel_choice(kernels)[0] == "mosaic_tpu":
         ffn = stored_ffn(p, kernels, cfg.swiglu_limit, down)
     else:
