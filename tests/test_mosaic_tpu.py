@@ -24,7 +24,7 @@ from dsjax.config import load_config
 from dsjax.kernels import grouped_matmul, index_scores, sink_attention, tpu_budget
 from dsjax.kernels.dispatch import kernel_choice, resolve_kernels
 from dsjax.kernels.tpu_attention import tpu_sink_attention
-from dsjax.kernels.tpu_blocks import GENERATIONS, SCOPED_VMEM, tpu_available
+from dsjax.kernels.tpu_blocks import GENERATIONS, SCOPED_VMEM, blocks, tpu_available
 from dsjax.kernels.tpu_grouped_matmul import group_visits, tpu_grouped_ffn
 from dsjax.kernels.tpu_index_scores import tpu_index_scores
 
@@ -345,36 +345,42 @@ def _exported_for_tpu(fn, *avals) -> str:
                                        (32, 1, 64, 129, 512),  # V4-Flash decode, CSA: ring + top-512
                                        (2, 256, 64, 384, 512),  # V4-Flash prefill chunk, CSA
                                        (4, 1, 128, 300, 1024)])  # V4-Pro decode: 128 heads, top-1024
-def test_attention_lowers_for_tpu(b, s, h, t, k):
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_attention_lowers_for_tpu(b, s, h, t, k, gen):
+    """With each TPU generation's block table (Mosaic TPU's block-shape rules at its blocks)."""
     bf16, i32 = jnp.bfloat16, jnp.int32
     avals = [S((b, s, h, 512), bf16), S((b, t, 512), bf16), S((b, t), i32), S((b, t), i32), S((b, s), i32),
              S((h,), jnp.float32)] + ([S((b, s, k, 512), bf16), S((b, s, k), jnp.bool_)] if k else [])
-    assert "tpu_custom_call" in _exported_for_tpu(tpu_sink_attention, *avals)
+    assert "tpu_custom_call" in _exported_for_tpu(lambda *a: tpu_sink_attention(*a, **blocks("attention", gen)), *avals)
 
 
 @pytest.mark.parametrize("m,e,i,d,block", [(192, 256, 2048, 4096, (128, 128)), (4096, 384, 3072, 7168, (128, 128)),
                                            (192, 384, 2304, 5120, (32, 32))])
-def test_grouped_ffn_lowers_for_tpu(m, e, i, d, block):
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_grouped_ffn_lowers_for_tpu(m, e, i, d, block, gen):
     """V4-Flash decode (32 x 6 rows), V4-Pro's and V4.1-Flash's expert shapes; bf16, MXFP4 and
-    FP8 (the model's block) experts."""
-    bf16 = jnp.bfloat16
+    FP8 (the model's block) experts; each generation's tiles."""
+    bf16, tiles = jnp.bfloat16, blocks("grouped_ffn", gen)
     avals = [S((m, d), bf16), S((e,), jnp.int32), S((e, i, d), bf16), S((e, i, d), bf16), S((e, d, i), bf16)]
-    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0), *avals)
+    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0, **tiles), *avals)
     assert text.count("tpu_custom_call") >= 2  # both kernels
     mxfp4 = [(S((e, n, k // 2), jnp.int8), S((e, n, k // 32), jnp.uint8)) for n, k in ((i, d), (i, d), (d, i))]
-    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0), *avals[:2], *mxfp4)
+    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0, **tiles), *avals[:2], *mxfp4)
     assert text.count("tpu_custom_call") >= 2  # the stored experts
     fp8 = [(S((e, n, k), jnp.float8_e4m3fn), S((e, -(-n // block[0]), -(-k // block[1])), jnp.uint8))
            for n, k in ((i, d), (i, d), (d, i))]
-    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0, block=block), *avals[:2], *fp8)
+    text = _exported_for_tpu(lambda *a: tpu_grouped_ffn(*a, limit=10.0, block=block, **tiles), *avals[:2], *fp8)
     assert text.count("tpu_custom_call") >= 2
 
 
-@pytest.mark.parametrize("b,s,t", [(32, 1, 262144), (2, 256, 8192)])
-def test_index_scores_lowers_for_tpu(b, s, t):
-    """V4-Flash's indexer (64 heads x 128): decode at 1M tokens of context, a prefill chunk."""
+@pytest.mark.parametrize("b,s,t", [(32, 1, 262144), (2, 256, 8192), (1, 100, 8192)])
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_index_scores_lowers_for_tpu(b, s, t, gen):
+    """V4-Flash's indexer (64 heads x 128): decode at 1M tokens of context, a prefill chunk, a
+    chunk no query block divides; each generation's blocks (v5e's 4-query blocks included)."""
     avals = [S((b, s, 64, 128), jnp.bfloat16), S((b, t, 128), jnp.bfloat16), S((b, s, 64), jnp.float32)]
-    assert "tpu_custom_call" in _exported_for_tpu(lambda *a: tpu_index_scores(*a, scale=128 ** -0.5), *avals)
+    fn = lambda *a: tpu_index_scores(*a, scale=128 ** -0.5, **blocks("index_scores", gen))  # noqa: E731
+    assert "tpu_custom_call" in _exported_for_tpu(fn, *avals)
 
 
 @pytest.mark.parametrize("s,mesh", [(1, None), (256, None), (1, "data=2,expert=4"), (256, "data=2,expert=4")])

@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 import test_mosaic_tpu
 
 import dsjax
+from dsjax.kernels.tpu_blocks import GENERATIONS, blocks
 from dsjax.kernels.tpu_candidate_scores import tpu_candidate_scores
 from dsjax.layers import candidate_selection as cs
 
@@ -99,13 +100,15 @@ def test_v41_model_logits_with_mosaic_tpu_kernels(rng):
     np.testing.assert_allclose(np.asarray(tpu.logits(ids)), want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
-@pytest.mark.parametrize("b,s,t", [(32, 1, 262144), (2, 256, 8192)])
-def test_candidate_scores_lower_for_tpu(b, s, t):
+@pytest.mark.parametrize("b,s,t", [(32, 1, 262144), (2, 256, 8192), (1, 100, 8192)])
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_candidate_scores_lower_for_tpu(b, s, t, gen):
     """V4.1-Flash's indexer (32 heads x 128, 8-entry blocks): decode at 1M tokens of context, a
-    prefill chunk."""
+    prefill chunk, a chunk no query block divides; each generation's blocks (v5e's 4-query
+    blocks included)."""
     avals = [S((b, s, 32, 128), jnp.bfloat16), S((b, t, 128), jnp.bfloat16), S((b, s, 32), jnp.bfloat16),
              S((b, s), jnp.int32)]
-    text = _exported_for_tpu(lambda *a: tpu_candidate_scores(*a, block=8), *avals)
+    text = _exported_for_tpu(lambda *a: tpu_candidate_scores(*a, block=8, **blocks("index_scores", gen)), *avals)
     assert "tpu_custom_call" in text and "dsjax_candidate_scores" in text
 
 

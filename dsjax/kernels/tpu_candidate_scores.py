@@ -17,9 +17,11 @@ k_blocks of beta and the mask (`candidate_selection.candidate_mask` given beta),
 entry list on the scores.
 
 A program takes `block_q` query positions x H heads as MXU rows against `block_t` keys (as
-V4's kernel); grid batch x query block x key block, all independent. The maxima come out as
-[B, key blocks, S, block_t / 8] (each key block's maxima a whole last dimension, as the TPU's
-block rules want) and are laid out [B, S, T / 8] after.
+V4's kernel); grid batch x query block x key block, all independent. The query blocks are an
+axis of their own in every operand (q [B, S / block_q, block_q H, d], scores [B, S / block_q,
+block_q, T]) and the maxima come out as [B, S / block_q, key blocks, block_q, block_t / 8],
+laid out [B, S, T / 8] after: each block's last two dimensions are the array's or (8, 128)
+multiples, as Mosaic TPU's block rules ask, at any block_q (v5e's 4 included).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def _kernel(q_ref, k_ref, w_ref, vis_ref, s_ref, beta_ref, *, bq: int, h: int, b
 
     bt = k_ref.shape[1]
     f32, bf16 = jnp.float32, jnp.bfloat16
-    dots = jax.lax.dot_general(q_ref[0], k_ref[0], NT, preferred_element_type=f32).astype(bf16).astype(f32)
-    terms = (jax.nn.relu(dots) * w_ref[0]).astype(bf16).astype(f32)  # [bq H, bt]; w [bq H, 1]
+    dots = jax.lax.dot_general(q_ref[0, 0], k_ref[0], NT, preferred_element_type=f32).astype(bf16).astype(f32)
+    terms = (jax.nn.relu(dots) * w_ref[0, 0]).astype(bf16).astype(f32)  # [bq H, bt]; w [bq H, 1]
     row = jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     scores = jnp.zeros((bq, bt), f32)
     for s in range(bq):
@@ -52,9 +54,9 @@ def _kernel(q_ref, k_ref, w_ref, vis_ref, s_ref, beta_ref, *, bq: int, h: int, b
         for head in range(h):  # the reference's order: h = 0, 1, .., H - 1 from +0.0
             total = total + terms[s * h + head:s * h + head + 1, :]
         scores = jnp.where(row == s, total.astype(bf16).astype(f32), scores)
-    s_ref[0] = scores
+    s_ref[0, 0] = scores
     col = pl.program_id(2) * bt + jax.lax.broadcasted_iota(jnp.int32, (1, bt), 1)
-    m = jnp.where(col < vis_ref[0], scores, NEG)  # vis [bq, 1]
+    m = jnp.where(col < vis_ref[0, 0], scores, NEG)  # vis [bq, 1]
     shift = 1
     while shift < block:  # lane j: the max of lanes j - 2 shift + 1 .. j
         m = jnp.maximum(m, pltpu.roll(m, shift, 1))
@@ -62,7 +64,7 @@ def _kernel(q_ref, k_ref, w_ref, vis_ref, s_ref, beta_ref, *, bq: int, h: int, b
     pick = (jax.lax.broadcasted_iota(jnp.int32, (bt, bt // block), 0)
             == block * jax.lax.broadcasted_iota(jnp.int32, (bt, bt // block), 1) + block - 1).astype(f32)
     beta = jnp.dot(m, pick, preferred_element_type=f32, precision=jax.lax.Precision.HIGHEST)
-    beta_ref[0, 0] = jnp.where(beta <= NEG, -jnp.inf, beta)
+    beta_ref[0, 0, 0] = jnp.where(beta <= NEG, -jnp.inf, beta)
 
 
 def _plan(b, s, h, d, t, dtype, block, *, block_q=None, block_t=None, gen=None):
@@ -70,8 +72,8 @@ def _plan(b, s, h, d, t, dtype, block, *, block_q=None, block_t=None, gen=None):
     bq = 1 if s == 1 else min(block_q or table["block_q"], s)
     bt = min(block_t or table["block_t"], round_up(t, 128))
     rows = bq * h
-    ins = [((1, rows, d), dtype), ((1, bt, d), dtype), ((1, rows, 1), jnp.float32), ((1, bq, 1), jnp.int32)]
-    outs = [((1, bq, bt), jnp.float32), ((1, 1, bq, bt // block), jnp.float32)]
+    ins = [((1, 1, rows, d), dtype), ((1, bt, d), dtype), ((1, 1, rows, 1), jnp.float32), ((1, 1, bq, 1), jnp.int32)]
+    outs = [((1, 1, bq, bt), jnp.float32), ((1, 1, 1, bq, bt // block), jnp.float32)]
     values = [((rows, bt), jnp.float32)] * 2 + [((bq, bt), jnp.float32)] * 2 + [((bt, bt // block), jnp.float32)]
     return dict(bq=bq, bt=bt, rows=rows, sp=round_up(s, bq), tp=round_up(t, bt), ins=ins, outs=outs, values=values)
 
@@ -96,21 +98,22 @@ def tpu_candidate_scores(q, keys, weights, vis, *, block: int = 8, block_q: int 
     bf16 = jnp.bfloat16
     p = _plan(b, s, h, d, t, bf16, block, block_q=block_q, block_t=block_t)
     bq, bt, rows, sp, tp = p["bq"], p["bt"], p["rows"], p["sp"], p["tp"]
-    qf = pad_axis(q.astype(bf16), 1, sp).reshape(b, sp * h, d)
-    w = pad_axis(weights.astype(bf16).astype(jnp.float32), 1, sp).reshape(b, sp * h, 1)
-    v = pad_axis(vis.astype(jnp.int32), 1, sp)[..., None]  # padding queries see nothing
+    qf = pad_axis(q.astype(bf16), 1, sp).reshape(b, sp // bq, rows, d)
+    w = pad_axis(weights.astype(bf16).astype(jnp.float32), 1, sp).reshape(b, sp // bq, rows, 1)
+    v = pad_axis(vis.astype(jnp.int32), 1, sp).reshape(b, sp // bq, bq, 1)  # padding queries see nothing
     scores, beta = pl.pallas_call(
         functools.partial(_kernel, bq=bq, h=h, block=block), name="dsjax_candidate_scores",
         grid=(b, sp // bq, tp // bt),
-        in_specs=[pl.BlockSpec((1, rows, d), lambda i, j, k: (i, j, 0)),
+        in_specs=[pl.BlockSpec((1, 1, rows, d), lambda i, j, k: (i, j, 0, 0)),
                   pl.BlockSpec((1, bt, d), lambda i, j, k: (i, k, 0)),
-                  pl.BlockSpec((1, rows, 1), lambda i, j, k: (i, j, 0)),
-                  pl.BlockSpec((1, bq, 1), lambda i, j, k: (i, j, 0))],
-        out_specs=[pl.BlockSpec((1, bq, bt), lambda i, j, k: (i, j, k)),
-                   pl.BlockSpec((1, 1, bq, bt // block), lambda i, j, k: (i, k, j, 0))],
-        out_shape=[out_struct((b, sp, tp), jnp.float32, q), out_struct((b, tp // bt, sp, bt // block), jnp.float32, q)],
+                  pl.BlockSpec((1, 1, rows, 1), lambda i, j, k: (i, j, 0, 0)),
+                  pl.BlockSpec((1, 1, bq, 1), lambda i, j, k: (i, j, 0, 0))],
+        out_specs=[pl.BlockSpec((1, 1, bq, bt), lambda i, j, k: (i, j, 0, k)),
+                   pl.BlockSpec((1, 1, 1, bq, bt // block), lambda i, j, k: (i, j, k, 0, 0))],
+        out_shape=[out_struct((b, sp // bq, bq, tp), jnp.float32, q),
+                   out_struct((b, sp // bq, tp // bt, bq, bt // block), jnp.float32, q)],
         compiler_params=compiler_params("parallel", "parallel", "parallel"),
         interpret=interpret_params(interpret),
     )(qf, pad_axis(keys.astype(bf16), 1, tp), w, v)
-    beta = jnp.swapaxes(beta, 1, 2).reshape(b, sp, tp // block)
-    return scores[:, :s, :t], beta[:, :s, :-(-t // block)]
+    beta = jnp.swapaxes(beta, 2, 3).reshape(b, sp, tp // block)
+    return scores.reshape(b, sp, tp)[:, :s, :t], beta[:, :s, :-(-t // block)]

@@ -220,6 +220,21 @@ def stored_kernel(p: MoE, kernels: str) -> bool:
             and kernel_choice(kernels)[0] in ("mosaic_gpu", "mosaic_tpu"))
 
 
+def stored_ffn(p: MoE, kernels: str, limit: float, down=None):
+    """The grouped FFN over p's routed experts as stored (`stored_kernel` holds): ffn(rows [M, D]
+    sorted by expert, group_sizes [E], scale [M]) -> [M, D], the kernel handed each weight's
+    (bytes, E8M0 exponents): Mosaic TPU's dequantizes a tile in VMEM, Mosaic GPU's in shared
+    memory. The same call on one device and per device in the expert-parallel step (p there
+    holds the device's E / ep experts). down: DeepSeek-V4.1's Lin4 (`lin4`)."""
+    (fmt, block, w1), w3, w2 = stored_form(p.w1), stored_form(p.w3)[2], stored_form(p.w2)[2]
+    kind, interpret = kernel_choice(kernels)
+    if kind == "mosaic_tpu":
+        return lambda r, sizes, s: grouped_ffn(r, sizes, w1, w3, w2, limit=limit, impl=kernels,  # noqa: E731
+                                               block=block, scale=s, down=down)
+    return lambda r, sizes, s: mgpu_stored_grouped_ffn(r, sizes, w1, w3, w2, fmt=fmt, block=block,  # noqa: E731
+                                                       limit=limit, interpret=interpret, scale=s, down=down)
+
+
 def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg: ModelConfig,
                    path: str | None = None, *, kernels: str = "reference", layer: jax.Array | None = None,
                    rows: int | None = None, fp8_acts: bool = False) -> jax.Array:
@@ -245,19 +260,13 @@ def routed_experts(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, cfg
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat_e, length=cfg.n_routed_experts).astype(jnp.int32)
-    lin4_args = dict(scale=weights.reshape(-1)[order], down=down)
+    scale = weights.reshape(-1)[order]
     if stored:
-        (fmt, block, w1), w3, w2 = stored_form(p.w1), stored_form(p.w3)[2], stored_form(p.w2)[2]
-        if kernel_choice(kernels)[0] == "mosaic_tpu":  # (bytes, exponents) pairs, dequantized in VMEM
-            y = grouped_ffn(x[order // k], group_sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels, block=block,
-                            **lin4_args)
-        else:
-            y = mgpu_stored_grouped_ffn(x[order // k], group_sizes, w1, w3, w2, fmt=fmt, block=block,
-                                        limit=cfg.swiglu_limit, interpret=kernel_choice(kernels)[1], **lin4_args)
+        y = stored_ffn(p, kernels, cfg.swiglu_limit, down)(x[order // k], group_sizes, scale)
     else:
         p = p.replace(w1=dense(p.w1, x.dtype), w3=dense(p.w3, x.dtype), w2=dense(p.w2, x.dtype))  # FP4/FP8-resident
         y = grouped_ffn(x[order // k], group_sizes, p.w1, p.w3, p.w2, limit=cfg.swiglu_limit, impl=kernels,
-                        layer=layer, rows=rows, **lin4_args)
+                        layer=layer, rows=rows, scale=scale, down=down)
     y = y.astype(x.dtype).astype(jnp.float32) * after.reshape(-1)[order][:, None]
     if fp8_acts:  # back to assignment order [T, K], then the one summation order
         return sum_by_expert(jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1), idx)
@@ -290,9 +299,16 @@ def dispatch_combine(p: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, c
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # by device, and by expert within: a token's outputs are summed
     # in ascending expert order, as `routed_experts` sums them, on any expert-parallel layout
-    w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
-    ffn = lambda r, sizes, s: grouped_ffn(r, sizes, w1, w3, w2, limit=cfg.swiglu_limit, impl=kernels,  # noqa: E731
-                                          rows=rows, scale=s, down=down)
+    # the local experts' stored bytes straight to the Mosaic TPU kernel. Under Mosaic GPU the local
+    # experts are still dequantized: GPU interpret mode stalls on fake devices inside this shard_map
+    # (already with the kernel on dequantized experts: "Barrier remains allocated"), so a stored-bytes
+    # step there would go unchecked
+    if stored_kernel(p, kernels) and kernel_choice(kernels)[0] == "mosaic_tpu":
+        ffn = stored_ffn(p, kernels, cfg.swiglu_limit, down)
+    else:
+        w1, w3, w2 = (dense(w, x.dtype) for w in (p.w1, p.w3, p.w2))  # FP4/FP8-resident experts
+        ffn = lambda r, sizes, s: grouped_ffn(r, sizes, w1, w3, w2, limit=cfg.swiglu_limit,  # noqa: E731
+                                              impl=kernels, rows=rows, scale=s, down=down)
     args = (x[order // k], flat_e[order], None if down is None else weights.reshape(-1)[order], ffn)
     cap = t * k if capacity_factor is None else max(1, math.ceil(t * k / ep * capacity_factor))
     padded = lambda: padded_dispatch(*args, n_experts=cfg.n_routed_experts, cap=cap)  # noqa: E731
