@@ -4,14 +4,6 @@ import sys
 # Eight fake CPU devices for the mesh tests (must precede the first jax import). Code that
 # uses no mesh runs on device 0 as before.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# The suite's programs compile with LLVM at -O0: the suite checks values, and its tiny models'
-# programs spend far longer compiling than running (compile is most of a cold run; test_engine.py
-# from an empty cache: 0.70x the wall time). The level can move a result's last bits (LLVM fuses
-# multiply-adds at -O3), so every process a test starts keeps these flags (`device_flags`) and
-# each comparison stays between programs compiled alike, or against an oracle's tolerance.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 
 import numpy as np
 import pytest

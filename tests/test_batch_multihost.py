@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from xla_flags import device_flags
 
 from dsjax import cli
 from dsjax.batch.manifest import manifest_path
@@ -50,7 +49,7 @@ def _port() -> int:
 
 def _env() -> dict:
     """A process of 4 CPU devices running this checkout's dsjax."""
-    return {**os.environ, "XLA_FLAGS": device_flags(4), "JAX_PLATFORMS": "cpu",
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 

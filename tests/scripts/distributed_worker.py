@@ -9,10 +9,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from xla_flags import device_flags  # noqa: E402  (tests/: the suite's flags, 4 devices)
-
-os.environ["XLA_FLAGS"] = device_flags(4)
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import numpy as np  # noqa: E402
