@@ -69,15 +69,50 @@ def _no_stored_executables():
     dsjax.compile_cache._keep_executables = False
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_code():
-    """Drop compiled executables after each test module. Every XLA:CPU executable keeps
-    its own JIT-code memory mappings; a whole suite's worth of compilations in one process
-    exhausts vm.max_map_count and LLVM then fails with 'Cannot allocate memory'."""
-    yield
+def _release_compiled() -> None:
+    """Drop what holds compiled executables: jit's caches and dsjax's executables (one clear),
+    the library's warm engines (each keeps its programs), then collect."""
     import gc
 
     import jax
 
+    from dsjax.engine import warm
+
+    with warm._lock:
+        warm._warm.clear()
     jax.clear_caches()
     gc.collect()
+
+
+def _code_mappings() -> tuple[int, int]:
+    """(this process's memory mappings, the kernel's limit on them), (0, 0) off Linux."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            count = f.read().count(b"\n")
+        with open("/proc/sys/vm/max_map_count") as f:
+            return count, int(f.read())
+    except (OSError, ValueError):
+        return 0, 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop compiled executables after each test module. Every XLA:CPU executable keeps
+    its own JIT-code memory mappings (~600 for an engine step of the tiny model); a whole
+    suite's worth of compilations in one process exhausts vm.max_map_count and XLA then
+    aborts or segfaults wherever it maps next (seen in JAX's cache read and write)."""
+    yield
+    _release_compiled()
+
+
+@pytest.fixture(autouse=True)
+def _bounded_code_mappings():
+    """Within a module too: after a test that leaves the process over half the kernel's limit
+    on mappings (65530 by default; a long module such as test_speculative.py reached 53k,
+    and a worker that ran other modules first starts higher), drop compiled code before the
+    next test. Module fixtures keep their own; the next program is read back from JAX's
+    persistent cache."""
+    yield
+    count, limit = _code_mappings()
+    if count > limit // 2:
+        _release_compiled()

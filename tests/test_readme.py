@@ -23,7 +23,7 @@ from dsjax.weights import DEFAULT_MODEL
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 TEST_COMMAND = ('pip install -c constraints.txt -e ".[test]" && '
-                "python -m pytest -q -n auto --maxprocesses=4 --dist loadfile")
+                "python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --max-worker-restart=0")
 MAIN_JOB = 'dsjax generate "def fibonacci(n):" --max-new-tokens 48'
 MAIN_ARGV = shlex.split(MAIN_JOB)[1:]
 RUN_HERE = ("info", "params", "cache", "memory")
