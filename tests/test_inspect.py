@@ -292,7 +292,7 @@ def test_drafts_are_the_drafters_after_each_position(name, k):
         return drafter.draft(weights, params, state, context, cfg, opts, k=k, sampler=inspect._GreedyLogits())[:2]
 
     for t in (0, 8, 18):
-        want_tokens, want_logits = engine_path(model.params, model.mtp, t + 1)
+        want_tokens, want_logits = engine_path(model.params, model.mtp, jnp.int32(t + 1))  # one program
         np.testing.assert_array_equal(tokens[:, t], want_tokens, err_msg=f"t={t}")
         np.testing.assert_allclose(drafted[:, t], want_logits, atol=1e-5 * scale, err_msg=f"t={t}")
 
