@@ -26,6 +26,7 @@ from dsjax.engine.requests import check_prompt
 from dsjax.memory import device_memory, show_bytes
 from dsjax.model.family import family_of
 from dsjax.model.forward_pass import forward
+from dsjax.model.interface import with_sequence_rows
 from dsjax.kernels.dispatch import resolve_kernels
 from dsjax.param_count import count_params
 from dsjax.params import abstract_params, init_params, spec_leaves
@@ -115,9 +116,11 @@ class Model:
         b = ids.shape[0]
         pad = -b % self.batch_shards()  # the batch splits evenly over the mesh's batch axes
         ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]).astype(np.int32)
+        # one device: V4.1's Engram rows fetched before the call (a program without a host callback)
+        params = self.params if self.mesh is not None else with_sequence_rows(self.params, ids, self.config)
         with self.mesh_context():
             x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))
-            return to_host(forward(self.params, x, self.config, opts=self.options)[0])[:b]
+            return to_host(forward(params, x, self.config, opts=self.options)[0])[:b]
 
 
 def load_model(path_or_config_name: str | Path = DEFAULT_MODEL, *, dtype="auto", seed: int = 0, mesh=None,

@@ -40,6 +40,7 @@ from dsjax.model.cache_layout import block_layout, cache_bytes, decode_step_byte
 from dsjax.model.family import family_of
 from dsjax.model.forward_pass import forward, forward_traced
 from dsjax.model.head import head_dtype, lm_head_weight, screens, step_head_params
+from dsjax.model.v41.backbone import with_sequence_rows as v41_sequence_rows
 from dsjax.sharding.rules import batch_sharding
 
 __all__ = [
@@ -85,6 +86,15 @@ def roll_back(params, cache: Cache, saved, positions: jax.Array, rejected: jax.A
     if tables is not None:  # the Engram ids of the kept positions only
         cache = cache.replace(history=kept_history(tables.token_map, history, tokens, kept))
     return cache
+
+
+def with_sequence_rows(params, tokens, cfg: ModelConfig):
+    """params for one whole-sequence forward over host tokens [B, S]: V4.1's Engram rows fetched
+    from its host tables before the call, so the program holds no host callback (JAX's
+    persistent cache keeps it; `dsjax.model.v41.backbone.with_sequence_rows`); else params."""
+    if getattr(params, "engram_tables", None) is None:
+        return params
+    return v41_sequence_rows(params, tokens, cfg)
 
 
 # ----------------------------------------------------------------------------- head

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers.engram import BEFORE_START, dequant_rows, engram_fuse
@@ -64,6 +65,8 @@ def v41_streams(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, *, 
     means of the block inputs of its target layers."""
     b, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if engram_rows is None:
+        engram_rows = params.engram_rows
     if engram_rows is None and params.engram_tables is not None:
         start = jnp.full((b, cfg.v41.engram.max_ngram_size - 1), BEFORE_START, jnp.int32)
         engram_rows, _ = engram_fetch(params.engram_tables.fetch, cfg, tokens, start, jnp.full((b,), s, jnp.int32))
@@ -208,9 +211,29 @@ def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array,
               for _ in e.layer_ids for width in (e.head_dim, e.head_dim // 32)]
     out = jax.pure_callback(fetch, (*shapes, jax.ShapeDtypeStruct(history.shape, jnp.int32)), tokens, history,
                             n_valid)
-    rows = tuple((jax.lax.bitcast_convert_type(out[2 * k], jnp.float8_e4m3fn), out[2 * k + 1])
-                 for k in range(len(e.layer_ids)))
-    return rows, batch_major(out[-1])  # the callback's outputs are replicated; the cache's history is batch-major
+    return _stored_rows(out, cfg), batch_major(out[-1])  # the callback's outputs are replicated; the history batch-major
+
+
+def _stored_rows(fetched, cfg: ModelConfig) -> tuple:
+    """`EngramStore.fetch`'s uint8 outputs -> per Engram layer (E4M3 rows, E8M0 exponents)."""
+    return tuple((jax.lax.bitcast_convert_type(fetched[2 * k], jnp.float8_e4m3fn), fetched[2 * k + 1])
+                 for k in range(len(cfg.v41.engram.layer_ids)))
+
+
+def with_sequence_rows(params: ModelParamsV41, tokens: np.ndarray, cfg: ModelConfig) -> ModelParamsV41:
+    """params for one whole-sequence forward over tokens [B, S] (host ints, from position 0): the
+    Engram rows its n-grams select, fetched from the host tables now (`EngramStore.fetch`, as the
+    in-step callback would: the same bytes) and carried as `engram_rows`, so that the forward's
+    program holds no host callback and JAX's persistent cache keeps it. Unchanged without tables."""
+    tables = params.engram_tables
+    if tables is None:
+        return params
+    b, s = tokens.shape
+    start = np.full((b, cfg.v41.engram.max_ngram_size - 1), BEFORE_START, np.int32)
+    fetched = tables.fetch(np.asarray(tokens), start, np.full((b,), s, np.int32))
+    rows = tuple((jnp.asarray(fetched[2 * k].view(jnp.float8_e4m3fn)), jnp.asarray(fetched[2 * k + 1]))
+                 for k in range(len(cfg.v41.engram.layer_ids)))  # `_stored_rows`' bits, viewed on the host
+    return params.replace(engram_rows=rows)
 
 
 def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,

@@ -45,6 +45,10 @@ class ModelParamsV41:
     # the host tables themselves (an `EngramStore`, not an array: static to jit, compared by identity): when
     # set, a forward given no engram_rows fetches its rows from them during the step (`engram_fetch`)
     engram_tables: Any = struct.field(pytree_node=False, default=None)
+    # one whole-sequence forward's Engram rows, fetched from those tables on the host before the call
+    # (`with_sequence_rows`): per Engram layer (E4M3 [B, S, n_hash, hd], E8M0 exponents [B, S, n_hash, hd / 32]);
+    # the program then holds no host callback, so JAX's persistent cache keeps it. None otherwise.
+    engram_rows: Any = None
 
 
 # The weights a V4.1 checkpoint stores in FP8 (E4M3, UE8M0 scales on 32 x 32 tiles, spec §7.3, §8)
