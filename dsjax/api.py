@@ -99,6 +99,12 @@ class Model:
         """`with model.mesh_context():` runs code under this model's mesh (no-op without one)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+    def sequence_params(self, ids: np.ndarray):
+        """The params for one whole-sequence forward over host ids [B, S]: on one device, V4.1's
+        Engram rows fetched before the call (`with_sequence_rows`: a program without a host
+        callback, which JAX's persistent cache keeps); on a mesh the in-step fetch stays."""
+        return self.params if self.mesh is not None else with_sequence_rows(self.params, ids, self.config)
+
     def batch_shards(self) -> int:
         with self.mesh_context():
             return axis_size("batch")
@@ -116,8 +122,7 @@ class Model:
         b = ids.shape[0]
         pad = -b % self.batch_shards()  # the batch splits evenly over the mesh's batch axes
         ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]).astype(np.int32)
-        # one device: V4.1's Engram rows fetched before the call (a program without a host callback)
-        params = self.params if self.mesh is not None else with_sequence_rows(self.params, ids, self.config)
+        params = self.sequence_params(ids)
         with self.mesh_context():
             x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))
             return to_host(forward(params, x, self.config, opts=self.options)[0])[:b]

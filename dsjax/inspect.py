@@ -30,7 +30,7 @@ from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers import taps
 from dsjax.layers.taps import EDITS, Add, Replace, describe
 from dsjax.model.forward_pass import forward_traced
-from dsjax.model.interface import draft_block_limit, drafter_for, with_sequence_rows
+from dsjax.model.interface import draft_block_limit, drafter_for
 from dsjax.sharding.rules import batch_sharding
 
 __all__ = ["Add", "Replace", "ablate", "at_positions", "forward", "force_experts", "mask_entries", "names", "patch",
@@ -66,9 +66,7 @@ def forward(model: Model, tokens, capture=(), edits: dict | None = None, *,
         if ids.shape[0] % shards:
             raise ValueError(f"{ids.shape[0]} rows do not split over the mesh's {shards} batch shards")
         x = jnp.asarray(ids) if model.mesh is None else jax.device_put(ids, batch_sharding(model.mesh, 2))
-        # one device: V4.1's Engram rows fetched before the call (a program without a host callback)
-        params = model.params if model.mesh is not None else with_sequence_rows(model.params, ids, model.config)
-        return _inspect(params, x, edits, model.mtp if drafts[0] else None, cfg=model.config,
+        return _inspect(model.sequence_params(ids), x, edits, model.mtp if drafts[0] else None, cfg=model.config,
                         opts=model.options, capture=capture, drafts=drafts, dtype=jnp.dtype(model.dtype))
 
 

@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 
@@ -78,21 +79,28 @@ def _release_compiled() -> None:
 
     from dsjax.engine import warm
 
-    with warm._lock:
-        warm._warm.clear()
+    warm.release_all()
     jax.clear_caches()
     gc.collect()
 
 
-def _code_mappings() -> tuple[int, int]:
-    """(this process's memory mappings, the kernel's limit on them), (0, 0) off Linux."""
+@functools.cache
+def _mapping_limit() -> int:
+    """The kernel's limit on a process's memory mappings (vm.max_map_count), 0 off Linux."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def _code_mappings() -> int:
+    """This process's memory mappings, 0 off Linux."""
     try:
         with open("/proc/self/maps", "rb") as f:
-            count = f.read().count(b"\n")
-        with open("/proc/sys/vm/max_map_count") as f:
-            return count, int(f.read())
-    except (OSError, ValueError):
-        return 0, 0
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -113,6 +121,5 @@ def _bounded_code_mappings():
     next test. Module fixtures keep their own; the next program is read back from JAX's
     persistent cache."""
     yield
-    count, limit = _code_mappings()
-    if count > limit // 2:
+    if _mapping_limit() and _code_mappings() > _mapping_limit() // 2:
         _release_compiled()

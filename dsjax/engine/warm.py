@@ -102,3 +102,9 @@ def release(model, entry: _Warm | None = None) -> None:
     with _lock:
         if entry is None or _warm.get(id(model)) is entry:
             _warm.pop(id(model), None)
+
+
+def release_all() -> None:
+    """Drop every model's warm engine (their caches and compiled programs)."""
+    with _lock:
+        _warm.clear()

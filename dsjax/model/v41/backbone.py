@@ -216,7 +216,7 @@ def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array,
 
 def _stored_rows(fetched, cfg: ModelConfig) -> tuple:
     """`EngramStore.fetch`'s uint8 outputs -> per Engram layer (E4M3 rows, E8M0 exponents)."""
-    return tuple((jax.lax.bitcast_convert_type(fetched[2 * k], jnp.float8_e4m3fn), fetched[2 * k + 1])
+    return tuple((fetched[2 * k].view(jnp.float8_e4m3fn), fetched[2 * k + 1])  # a bitcast (traced or on the host)
                  for k in range(len(cfg.v41.engram.layer_ids)))
 
 
@@ -224,16 +224,11 @@ def with_sequence_rows(params: ModelParamsV41, tokens: np.ndarray, cfg: ModelCon
     """params for one whole-sequence forward over tokens [B, S] (host ints, from position 0): the
     Engram rows its n-grams select, fetched from the host tables now (`EngramStore.fetch`, as the
     in-step callback would: the same bytes) and carried as `engram_rows`, so that the forward's
-    program holds no host callback and JAX's persistent cache keeps it. Unchanged without tables."""
-    tables = params.engram_tables
-    if tables is None:
-        return params
+    program holds no host callback and JAX's persistent cache keeps it. params must have tables."""
     b, s = tokens.shape
     start = np.full((b, cfg.v41.engram.max_ngram_size - 1), BEFORE_START, np.int32)
-    fetched = tables.fetch(np.asarray(tokens), start, np.full((b,), s, np.int32))
-    rows = tuple((jnp.asarray(fetched[2 * k].view(jnp.float8_e4m3fn)), jnp.asarray(fetched[2 * k + 1]))
-                 for k in range(len(cfg.v41.engram.layer_ids)))  # `_stored_rows`' bits, viewed on the host
-    return params.replace(engram_rows=rows)
+    fetched = params.engram_tables.fetch(np.asarray(tokens), start, np.full((b,), s, np.int32))
+    return params.replace(engram_rows=jax.tree.map(jnp.asarray, _stored_rows(fetched, cfg)))
 
 
 def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
