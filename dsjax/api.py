@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax import code_memory
 from dsjax.checkpoint import load_checkpoint, orbax_io
 from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.checkpoint.loader import checkpoint_format, has_mtp
@@ -122,6 +123,7 @@ class Model:
         b = ids.shape[0]
         pad = -b % self.batch_shards()  # the batch splits evenly over the mesh's batch axes
         ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]).astype(np.int32)
+        code_memory.relieve()  # a program per shape: past most of the limit on code mappings, drop the old ones
         params = self.sequence_params(ids)
         with self.mesh_context():
             x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))

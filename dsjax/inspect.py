@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax import code_memory
 from dsjax.api import Model
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers import taps
@@ -61,6 +62,7 @@ def forward(model: Model, tokens, capture=(), edits: dict | None = None, *,
     if ids.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {ids.shape}")
     drafts = _drafts_asked(model, capture, draft_tokens)
+    code_memory.relieve()  # a program per shape and edit set: past most of the limit on code mappings, drop old ones
     with model.mesh_context():
         shards = model.batch_shards()
         if ids.shape[0] % shards:

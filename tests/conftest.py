@@ -1,4 +1,3 @@
-import functools
 import os
 import sys
 
@@ -8,6 +7,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np
 import pytest
+
+from dsjax import code_memory
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -70,39 +71,6 @@ def _no_stored_executables():
     dsjax.compile_cache._keep_executables = False
 
 
-def _release_compiled() -> None:
-    """Drop what holds compiled executables: jit's caches and dsjax's executables (one clear),
-    the library's warm engines (each keeps its programs), then collect."""
-    import gc
-
-    import jax
-
-    from dsjax.engine import warm
-
-    warm.release_all()
-    jax.clear_caches()
-    gc.collect()
-
-
-@functools.cache
-def _mapping_limit() -> int:
-    """The kernel's limit on a process's memory mappings (vm.max_map_count), 0 off Linux."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 0
-
-
-def _code_mappings() -> int:
-    """This process's memory mappings, 0 off Linux."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:
-        return 0
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
     """Drop compiled executables after each test module. Every XLA:CPU executable keeps
@@ -110,7 +78,7 @@ def _release_compiled_code():
     suite's worth of compilations in one process exhausts vm.max_map_count and XLA then
     aborts or segfaults wherever it maps next (seen in JAX's cache read and write)."""
     yield
-    _release_compiled()
+    code_memory.release()
 
 
 @pytest.fixture(autouse=True)
@@ -121,5 +89,5 @@ def _bounded_code_mappings():
     next test. Module fixtures keep their own; the next program is read back from JAX's
     persistent cache."""
     yield
-    if _mapping_limit() and _code_mappings() > _mapping_limit() // 2:
-        _release_compiled()
+    if code_memory.limit() and code_memory.mappings() > code_memory.limit() // 2:
+        code_memory.release()

@@ -27,6 +27,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dsjax"
 # Rank of each part of the package: a module may import only parts of equal or lower rank.
 RANKS = {
     "dsjax.config": 0, "dsjax.tokenizer": 0, "dsjax.compile_cache": 0,  # host-side text; process setup
+    "dsjax.code_memory": 0,  # compiled code's memory mappings against the kernel's limit
     "dsjax.weights": 0,  # where bundled checkpoints live (paths only)
     "dsjax.params": 1,
     "dsjax.sharding.rules": 2, "dsjax.sharding.distributed": 2, "dsjax.kernels": 2, "dsjax.memory": 2,

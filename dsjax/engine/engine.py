@@ -45,6 +45,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from dsjax import code_memory
 from dsjax.engine.capture import resolve
 from dsjax.engine.constraints import Constraint
 from dsjax.engine.limits import check_cache_fits, check_engine_args, check_prefix_cache
@@ -346,6 +347,7 @@ class Engine:
         """Plan a step (admission, a prefill chunk per prefilling request, a decode step), run
         it, and read back the outputs now due: with overlap all but the decode step just
         dispatched, which the device runs while the host makes the previous step's events."""
+        code_memory.relieve()  # past most of the kernel's limit on code mappings: drop other programs first
         with self.model.mesh_context():
             self.runner.measure_costs(self.scheduler.bucket(1))
             if self.prefix is not None:  # blocks of generated tokens, now that those are read back

@@ -28,6 +28,7 @@ import threading
 import weakref
 from typing import Any, Iterator
 
+from dsjax import code_memory
 from dsjax.engine.engine import Engine
 
 
@@ -108,3 +109,6 @@ def release_all() -> None:
     """Drop every model's warm engine (their caches and compiled programs)."""
     with _lock:
         _warm.clear()
+
+
+code_memory.on_release(release_all)  # when the process nears the limit on code mappings
