@@ -9,7 +9,9 @@ are real bytes, so a large table costs no disk), then decode steps run three way
 
   fetch   the host lookup alone (`EngramStore.fetch`: hash, gather the rows, next history)
   device  the jitted step with the rows given up front (no host work inside the step)
-  inside  the jitted step with the lookup inside it (`engram_fetch`, a pure_callback)
+  inside  the jitted step with the lookup inside it (`engram_fetch`), as a `jax.pure_callback`
+          (what a GPU, a TPU or a mesh runs) and, on a CPU, called by the store's number
+          (`cpu_kernels.host_call`: what one CPU device runs; `by_number_*` in the JSON)
 
 hidden = 1 - (inside - device) / fetch_in_step, clipped to [0, 1] (fetch_in_step: the lookup's
 own time when the step calls it, operands handed over from the device): the share of the lookup that
@@ -47,6 +49,7 @@ from dsjax.checkpoint.engram_tables import EngramStore, write_engram_table  # no
 from dsjax.checkpoint.names import engram_table_name  # noqa: E402
 from dsjax.config import RuntimeOptions, load_config  # noqa: E402
 from dsjax.config.io import to_hf_dict  # noqa: E402
+from dsjax.kernels import cpu as cpu_kernels  # noqa: E402
 from dsjax.layers.engram import bucket_primes  # noqa: E402
 from dsjax.model.cache_layout import init_cache  # noqa: E402
 from dsjax.model.v41.backbone import v41_logits, v41_streams_cached  # noqa: E402
@@ -80,6 +83,20 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Each fn's median time over `repeats` rounds, the fns taken in turn within a round (the
+    machine's speed drifts: a fn timed after another would carry the drift into the ratio)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compiled outside the timing
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny-v41")
@@ -99,16 +116,19 @@ def main():
         tokens = rng.integers(0, cfg.vocab_size, (b, args.context + 1)).astype(np.int32)
         n1 = np.ones(b, np.int32)
 
+        own = EngramStore.fetch.__get__(store)  # the store's own fetch: called by its number on a CPU
+
         @functools.partial(jax.jit, static_argnames="inside")
         def step(params, t, cache, rows, inside):
+            fetch = {"callback": store.fetch, "by_number": own}.get(inside)
             streams, pi, cache, _ = v41_streams_cached(params, t, cfg, cache, ctx_bucket=cap, opts=opts,
-                                                       engram_rows=store.fetch if inside else rows)
+                                                       engram_rows=rows if fetch is None else fetch)
             return v41_logits(params, streams, pi, cfg)[:, -1].argmax(-1), cache
 
         cache = init_cache(cfg, b, cap, jnp.float32)
         prefill_rows = tuple((jnp.asarray(q), jnp.asarray(s))
                              for q, s in store.rows(tokens[:, :args.context], np.asarray(cache.history))[0])
-        _, cache = step(params, tokens[:, :args.context], cache, prefill_rows, inside=False)
+        _, cache = step(params, tokens[:, :args.context], cache, prefill_rows, inside="no")
         last = tokens[:, args.context:args.context + 1]
         history = np.asarray(cache.history)
         host = store.rows(last, history)[0]
@@ -123,9 +143,11 @@ def main():
             in_step.append(time.perf_counter() - t)
             return out
 
-        store.fetch = timed_fetch  # read when the inside step is traced, below
-        t_device = median_time(lambda: step(params, last, cache, rows, inside=False), args.repeats)
-        t_inside = median_time(lambda: step(params, last, cache, rows, inside=True), args.repeats)
+        store.fetch = timed_fetch  # read when the callback step is traced, below (a function: a pure_callback)
+        ways = ["no", "callback"] + (["by_number"] if cpu_kernels.host_calls() else [])
+        times = interleaved({w: functools.partial(step, params, last, cache, rows, inside=w) for w in ways},
+                            args.repeats)
+        t_device, t_inside, t_number = times["no"], times["callback"], times.get("by_number")
         e = cfg.v41.engram
         per_token = len(e.layer_ids) * e.n_hash * (e.head_dim + e.head_dim // 32)
         overhead = t_inside - t_device  # what the lookup inside the step costs it
@@ -136,6 +158,8 @@ def main():
                   "step_rows_given_ms": t_device * 1e3,
                   "step_rows_fetched_inside_ms": t_inside * 1e3,
                   "inside_overhead_ms": overhead * 1e3, "hidden_fraction": hidden,
+                  "step_rows_fetched_by_number_ms": None if t_number is None else t_number * 1e3,
+                  "by_number_overhead_ms": None if t_number is None else (t_number - t_device) * 1e3,
                   "jax": jax.__version__, "platform": platform.machine(), "backend": jax.default_backend(),
                   "v41_flash_bytes_per_token": 2 * 24 * (256 + 8)}
         store.close()

@@ -132,3 +132,35 @@ def test_compiles_ahead_defer_the_call_then_run_the_same_program(tmp_path, loads
     executables.clear()
     np.testing.assert_array_equal(Programs(Store(tmp_path))(_scaled, x, k=4.0), x * 4)
     assert len(loads) == 1
+
+
+_V41_RUN = """
+import json
+from jax import monitoring
+import dsjax
+seen = {"compiles": 0, "hits": 0}
+monitoring.register_event_listener(lambda e, **kw: seen.update(hits=seen["hits"] + 1) if e.endswith("/cache_hits") else None)
+monitoring.register_event_duration_secs_listener(
+    lambda e, s, **kw: seen.update(compiles=seen["compiles"] + 1) if e.endswith("backend_compile_duration") else None)
+engine = dsjax.Engine(dsjax.load_model("tiny-v41"), max_slots=1, capacity=64, prefill_chunk=16)
+tokens = engine.generate([[5, 9, 2, 7, 11, 3]], dsjax.SamplingParams(max_tokens=5, ignore_eos=True))
+print(json.dumps({"tokens": tokens, **seen}))
+"""
+
+
+def test_a_v41_engines_programs_are_read_back_in_another_process():
+    """V4.1's steps fetch Engram rows from the host during the step. On a CPU they call the store
+    by number (`cpu_kernels.host_call`), not through a `jax.pure_callback`, so JAX's persistent
+    cache keeps them: a second process compiles nothing (every program is a cache hit) and
+    makes the same tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _V41_RUN], env=env, capture_output=True, text=True,
+                                      check=True, timeout=600).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[1]["tokens"] == runs[0]["tokens"] and len(runs[0]["tokens"][0]) == 5
+    assert runs[1]["compiles"] > 0 and runs[1]["hits"] == runs[1]["compiles"], runs[1]

@@ -54,21 +54,31 @@ def ids(seed: int, b: int = 2, s: int = S) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 5000, (b, s)).astype(np.int32)
 
 
-def test_v41_whole_sequence_fetches_its_engram_rows_before_the_call(v41):
+def test_v41_whole_sequence_fetches_its_engram_rows_before_the_call(v41, monkeypatch):
     """`Model.logits` and `inspect.forward` on one device fetch V4.1's Engram rows from the host
-    tables before the call, so their program holds no host callback (JAX's persistent cache
-    keeps it; a program with one is compiled in every process): the logits equal, bit for bit,
-    those of the program that fetches them during the step through the callback."""
+    tables before the call, and a program that fetches them during the step calls the store by
+    number on a CPU (`cpu_kernels.host_call`): neither holds a host callback (JAX's persistent
+    cache keeps them; a program with one is compiled in every process). Their logits equal, bit
+    for bit, those of the program that fetches the rows through `jax.pure_callback` (what a GPU,
+    a TPU or a mesh runs)."""
+    from dsjax.kernels import cpu as cpu_kernels
     from dsjax.model.forward_pass import forward
     from dsjax.model.interface import with_sequence_rows
 
     cfg, x = v41.config, ids(3)
     assert v41.params.engram_tables is not None
-    in_step = forward.lower(v41.params, jnp.asarray(x), cfg, opts=v41.options)
+    by_number = forward.lower(v41.params, jnp.asarray(x), cfg, opts=v41.options)
     before = forward.lower(with_sequence_rows(v41.params, x, cfg), jnp.asarray(x), cfg, opts=v41.options)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "host_calls", lambda: False)
+        jax.clear_caches()  # traced again, not the trace above
+        callback = forward.lower(v41.params, jnp.asarray(x), cfg, opts=v41.options)
+    jax.clear_caches()
     callbacks = lambda lowered: bool(lowered._lowering.compile_args.get("host_callbacks"))  # noqa: E731
-    assert callbacks(in_step) and not callbacks(before)
-    want = np.asarray(in_step.compile()(v41.params, jnp.asarray(x))[0])
+    assert callbacks(callback) and not callbacks(before) and not callbacks(by_number)
+    assert cpu_kernels.HOST in by_number.as_text() and cpu_kernels.HOST not in callback.as_text()
+    want = np.asarray(callback.compile()(v41.params, jnp.asarray(x))[0])
+    np.testing.assert_array_equal(np.asarray(by_number.compile()(v41.params, jnp.asarray(x))[0]), want)
     np.testing.assert_array_equal(v41.logits(x), want)
     np.testing.assert_array_equal(np.asarray(inspect.forward(v41, x)[0]), want)
 

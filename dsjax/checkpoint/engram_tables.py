@@ -36,6 +36,7 @@ import numpy as np
 
 from dsjax.checkpoint.names import canonical_name, engram_table_name
 from dsjax.checkpoint.safetensors_io import CheckpointError, CheckpointFiles, SafetensorsFile
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.engram import compressed_ids, engram_layout, initial_history, next_history, ngram_row_ids
 
 TOKEN_MAP_FILE = Path(__file__).resolve().parent / "data" / "engram_token_map_v41.i32.gz"
@@ -237,6 +238,7 @@ class EngramStore:
             if table.rows != layout.table_rows(k):
                 raise CheckpointError(f"{table.path}: Engram table of layer {layout.layer_ids[k]} has {table.rows} "
                                       f"rows; its bucket primes need {layout.table_rows(k)} (engram_num_embeddings)")
+        self.key = cpu_kernels.register_host_function(self.fetch)  # what a CPU step calls `fetch` by (`engram_fetch`)
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, cfg, token_map: np.ndarray | None = None) -> "EngramStore":

@@ -34,7 +34,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ from flax import struct
 TILE = 32  # vocabulary rows a tile (csrc/cpu_kernels.cc kTile)
 HEAD = "dsjax_vocab_head"
 GREEDY = "dsjax_greedy_head"
+HOST = "dsjax_host_call"
 ENV_OFF = "DSJAX_CPU_KERNELS"
 ENV_CACHE = "DSJAX_KERNEL_CACHE"
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
@@ -130,6 +133,8 @@ def _load() -> str:
         _screen_dot = bool(library.DsjaxScreenDot())
         jax.ffi.register_ffi_target(HEAD, jax.ffi.pycapsule(library.DsjaxVocabHead), platform="cpu")
         jax.ffi.register_ffi_target(GREEDY, jax.ffi.pycapsule(library.DsjaxGreedyHead), platform="cpu")
+        jax.ffi.register_ffi_target(HOST, jax.ffi.pycapsule(library.DsjaxHostCall), platform="cpu")
+        library.DsjaxSetHostFunction(_trampoline)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         return f"build failed: {e}"
     return f"ready ({lib})"
@@ -175,6 +180,69 @@ def available() -> bool:
     """Whether the kernel runs here: the default backend is the CPU, it is built, and not
     `disabled()`."""
     return not _OFF.get() and jax.default_backend() == "cpu" and status().startswith("ready")
+
+
+# ---------------------------------------------------------------- host functions by number
+# `dsjax_host_call` (csrc/cpu_kernels.cc) calls back into Python by a number that the program
+# holds as an attribute: unlike `jax.pure_callback`, whose program holds Python objects of the
+# process that compiled it (JAX's persistent cache cannot keep it), such a program is kept, and
+# runs in any process that registered a function under that number before running it. The
+# numbers are slots, the lowest free one for each new function: the same program (a step of
+# the same shapes calling "the process's first Engram store") is then the same in every process,
+# and a number stays with its function while the function lives, so a live program always
+# calls the function it was traced for.
+_HOST_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64))
+_host_functions: dict[int, Callable] = {}  # key -> () -> the function (None: its object is gone)
+_host_lock = threading.Lock()
+_DTYPES = {2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint8, 7: np.uint16, 8: np.uint32,
+           9: np.uint64, 11: np.float32, 12: np.float64}  # XLA's element types (xla_data.proto)
+
+
+def register_host_function(fn) -> int:
+    """The number `host_call` calls fn(*arrays) -> a tuple of arrays by: the lowest one free
+    (a number is free when nothing holds its function any more). A bound method is held weakly
+    (its object's life is its owner's); another function for the life of the process."""
+    with _host_lock:
+        key = next(k for k in range(len(_host_functions) + 1) if _host_functions.get(k, lambda: None)() is None)
+        _host_functions[key] = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+    return key
+
+
+@_HOST_FUNCTION
+def _trampoline(key, n_args, n_rets, buffers, meta):
+    try:
+        fn = _host_functions.get(key, lambda: None)()
+        if fn is None:
+            raise RuntimeError(f"no host function registered under {key} in this process")
+        arrays, at = [], 0
+        for i in range(n_args + n_rets):
+            dtype, rank = np.dtype(_DTYPES[meta[at]]), meta[at + 1]
+            shape = tuple(meta[at + 2: at + 2 + rank])
+            at += 2 + rank
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            view = np.frombuffer((ctypes.c_char * size).from_address(buffers[i]), dtype) if size else np.empty(0, dtype)
+            arrays.append(view.reshape(shape))
+        outs = fn(*arrays[:n_args])
+        if len(outs) != n_rets:
+            raise RuntimeError(f"host function {key} returned {len(outs)} arrays for {n_rets} results")
+        for target, out in zip(arrays[n_args:], outs):
+            target[...] = np.asarray(out).reshape(target.shape)
+        return 0
+    except Exception:  # the program's error says to look here
+        log.exception("dsjax: host function %d failed", key)
+        return 1
+
+
+def host_calls() -> bool:
+    """Whether `host_call` runs here: the default backend is the CPU and the library is built."""
+    return jax.default_backend() == "cpu" and status().startswith("ready")
+
+
+def host_call(key: int, out, *args):
+    """The function registered under `key`, on the host, inside a program: out (ShapeDtypeStructs)
+    as `jax.ffi.ffi_call`'s. A CPU program only (`host_calls()`), one device."""
+    return jax.ffi.ffi_call(HOST, out, vmap_method="sequential")(*args, key=np.int64(key))
 
 
 def describe() -> str:

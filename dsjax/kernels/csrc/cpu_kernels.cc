@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -343,7 +344,52 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- a host function by number
+// `dsjax_host_call`: the Python function registered under the attribute `key`
+// (dsjax/kernels/cpu.py `register_host_function`) reads every argument buffer and fills every
+// result buffer, on the host. Where `jax.pure_callback` ties a program to Python objects of the
+// process that compiled it (JAX's persistent cache cannot keep such a program), this names the
+// function by a number, so a program holding it is kept and runs in any process that
+// registered a function under that number. Per buffer the function gets its address and
+// (element type, rank, dims...) in `meta`; it returns 0, or non-zero after reporting an error.
+typedef int (*HostFunction)(int64_t key, int64_t n_args, int64_t n_rets, void** buffers, const int64_t* meta);
+std::atomic<HostFunction> host_function{nullptr};
+
+void describe(const ffi::AnyBuffer& b, std::vector<void*>& buffers, std::vector<int64_t>& meta) {
+  buffers.push_back(b.untyped_data());
+  auto dims = b.dimensions();
+  meta.push_back(static_cast<int64_t>(b.element_type()));
+  meta.push_back(static_cast<int64_t>(dims.size()));
+  for (int64_t d : dims) meta.push_back(d);
+}
+
+ffi::Error HostCall(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t key) {
+  HostFunction f = host_function.load();
+  if (f == nullptr) return ffi::Error::Internal("dsjax_host_call: no host function set (dsjax.kernels.cpu)");
+  std::vector<void*> buffers;
+  std::vector<int64_t> meta;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    describe(*b, buffers, meta);
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (!r.has_value()) return r.error();
+    describe(**r, buffers, meta);
+  }
+  if (f(key, int64_t(args.size()), int64_t(rets.size()), buffers.data(), meta.data()) != 0)
+    return ffi::Error::Internal("dsjax_host_call: the host function " + std::to_string(key) +
+                                " failed (its error is printed above)");
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+extern "C" void DsjaxSetHostFunction(HostFunction f) { host_function.store(f); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxHostCall, HostCall,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>("key"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxGreedyHead, GreedyHead,
                               ffi::Ffi::Bind()

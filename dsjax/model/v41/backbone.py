@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig, RuntimeOptions
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.engram import BEFORE_START, dequant_rows, engram_fuse
 from dsjax.layers.hyper_connection import collapse
 from dsjax.layers.linear import linear
@@ -30,7 +31,7 @@ from dsjax.model.cache import Cache
 from dsjax.model.head import last_valid, lm_head_weight, rows_logits
 from dsjax.model.v41.params import ModelParamsV41
 from dsjax.model.v41.shared_attention import empty_shared, shared_attention_extend, shared_attention_forward
-from dsjax.sharding.rules import batch_major
+from dsjax.sharding.rules import batch_major, current_mesh
 
 
 # ----------------------------------------------------------------------------- the forward
@@ -201,16 +202,24 @@ def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array,
     (E4M3 bytes [B, C, n_hash, hd], E8M0 bytes [B, C, n_hash, hd / 32]) of the rows the
     chunk's n-grams hash to, then the history after the n_valid committed tokens
     (`dsjax.checkpoint.engram_tables.EngramStore.fetch`). -> (rows per layer, history).
-    A `pure_callback`: the lookup is a function of its operands (the tables do not change), so XLA
+    A pure host call: the lookup is a function of its operands (the tables do not change), so XLA
     may schedule it beside the layers before the first Engram layer. An `io_callback` (effectful,
     even unordered) serialised the step around it, costing it many times the lookup itself
-    (docs/v41.md; benchmarks/engram_transfer.py)."""
+    (docs/v41.md; benchmarks/engram_transfer.py). On one CPU device a store's own `fetch` is
+    called by its store's number (`cpu_kernels.host_call`), which leaves the program one JAX's
+    persistent cache keeps; elsewhere (GPU, TPU, a mesh) it is a `jax.pure_callback`."""
     e = cfg.v41.engram
     b, c = tokens.shape
     shapes = [jax.ShapeDtypeStruct((b, c, e.n_hash, width), jnp.uint8)
               for _ in e.layer_ids for width in (e.head_dim, e.head_dim // 32)]
-    out = jax.pure_callback(fetch, (*shapes, jax.ShapeDtypeStruct(history.shape, jnp.int32)), tokens, history,
-                            n_valid)
+    shapes.append(jax.ShapeDtypeStruct(history.shape, jnp.int32))
+    store = getattr(fetch, "__self__", None)  # a store's own fetch has the number its store registered
+    own = getattr(store, "key", None) is not None and getattr(fetch, "__func__", None) is getattr(type(store), "fetch", 0)
+    if own and current_mesh() is None and cpu_kernels.host_calls():
+        out = cpu_kernels.host_call(store.key, shapes, tokens.astype(jnp.int32), history.astype(jnp.int32),
+                                    n_valid.astype(jnp.int32))
+    else:
+        out = jax.pure_callback(fetch, tuple(shapes), tokens, history, n_valid)
     return _stored_rows(out, cfg), batch_major(out[-1])  # the callback's outputs are replicated; the history batch-major
 
 
