@@ -114,6 +114,8 @@ class EngramTable:
         names = {"weight": f"{prefix}.weight", "scale": f"{prefix}.scale"}
         want = {"weight": (WEIGHT_DTYPE, head_dim), "scale": (SCALE_DTYPE, head_dim // group)}
         self.names = names
+        self.identity = tuple((names[part], str(paths[part].resolve()), os.stat(paths[part]).st_size,
+                               os.stat(paths[part]).st_mtime_ns) for part in names)  # the bytes it reads
         self._maps, views = [], {}
         for part, name in names.items():
             header = SafetensorsFile(paths[part])  # parses and size-checks the header; reads no tensor data
@@ -177,6 +179,8 @@ class HeldTable(EngramTable):
         self.path, self.names, self._maps = Path(f"<seeded {name}>"), {"weight": f"{name}.weight"}, []
         self._weight, self._scale = weight, scale
         self.rows, self.bytes_read = weight.shape[0], 0
+        self.identity = (name, hashlib.sha256(np.ascontiguousarray(weight)).hexdigest(),
+                         hashlib.sha256(np.ascontiguousarray(scale)).hexdigest())
 
 
 def write_engram_table(path: str | Path, weight_e4m3: np.ndarray, scale_e8m0: np.ndarray,
@@ -238,7 +242,13 @@ class EngramStore:
             if table.rows != layout.table_rows(k):
                 raise CheckpointError(f"{table.path}: Engram table of layer {layout.layer_ids[k]} has {table.rows} "
                                       f"rows; its bucket primes need {layout.table_rows(k)} (engram_num_embeddings)")
-        self.key = cpu_kernels.register_host_function(self.fetch)  # what a CPU step calls `fetch` by (`engram_fetch`)
+        # What the lookup reads (layout, token map, each table's files or bytes), as the number a
+        # CPU step calls `fetch` by (`engram_fetch`): the same in every process that holds a store
+        # of the same tables, so JAX's persistent cache serves its steps there.
+        h = hashlib.sha256(repr((layout, [t.identity for t in self.tables])).encode())
+        h.update(np.ascontiguousarray(token_map, np.int64).tobytes())
+        self.key = int.from_bytes(h.digest()[:8], "little") & (2**63 - 1)
+        cpu_kernels.register_host_function(self.key, self.fetch)
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, cfg, token_map: np.ndarray | None = None) -> "EngramStore":

@@ -186,33 +186,35 @@ def available() -> bool:
 # `dsjax_host_call` (csrc/cpu_kernels.cc) calls back into Python by a number that the program
 # holds as an attribute: unlike `jax.pure_callback`, whose program holds Python objects of the
 # process that compiled it (JAX's persistent cache cannot keep it), such a program is kept, and
-# runs in any process that registered a function under that number before running it. The
-# numbers are slots, the lowest free one for each new function: the same program (a step of
-# the same shapes calling "the process's first Engram store") is then the same in every process,
-# and a number stays with its function while the function lives, so a live program always
-# calls the function it was traced for.
+# runs in any process that registered a function under that number before running it: the
+# caller derives the number from what the function computes (an Engram store: its tables'
+# files or bytes), so equal numbers mean functions with equal results, in any process.
 _HOST_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64))
-_host_functions: dict[int, Callable] = {}  # key -> () -> the function (None: its object is gone)
+_host_functions: dict[int, list[Callable]] = {}  # key -> [() -> a function (None: its object is gone)]
 _host_lock = threading.Lock()
 _DTYPES = {2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint8, 7: np.uint16, 8: np.uint32,
            9: np.uint64, 11: np.float32, 12: np.float64}  # XLA's element types (xla_data.proto)
 
 
-def register_host_function(fn) -> int:
-    """The number `host_call` calls fn(*arrays) -> a tuple of arrays by: the lowest one free
-    (a number is free when nothing holds its function any more). A bound method is held weakly
+def register_host_function(key: int, fn) -> None:
+    """`host_call(key, ...)` calls fn(*arrays) -> a tuple of arrays. Functions registered under
+    one key must give equal results (any live one is called). A bound method is held weakly
     (its object's life is its owner's); another function for the life of the process."""
+    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
     with _host_lock:
-        key = next(k for k in range(len(_host_functions) + 1) if _host_functions.get(k, lambda: None)() is None)
-        _host_functions[key] = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
-    return key
+        alive = [r for r in _host_functions.get(int(key), []) if r() is not None]
+        _host_functions[int(key)] = alive + [ref]
+
+
+def _host_function(key: int):
+    return next((fn for fn in (r() for r in _host_functions.get(key, [])) if fn is not None), None)
 
 
 @_HOST_FUNCTION
 def _trampoline(key, n_args, n_rets, buffers, meta):
     try:
-        fn = _host_functions.get(key, lambda: None)()
+        fn = _host_function(key)
         if fn is None:
             raise RuntimeError(f"no host function registered under {key} in this process")
         arrays, at = [], 0
