@@ -18,6 +18,10 @@ False, with the reason in `status()`), and nothing else changes.
 Each logit is the sequential multiply-add over the hidden size (fused where the CPU has FMA):
 a row's logits do not depend on the other rows, their number, or the threads, so batch
 invariance holds (an engine in batch-invariant mode runs the GEMM throughout anyway).
+
+The same library holds `dsjax_host_call` (`host_call`, below): a host function called by a
+number the program holds, so that a program calling back into Python stays one JAX's
+persistent cache can keep (V4.1's Engram lookup on one CPU device).
 """
 
 from __future__ import annotations
