@@ -3,6 +3,11 @@ reads every program from the store instead of tracing it, and runs exactly the p
 jit would have built."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -153,12 +158,6 @@ def test_a_v41_engines_programs_are_read_back_in_another_process():
     by number (`cpu_kernels.host_call`), not through a `jax.pure_callback`, so JAX's persistent
     cache keeps them: a second process compiles nothing (every program is a cache hit) and
     makes the same tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     runs = [json.loads(subprocess.run([sys.executable, "-c", _V41_RUN], env=env, capture_output=True, text=True,
                                       check=True, timeout=600).stdout.splitlines()[-1]) for _ in range(2)]

@@ -114,8 +114,9 @@ class EngramTable:
         names = {"weight": f"{prefix}.weight", "scale": f"{prefix}.scale"}
         want = {"weight": (WEIGHT_DTYPE, head_dim), "scale": (SCALE_DTYPE, head_dim // group)}
         self.names = names
-        self.identity = tuple((names[part], str(paths[part].resolve()), os.stat(paths[part]).st_size,
-                               os.stat(paths[part]).st_mtime_ns) for part in names)  # the bytes it reads
+        stats = {part: os.stat(paths[part]) for part in names}
+        self.identity = tuple((names[part], str(paths[part].resolve()), stats[part].st_size, stats[part].st_mtime_ns)
+                              for part in names)  # the bytes it reads
         self._maps, views = [], {}
         for part, name in names.items():
             header = SafetensorsFile(paths[part])  # parses and size-checks the header; reads no tensor data

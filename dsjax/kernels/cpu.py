@@ -183,7 +183,7 @@ def disabled():
 def available() -> bool:
     """Whether the kernel runs here: the default backend is the CPU, it is built, and not
     `disabled()`."""
-    return not _OFF.get() and jax.default_backend() == "cpu" and status().startswith("ready")
+    return not _OFF.get() and host_calls()
 
 
 # ---------------------------------------------------------------- host functions by number
@@ -241,7 +241,8 @@ def _trampoline(key, n_args, n_rets, buffers, meta):
 
 
 def host_calls() -> bool:
-    """Whether `host_call` runs here: the default backend is the CPU and the library is built."""
+    """Whether the library runs here (`host_call`, and the head kernel unless `disabled()`): the
+    default backend is the CPU and the library is built."""
     return jax.default_backend() == "cpu" and status().startswith("ready")
 
 
