@@ -6,7 +6,9 @@ kinds, moe, head, sampler, and layer_weights (a V4 scanned layer's weights copie
 their stack where a product cannot read them in place); the rest is layer-loop control,
 cache and slot bookkeeping. Unlike decode_profile.py, which times each group alone as a
 program of its own, this splits the real fused step, and it says how much of the step both
-cores were busy (XLA:CPU runs independent thunks side by side).
+cores were busy (XLA:CPU runs independent thunks side by side), how many thunks each group
+runs, and which kinds of thunk (XLA's instruction names without their numbers: a dot, a
+`copy_dot_fusion`, ...) take the time.
 
     python benchmarks/decode_trace.py [--batches 1 8] [--weight-dtype bfloat16] [--steps 30]
         [--out benchmarks/results/decode_trace_cpu.json]
@@ -43,6 +45,7 @@ OTHER = "other (layer loops, cache and slot bookkeeping)"
 NOT_THUNKS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener")  # the runtime's own events
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = \S+ [\w-]+\((.*?)\)(.*)$", re.M)
 OP_NAME = re.compile(r"metadata=\{op_name=\"([^\"]*)\"")
+KIND = re.compile(r"\.\d+$")
 
 
 def group_of(op_name: str) -> str:
@@ -129,6 +132,13 @@ def trace(model, batch: int, context: int, steps: int) -> dict:
             unmatched += ns
     thread_ns = sum(per_group.values())
     top = sorted(((ns, name) for name, ns in self_ns.items() if name in groups), reverse=True)[:12]
+    thunks, kinds, kind_calls = collections.Counter(), collections.Counter(), collections.Counter()
+    for name in self_ns:
+        if name in groups:
+            thunks[groups[name]] += calls[name]
+            kind = KIND.sub("", name)  # XLA's names: <kind>.<number>, e.g. copy_dot_fusion.25
+            kinds[kind] += self_ns[name]
+            kind_calls[kind] += calls[name]
     return {
         "batch": batch, "context": context, "steps": steps,
         "engine_step_s": untraced, "traced_step_s": traced, "tokens_per_s": batch / untraced,
@@ -137,8 +147,11 @@ def trace(model, batch: int, context: int, steps: int) -> dict:
         "busy_s_per_step": union_ns(busy) / 1e9 / steps,  # at least one XLA thread running a thunk
         "unmatched_thread_s_per_step": unmatched / 1e9 / steps,  # not in the decode program (markers, other programs)
         "thunks_per_step": sum(calls[n] for n in self_ns if n in groups) / steps,
+        "thunks_per_step_by_group": {g: thunks[g] / steps for g in (*GROUPS, OTHER)},
         "top_thunks": [{"name": n, "group": groups[n], "s_per_step": ns / 1e9 / steps,
                         "calls_per_step": calls[n] / steps} for ns, n in top],
+        "top_thunk_kinds": [{"kind": k, "s_per_step": ns / 1e9 / steps, "calls_per_step": kind_calls[k] / steps}
+                            for k, ns in kinds.most_common(12)],
     }
 
 
@@ -157,7 +170,10 @@ def main():
               f"thread-ms a step (mean {r['thread_s_per_step_total'] / wall:.2f} cores of {os.cpu_count()}), "
               f"none busy {max(wall - r['busy_s_per_step'], 0) * 1e3:.2f} ms")
         for g, s in sorted(r["thread_s_per_step"].items(), key=lambda kv: -kv[1]):
-            print(f"  {g:50s} {s * 1e3:7.3f} thread-ms  {s / r['thread_s_per_step_total']:5.1%}")
+            print(f"  {g:50s} {s * 1e3:7.3f} thread-ms  {s / r['thread_s_per_step_total']:5.1%}  "
+                  f"{r['thunks_per_step_by_group'][g]:5.0f} thunks")
+        print("  thunk kinds:", ", ".join(f"{k['kind']} {k['s_per_step'] * 1e6:.0f} us / {k['calls_per_step']:.0f}"
+                                          for k in r["top_thunk_kinds"][:8]))
     write_result({"config": model.config.name, "weight_dtype": args.weight_dtype, "jax": jax.__version__,
                   "device": str(jax.devices()[0]), "cpus": os.cpu_count(), "platform": platform.platform(),
                   "runs": runs}, out)
