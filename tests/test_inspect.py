@@ -15,12 +15,14 @@ import pytest
 
 import dsjax
 from dsjax import inspect
+from dsjax.api import SMALLEST_SEQUENCE, padded_size
 from dsjax.inspect import _inspect
 from dsjax.layers.moe import route
 from dsjax.model import forward, layer_block, layer_slot, model_specs
 from dsjax.params import init_params
 
-S = 80  # long enough for the CSA layers' indexer to select (80 / 4 = 20 entries > index_topk 16)
+S = 80  # long enough for the CSA layers' indexer to select (80 / 4 = 20 entries > index_topk 16); a length
+# `Model.logits` runs as it is (`padded_size`), so its logits and `inspect.forward`'s compare bit for bit
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,24 @@ def models(tiny, scanned, v41):
 
 def ids(seed: int, b: int = 2, s: int = S) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 5000, (b, s)).astype(np.int32)
+
+
+def test_logits_share_padded_programs_and_equal_the_unpadded_forward(tiny):
+    """`Model.logits` runs [B, S] padded to `padded_size` (at least 16 tokens, then four sizes an
+    octave): lengths 17..20 share one program, and each one's logits are those of the forward
+    over the exact shape (`inspect.forward`) to float rounding, so nothing of the padding after
+    a sequence reaches it (causal), while a padding that leaked would move them far more."""
+    n = np.arange(1, 5000)
+    sizes = np.array([padded_size(int(k), SMALLEST_SEQUENCE) for k in n])
+    assert padded_size(S, SMALLEST_SEQUENCE) == S and (sizes >= n).all() and (np.diff(sizes) >= 0).all()
+    assert (sizes[n > SMALLEST_SEQUENCE] <= 1.25 * n[n > SMALLEST_SEQUENCE]).all()
+    assert len(set(sizes)) == 34  # 16, four an octave up to 4096, then 5120
+    assert [padded_size(b, 1) for b in range(1, 11)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 10]
+    programs = forward._cache_size()
+    for s in (17, 19, 20):
+        x = ids(4, 2, s)
+        np.testing.assert_allclose(tiny.logits(x), np.asarray(inspect.forward(tiny, x)[0]), rtol=1e-5, atol=1e-5)
+    assert forward._cache_size() == programs + 1
 
 
 def test_v41_whole_sequence_fetches_its_engram_rows_before_the_call(v41, monkeypatch):
