@@ -4,6 +4,7 @@ V4.1-Flash size by count and at tiny size by name), it loads to the values writt
 rows come from memory-mapped tables one row at a time, and the loaded model runs."""
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import v41_checkpoint
+from dsjax.checkpoint import engram_tables
 from dsjax.checkpoint.engram_tables import EngramStore
 from dsjax.checkpoint.loader import load_checkpoint
 from dsjax.checkpoint.names import canonical_name, mtp_weight_names, weight_names
@@ -107,6 +109,33 @@ def test_engram_rows_from_host_tables_and_the_loaded_model_runs(checkpoint):
     want = np.asarray(run(jax.tree.map(jnp.asarray, deq), jnp.asarray(tokens, jnp.int32), want_rows))
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_copied_checkpoints_engram_store_keeps_its_number(checkpoint, tmp_path, monkeypatch):
+    """The number a V4.1 CPU step calls its Engram store by (`EngramStore.key`, part of the
+    compiled program) follows the tables' bytes for files of at most IDENTITY_BYTES: a copy of
+    the checkpoint elsewhere (other paths, other times) has the same number, so the steps
+    compiled for one are read from JAX's persistent cache for the other; one changed byte of a
+    table file gives another number. Larger files are known by path, size and time: then the
+    copy has another number."""
+    cfg, directory, *_ = checkpoint
+
+    def key(d):
+        store = EngramStore.from_checkpoint(d, cfg)
+        try:
+            return store.key, store.tables[0].path
+        finally:
+            store.close()
+
+    (want, table), copy = key(directory), shutil.copytree(directory, tmp_path / "copy")
+    assert key(copy)[0] == want
+    changed = shutil.copytree(directory, tmp_path / "changed")
+    data = bytearray((changed / table.name).read_bytes())
+    data[-1] ^= 1
+    (changed / table.name).write_bytes(bytes(data))
+    assert key(changed)[0] != want
+    monkeypatch.setattr(engram_tables, "IDENTITY_BYTES", 0)
+    assert key(copy)[0] != key(directory)[0]
 
 
 def test_engram_rows_fetched_inside_the_cached_step(checkpoint):

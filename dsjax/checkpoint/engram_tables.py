@@ -100,6 +100,21 @@ def engram_token_map(path: str | Path = TOKEN_MAP_FILE) -> np.ndarray:
 WEIGHT_DTYPE, SCALE_DTYPE = "F8_E4M3", "F8_E8M0"
 
 
+IDENTITY_BYTES = 64 << 20  # table files up to this size are known by their bytes (`_file_identity`)
+
+
+def _file_identity(path: Path) -> tuple:
+    """A table file as `EngramStore.key` knows it: one of at most IDENTITY_BYTES by the sha256 of
+    its bytes (a checkpoint copied or written again is the same one, so the steps compiled for it
+    are found in JAX's persistent cache), a larger one by its path, size and modification time
+    (hashing gigabytes would cost every load seconds)."""
+    stat = os.stat(path)
+    if stat.st_size <= IDENTITY_BYTES:
+        with open(path, "rb") as f:
+            return "sha256", hashlib.file_digest(f, "sha256").hexdigest(), stat.st_size
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
 class EngramTable:
     """One Engram layer's table, memory-mapped; `gather` copies out only the requested rows.
 
@@ -114,9 +129,8 @@ class EngramTable:
         names = {"weight": f"{prefix}.weight", "scale": f"{prefix}.scale"}
         want = {"weight": (WEIGHT_DTYPE, head_dim), "scale": (SCALE_DTYPE, head_dim // group)}
         self.names = names
-        stats = {part: os.stat(paths[part]) for part in names}
-        self.identity = tuple((names[part], str(paths[part].resolve()), stats[part].st_size, stats[part].st_mtime_ns)
-                              for part in names)  # the bytes it reads
+        files = {path: _file_identity(path) for path in set(paths.values())}
+        self.identity = tuple((names[part], *files[paths[part]]) for part in names)  # the bytes it reads
         self._maps, views = [], {}
         for part, name in names.items():
             header = SafetensorsFile(paths[part])  # parses and size-checks the header; reads no tensor data
