@@ -114,10 +114,14 @@ class Model:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def sequence_params(self, ids: np.ndarray):
-        """The params for one whole-sequence forward over host ids [B, S]: on one device, V4.1's
-        Engram rows fetched before the call (`with_sequence_rows`: a program without a host
-        callback, which JAX's persistent cache keeps); on a mesh the in-step fetch stays."""
-        return self.params if self.mesh is not None else with_sequence_rows(self.params, ids, self.config)
+        """The params for one whole-sequence forward over host ids [B, S]: V4.1's Engram rows
+        fetched before the call (`with_sequence_rows`: a program without a host callback, which
+        JAX's persistent cache keeps), on a mesh split over its batch axes as the ids are."""
+        params = with_sequence_rows(self.params, ids, self.config)
+        if self.mesh is None or params is self.params:
+            return params
+        put = lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim))  # noqa: E731
+        return params.replace(engram_rows=jax.tree.map(put, params.engram_rows))
 
     def batch_shards(self) -> int:
         with self.mesh_context():

@@ -54,15 +54,23 @@ def test_cached_decode_on_mesh_matches_one_device():
 
 
 def test_load_model_on_mesh_with_round_trips_and_engram():
-    """`dsjax.load_model` of tiny-v41 on a mesh (its seeded Engram tables read on the host during
-    the forward, the quantisation round trips on, as by default) gives the one-device model's
-    logits: the FP4 round trip's values are summed from code steps, not gathered from a constant
-    table, which under an explicit mesh had no sharding."""
+    """`dsjax.load_model` of tiny-v41 on a mesh (its seeded Engram tables read on the host before
+    the forward, the rows split over the batch axes; the quantisation round trips on, as by
+    default) gives the one-device model's logits, from a program without a host callback (JAX's
+    persistent cache keeps it): the FP4 round trip's values are summed from code steps, not
+    gathered from a constant table, which under an explicit mesh had no sharding."""
     import dsjax
+    from dsjax.model.forward_pass import forward
+    from dsjax.sharding.rules import batch_sharding
 
     ids = np.random.default_rng(1).integers(0, 5000, (2, 10))
     model = dsjax.load_model("tiny-v41", mesh="data=2,expert=4")
     assert model.options.round_trips and model.params.engram_tables is not None
+    rows = np.pad(ids, ((0, model.batch_shards() - 2), (0, 0))).astype(np.int32)  # the batch shards' rows
+    with model.mesh_context():
+        x = jax.device_put(rows, batch_sharding(model.mesh, 2))
+        lowered = forward.lower(model.sequence_params(rows), x, model.config, opts=model.options)
+    assert not lowered._lowering.compile_args.get("host_callbacks")
     got = model.logits(ids)
     want = dsjax.load_model("tiny-v41").logits(ids)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
