@@ -117,11 +117,10 @@ class Model:
         """The params for one whole-sequence forward over host ids [B, S]: V4.1's Engram rows
         fetched before the call (`with_sequence_rows`: a program without a host callback, which
         JAX's persistent cache keeps), on a mesh split over its batch axes as the ids are."""
-        params = with_sequence_rows(self.params, ids, self.config)
-        if self.mesh is None or params is self.params:
-            return params
-        put = lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim))  # noqa: E731
-        return params.replace(engram_rows=jax.tree.map(put, params.engram_rows))
+        if self.mesh is None:
+            return with_sequence_rows(self.params, ids, self.config)
+        return with_sequence_rows(self.params, ids, self.config,
+                                  put=lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim)))
 
     def batch_shards(self) -> int:
         with self.mesh_context():

@@ -16,6 +16,7 @@ import pytest
 import dsjax
 from dsjax import inspect
 from dsjax.api import SMALLEST_SEQUENCE, padded_size
+from dsjax.engine.executables import host_callbacks
 from dsjax.inspect import _inspect
 from dsjax.layers.moe import route
 from dsjax.model import forward, layer_block, layer_slot, model_specs
@@ -94,8 +95,7 @@ def test_v41_whole_sequence_fetches_its_engram_rows_before_the_call(v41, monkeyp
         jax.clear_caches()  # traced again, not the trace above
         callback = forward.lower(v41.params, jnp.asarray(x), cfg, opts=v41.options)
     jax.clear_caches()
-    callbacks = lambda lowered: bool(lowered._lowering.compile_args.get("host_callbacks"))  # noqa: E731
-    assert callbacks(callback) and not callbacks(before) and not callbacks(by_number)
+    assert host_callbacks(callback) and not host_callbacks(before) and not host_callbacks(by_number)
     assert cpu_kernels.HOST in by_number.as_text() and cpu_kernels.HOST not in callback.as_text()
     want = np.asarray(callback.compile()(v41.params, jnp.asarray(x))[0])
     np.testing.assert_array_equal(np.asarray(by_number.compile()(v41.params, jnp.asarray(x))[0]), want)

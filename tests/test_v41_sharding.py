@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from dsjax.config import RuntimeOptions, load_config
+from dsjax.engine.executables import host_callbacks
 from dsjax.model.cache import batch_axes
 from dsjax.model.cache_layout import init_cache
+from dsjax.model.forward_pass import forward
 from dsjax.model.v41.backbone import v41_logits, v41_streams_cached
 from dsjax.model.v41.params import v41_model_specs
 from dsjax.params import init_params
@@ -60,8 +62,6 @@ def test_load_model_on_mesh_with_round_trips_and_engram():
     persistent cache keeps it): the FP4 round trip's values are summed from code steps, not
     gathered from a constant table, which under an explicit mesh had no sharding."""
     import dsjax
-    from dsjax.model.forward_pass import forward
-    from dsjax.sharding.rules import batch_sharding
 
     ids = np.random.default_rng(1).integers(0, 5000, (2, 10))
     model = dsjax.load_model("tiny-v41", mesh="data=2,expert=4")
@@ -70,7 +70,7 @@ def test_load_model_on_mesh_with_round_trips_and_engram():
     with model.mesh_context():
         x = jax.device_put(rows, batch_sharding(model.mesh, 2))
         lowered = forward.lower(model.sequence_params(rows), x, model.config, opts=model.options)
-    assert not lowered._lowering.compile_args.get("host_callbacks")
+    assert not host_callbacks(lowered)
     got = model.logits(ids)
     want = dsjax.load_model("tiny-v41").logits(ids)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)

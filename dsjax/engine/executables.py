@@ -203,7 +203,7 @@ def _persistent_cache_skipped():
                 cc._cache_checked, cc._cache_used = _skipping["saved"]
 
 
-def _host_callbacks(lowered) -> bool:
+def host_callbacks(lowered) -> bool:
     """Whether the program calls back into Python (V4.1's Engram fetch): such an executable
     cannot be serialized, so it is compiled as jit would, through JAX's cache (private
     attribute; where it has moved, the store's save fails quietly instead)."""
@@ -291,7 +291,7 @@ class Programs:
         return compiled
 
     def _compile(self, key: str | None, lowered):
-        if self.store and key and not _host_callbacks(lowered):
+        if self.store and key and not host_callbacks(lowered):
             compiled, reread = _compile_fresh(lowered)
             if not reread:
                 self.store.save(key, compiled)

@@ -88,13 +88,14 @@ def roll_back(params, cache: Cache, saved, positions: jax.Array, rejected: jax.A
     return cache
 
 
-def with_sequence_rows(params, tokens, cfg: ModelConfig):
+def with_sequence_rows(params, tokens, cfg: ModelConfig, put=jnp.asarray):
     """params for one whole-sequence forward over host tokens [B, S]: V4.1's Engram rows fetched
-    from its host tables before the call, so the program holds no host callback (JAX's
-    persistent cache keeps it; `dsjax.model.v41.backbone.with_sequence_rows`); else params."""
+    from its host tables before the call (each placed by `put`), so the program holds no host
+    callback (JAX's persistent cache keeps it; `dsjax.model.v41.backbone.with_sequence_rows`);
+    else params."""
     if getattr(params, "engram_tables", None) is None:
         return params
-    return v41_sequence_rows(params, tokens, cfg)
+    return v41_sequence_rows(params, tokens, cfg, put)
 
 
 # ----------------------------------------------------------------------------- head

@@ -229,15 +229,17 @@ def _stored_rows(fetched, cfg: ModelConfig) -> tuple:
                  for k in range(len(cfg.v41.engram.layer_ids)))
 
 
-def with_sequence_rows(params: ModelParamsV41, tokens: np.ndarray, cfg: ModelConfig) -> ModelParamsV41:
+def with_sequence_rows(params: ModelParamsV41, tokens: np.ndarray, cfg: ModelConfig, put=jnp.asarray
+                       ) -> ModelParamsV41:
     """params for one whole-sequence forward over tokens [B, S] (host ints, from position 0): the
     Engram rows its n-grams select, fetched from the host tables now (`EngramStore.fetch`, as the
-    in-step callback would: the same bytes) and carried as `engram_rows`, so that the forward's
-    program holds no host callback and JAX's persistent cache keeps it. params must have tables."""
+    in-step callback would: the same bytes) and carried as `engram_rows` (each host array placed
+    by `put`), so that the forward's program holds no host callback and JAX's persistent cache
+    keeps it. params must have tables."""
     b, s = tokens.shape
     start = np.full((b, cfg.v41.engram.max_ngram_size - 1), BEFORE_START, np.int32)
     fetched = params.engram_tables.fetch(np.asarray(tokens), start, np.full((b,), s, np.int32))
-    return params.replace(engram_rows=jax.tree.map(jnp.asarray, _stored_rows(fetched, cfg)))
+    return params.replace(engram_rows=jax.tree.map(put, _stored_rows(fetched, cfg)))
 
 
 def v41_streams_cached(params: ModelParamsV41, tokens: jax.Array, cfg: ModelConfig, cache: Cache, *,
