@@ -7,6 +7,7 @@ target's greedy output runs in repeats here, so drafts are right inside a run an
 it changes. (The greedy tokens equal plain decoding's; sampled ones keep the distribution.)"""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from dsjax.config import load_config
 from dsjax.engine.engine import Engine
 from dsjax.engine.prefix_cache import PrefixCacheOptions
 from dsjax.engine.sampler import SamplingParams
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.model.v41.params import dspark_specs, v41_model_specs
 from dsjax.params import init_params
 from dsjax.sharding.rules import make_mesh, shardings_for
@@ -50,20 +52,20 @@ def tiny8():
     return _tiny8()
 
 
-def _greedy_equals_plain(model, max_tokens: int, *spec_options, plain_model=None) -> list[dict]:
+def _greedy_equals_plain(model, max_tokens: int, *spec_options, plain_model=None) -> list[Engine]:
     """Greedy requests (3 over 2 slots, one prompt of 2 tokens) through a speculative engine with
     5 drafts per each of `spec_options` (Engine keywords) give the plain engine's tokens (the
-    plain engine on `plain_model`, default `model`). -> each speculative engine's metrics."""
+    plain engine on `plain_model`, default `model`). -> each speculative engine."""
     prompts = np.random.default_rng(2).integers(0, 8, (3, 7)).tolist()
     prompts[2] = prompts[2][:2]  # from start 2 a 6-position chunk is past the key rule's exact range: fewer drafts
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     plain = Engine(plain_model or model, max_slots=2, capacity=CAP, prefill_chunk=8).generate(prompts, sampling)
-    metrics = []
+    engines = []
     for options in spec_options:
         engine = Engine(model, max_slots=2, capacity=CAP, prefill_chunk=8, num_draft_tokens=5, **options)
         assert engine.generate(prompts, sampling) == plain, options
-        metrics.append(engine.spec_metrics())
-    return metrics
+        engines.append(engine)
+    return engines
 
 
 def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
@@ -75,7 +77,8 @@ def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
     (DSpark's sigma(c_k), the cost curve pinned so nothing is timed): rows verify fewer drafts
     than the maximum, and the calibration books every judged draft. (The fixed policy's greedy
     run is the mesh test's; one more engine here cost ~80 s of compiles for no other path.)"""
-    (confidence,) = _greedy_equals_plain(tiny8, 20, CONFIDENCE)
+    (engine,) = _greedy_equals_plain(tiny8, 20, CONFIDENCE)
+    confidence = engine.spec_metrics()
     assert 0 < confidence["drafts_accepted"] < confidence["drafts_proposed"]
     assert 0 < confidence["drafts_proposed"] < 5 * confidence["row_steps"]
     assert sum(confidence["calibration"]["judged"]) == sum(confidence["judged_by_position"]) > 0
@@ -87,9 +90,14 @@ def test_engine_dspark_speculation_on_a_mesh_equals_the_plain_engine(tiny8):
     every row at once, the DSpark rings written, the Engram id history rolled back and the
     drafts drawn row by row): greedy tokens equal the plain engine's on one device, on the same
     weights (whose logits a mesh gives to fp32 rounding: test_v41_sharding). The plain programs
-    are the first test's: the mesh costs only the speculative engine's compiles."""
-    (m,) = _greedy_equals_plain(_tiny8(make_mesh("data=2")), 12, dict(spec_policy="fixed"), plain_model=tiny8)
+    are the first test's: the mesh costs only the speculative engine's compiles. Each device
+    fetches its rows' Engram entries through the host call by number, so no program calls back
+    into Python (such a program JAX's persistent cache cannot keep: compiled in every process)."""
+    (engine,) = _greedy_equals_plain(_tiny8(make_mesh("data=2")), 12, dict(spec_policy="fixed"), plain_model=tiny8)
+    m = engine.spec_metrics()
     assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
+    targets = [set(re.findall(r'custom_call_target="([^"]+)"', c.as_text())) for c in engine.runner.call.table.values()]
+    assert any(cpu_kernels.HOST in t for t in targets) and not any("python" in x for t in targets for x in t)
 
 
 def test_engine_sampled_dspark_speculation_keeps_the_distribution(tiny8):

@@ -18,9 +18,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.kernels import cpu as cpu_kernels
+from dsjax.kernels.dispatch import on_batch_shards
 from dsjax.layers.engram import BEFORE_START, dequant_rows, engram_fuse
 from dsjax.layers.hyper_connection import collapse
 from dsjax.layers.linear import linear
@@ -207,19 +209,26 @@ def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array,
     even unordered) serialised the step around it, costing it many times the lookup itself
     (docs/v41.md; benchmarks/engram_transfer.py). On one CPU device a store's own `fetch` is
     called by its store's number (`cpu_kernels.host_call`), which leaves the program one JAX's
-    persistent cache keeps; elsewhere (GPU, TPU, a mesh) it is a `jax.pure_callback`."""
+    persistent cache keeps; on an explicit mesh of CPU devices each device calls it on its own
+    rows (`dispatch.on_batch_shards`: the lookup is row by row). Elsewhere (GPU, TPU, another
+    function) it is a `jax.pure_callback`."""
     e = cfg.v41.engram
-    b, c = tokens.shape
-    shapes = [jax.ShapeDtypeStruct((b, c, e.n_hash, width), jnp.uint8)
-              for _ in e.layer_ids for width in (e.head_dim, e.head_dim // 32)]
-    shapes.append(jax.ShapeDtypeStruct(history.shape, jnp.int32))
+
+    def shapes(b, c, history_shape):
+        return [*(jax.ShapeDtypeStruct((b, c, e.n_hash, width), jnp.uint8)
+                  for _ in e.layer_ids for width in (e.head_dim, e.head_dim // 32)),
+                jax.ShapeDtypeStruct(history_shape, jnp.int32)]
+
     store = getattr(fetch, "__self__", None)  # a store's own fetch has the number its store registered
     own = getattr(store, "key", None) is not None and getattr(fetch, "__func__", None) is getattr(type(store), "fetch", 0)
-    if own and current_mesh() is None and cpu_kernels.host_calls():
-        out = cpu_kernels.host_call(store.key, shapes, tokens.astype(jnp.int32), history.astype(jnp.int32),
-                                    n_valid.astype(jnp.int32))
+    mesh = current_mesh()
+    if own and cpu_kernels.host_calls() and (mesh is None or AxisType.Explicit in mesh.axis_types):
+        def call(t, h, n):  # one device's rows
+            return tuple(cpu_kernels.host_call(store.key, shapes(*t.shape, h.shape), t, h, n))
+
+        out = on_batch_shards(call, (tokens.astype(jnp.int32), history.astype(jnp.int32), n_valid.astype(jnp.int32)))
     else:
-        out = jax.pure_callback(fetch, tuple(shapes), tokens, history, n_valid)
+        out = jax.pure_callback(fetch, tuple(shapes(*tokens.shape, history.shape)), tokens, history, n_valid)
     return _stored_rows(out, cfg), batch_major(out[-1])  # the callback's outputs are replicated; the history batch-major
 
 
