@@ -113,6 +113,29 @@ def test_a_warm_engine_start_reads_every_program_from_the_store(tmp_path, monkey
     assert again == tokens and all(len(t) == 6 for t in tokens)
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (fake) devices")
+def test_a_mesh_engines_programs_are_read_from_jaxs_cache_with_the_store_on(tmp_path, monkeypatch, loads):
+    """The store keeps one-device executables only; a mesh engine's programs (with the store on,
+    as every command has it) go through JAX's persistent cache, so a second start reads each one
+    from there instead of compiling it (they used to skip that cache and compile every start)."""
+    model = dsjax.load_model("tiny", dtype="float32", seed=0, mesh="data=2")
+    monkeypatch.setattr("dsjax.engine.runner.executable_directory", lambda: tmp_path)
+    prompts = np.random.default_rng(2).integers(0, 200, (2, 9)).tolist()
+
+    def start_and_run():
+        executables.clear()
+        jax.clear_caches()
+        with compile_counter() as counts:
+            engine = Engine(model, max_slots=2, capacity=64, prefill_chunk=16)
+            tokens = engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        return counts, tokens
+
+    _, tokens = start_and_run()
+    warm, again = start_and_run()
+    assert warm["programs"] >= 2 and warm["cached"] == warm["programs"] and not loads, warm
+    assert again == tokens and not list(tmp_path.rglob("*.exe"))
+
+
 def test_lambdas_of_one_name_are_not_one_program(tmp_path):
     x = np.ones(4, np.float32)
     programs = Programs(Store(tmp_path))

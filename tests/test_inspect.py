@@ -81,7 +81,7 @@ def test_v41_whole_sequence_fetches_its_engram_rows_before_the_call(v41, monkeyp
     number on a CPU (`cpu_kernels.host_call`): neither holds a host callback (JAX's persistent
     cache keeps them; a program with one is compiled in every process). Their logits equal, bit
     for bit, those of the program that fetches the rows through `jax.pure_callback` (what an
-    engine step runs on a GPU, a TPU or a mesh)."""
+    engine step runs on a GPU or a TPU)."""
     from dsjax.kernels import cpu as cpu_kernels
     from dsjax.model.forward_pass import forward
     from dsjax.model.interface import with_sequence_rows

@@ -17,9 +17,11 @@ empties it, as it does jit's), in the store on disk (`jax.experimental.serialize
 when a command turned the store on: `compile_cache.setup_compile_cache(...,
 executables=True)`), and otherwise it is lowered and compiled: with the store on, JAX's
 persistent cache is skipped for it (see `_compile_fresh`) and the executable written to
-the store; one-device programs only (a mesh's are compiled per process). A short key that stops matching (an argument
-of another shape inside a pytree) is caught by the executable's own argument check and
-looked up again by the whole key, so a stale match cannot run.
+the store; one-device programs only: a mesh's program (which the store cannot keep) is
+compiled through JAX's persistent cache, as jit's are, and found there by the next process.
+A short key that stops matching (an argument of another shape inside a pytree) is caught by
+the executable's own argument check and looked up again by the whole key, so a stale match
+cannot run.
 
 Programs read from the store are counted by `dsjax.command.compile_counter` as programs
 built from the cache (monitoring event `EXECUTABLE_LOADED`).
@@ -213,6 +215,15 @@ def host_callbacks(lowered) -> bool:
         return False
 
 
+def num_devices(lowered) -> int:
+    """The devices the program runs on (private attribute; where it has moved: 1, so a mesh's
+    program skips JAX's cache as a one-device program does when the store is on)."""
+    try:
+        return int(lowered._lowering.compile_args["num_devices"])
+    except (AttributeError, KeyError, TypeError):  # pragma: no cover
+        return 1
+
+
 def _compile_fresh(lowered):
     """(the executable, whether it was read from JAX's persistent cache). The store keeps only
     executables compiled here: XLA:CPU (jax 0.10) serializes one read from JAX's cache without
@@ -291,7 +302,9 @@ class Programs:
         return compiled
 
     def _compile(self, key: str | None, lowered):
-        if self.store and key and not host_callbacks(lowered):
+        # only what the store can keep skips JAX's cache: a mesh's program (or one calling back
+        # into Python) is compiled through it, as jit would, so the next process reads it there
+        if self.store and key and not host_callbacks(lowered) and num_devices(lowered) == 1:
             compiled, reread = _compile_fresh(lowered)
             if not reread:
                 self.store.save(key, compiled)
