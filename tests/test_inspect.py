@@ -79,28 +79,41 @@ def test_v41_whole_sequence_fetches_its_engram_rows_before_the_call(v41, monkeyp
     """`Model.logits` and `inspect.forward` on one device fetch V4.1's Engram rows from the host
     tables before the call, and a program that fetches them during the step calls the store by
     number on a CPU (`cpu_kernels.host_call`): neither holds a host callback (JAX's persistent
-    cache keeps them; a program with one is compiled in every process). Their logits equal, bit
-    for bit, those of the program that fetches the rows through `jax.pure_callback` (what an
-    engine step runs on a GPU or a TPU)."""
+    cache keeps them; a program with one is compiled in every process), and their logits are
+    equal bit for bit. The fetch by number gives the bytes that `jax.pure_callback` gives (what
+    an engine step runs on a GPU or a TPU), checked on the fetch alone: a whole forward with a
+    callback would compile in every run of the suite."""
     from dsjax.kernels import cpu as cpu_kernels
+    from dsjax.layers.engram import BEFORE_START
     from dsjax.model.forward_pass import forward
     from dsjax.model.interface import with_sequence_rows
+    from dsjax.model.v41.backbone import engram_fetch
 
     cfg, x = v41.config, ids(3)
-    assert v41.params.engram_tables is not None
+    store = v41.params.engram_tables
+    assert store is not None
     by_number = forward.lower(v41.params, jnp.asarray(x), cfg, opts=v41.options)
     before = forward.lower(with_sequence_rows(v41.params, x, cfg), jnp.asarray(x), cfg, opts=v41.options)
-    with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "host_calls", lambda: False)
-        jax.clear_caches()  # traced again, not the trace above
-        callback = forward.lower(v41.params, jnp.asarray(x), cfg, opts=v41.options)
-    jax.clear_caches()
-    assert host_callbacks(callback) and not host_callbacks(before) and not host_callbacks(by_number)
-    assert cpu_kernels.HOST in by_number.as_text() and cpu_kernels.HOST not in callback.as_text()
-    want = np.asarray(callback.compile()(v41.params, jnp.asarray(x))[0])
+    assert not host_callbacks(before) and not host_callbacks(by_number) and cpu_kernels.HOST in by_number.as_text()
+    want = np.asarray(before.compile()(with_sequence_rows(v41.params, x, cfg), jnp.asarray(x))[0])
     np.testing.assert_array_equal(np.asarray(by_number.compile()(v41.params, jnp.asarray(x))[0]), want)
     np.testing.assert_array_equal(v41.logits(x), want)
     np.testing.assert_array_equal(np.asarray(inspect.forward(v41, x)[0]), want)
+
+    history = np.full((2, cfg.v41.engram.max_ngram_size - 1), BEFORE_START, np.int32)
+    history[1] = x[1, -history.shape[1]:]  # a row in mid-sequence
+    args = (jnp.asarray(x), jnp.asarray(history), jnp.asarray([S, S - 7], jnp.int32))
+
+    def fetched():
+        lowered = jax.jit(lambda *a: engram_fetch(store.fetch, cfg, *a)).lower(*args)
+        return lowered, [np.asarray(a).tobytes() for a in jax.tree.leaves(lowered.compile()(*args))]
+
+    number, got = fetched()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "host_calls", lambda: False)
+        callback, expected = fetched()
+    assert host_callbacks(callback) and not host_callbacks(number) and cpu_kernels.HOST in number.as_text()
+    assert got == expected
 
 
 @pytest.mark.parametrize("name", ["tiny", "scanned", "v41"])
