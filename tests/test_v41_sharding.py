@@ -10,8 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dsjax
 from dsjax.config import RuntimeOptions, load_config
+from dsjax.engine.engine import Engine
 from dsjax.engine.executables import host_callbacks
+from dsjax.engine.sampler import SamplingParams
 from dsjax.model.cache import batch_axes
 from dsjax.model.cache_layout import init_cache
 from dsjax.model.forward_pass import forward
@@ -61,8 +64,6 @@ def test_load_model_on_mesh_with_round_trips_and_engram():
     default) gives the one-device model's logits, from a program without a host callback (JAX's
     persistent cache keeps it): the FP4 round trip's values are summed from code steps, not
     gathered from a constant table, which under an explicit mesh had no sharding."""
-    import dsjax
-
     ids = np.random.default_rng(1).integers(0, 5000, (2, 10))
     model = dsjax.load_model("tiny-v41", mesh="data=2,expert=4")
     assert model.options.round_trips and model.params.engram_tables is not None
@@ -74,3 +75,17 @@ def test_load_model_on_mesh_with_round_trips_and_engram():
     got = model.logits(ids)
     want = dsjax.load_model("tiny-v41").logits(ids)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_engine_on_a_tensor_mesh_equals_one_device():
+    """A V4.1 engine whose mesh splits the vocabulary (tensor=2): the head's vocab-parallel
+    logits are gathered before the rows are sampled (the sampler runs per batch shard; they
+    reached it split and the step failed), and greedy tokens equal one device's (round trips
+    off: with them, tensor-parallel sums can round a quantisation step the other way)."""
+    prompts = np.random.default_rng(4).integers(0, 5000, (2, 11)).tolist()
+    sampling = SamplingParams(max_tokens=5, ignore_eos=True)
+    off = lambda m: m.replace(options=m.options.replace(round_trips=False))  # noqa: E731
+    want = Engine(off(dsjax.load_model("tiny-v41")), max_slots=2, capacity=CAP, prefill_chunk=16).generate(
+        prompts, sampling)
+    mesh_model = off(dsjax.load_model("tiny-v41", mesh="data=2,tensor=2"))
+    assert Engine(mesh_model, max_slots=2, capacity=CAP, prefill_chunk=16).generate(prompts, sampling) == want

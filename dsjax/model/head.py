@@ -17,7 +17,7 @@ from dsjax.layers.hyper_connection import HyperHead, head_collapse
 from dsjax.layers.linear import few_rows, linear
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.quantized import ColumnMajor
-from dsjax.sharding.rules import current_mesh, spec
+from dsjax.sharding.rules import batch_major, current_mesh
 
 
 def lm_head_weight(params) -> jax.Array:
@@ -108,8 +108,7 @@ def head_logits(hc_head: HyperHead, norm: jax.Array, weight: jax.Array, streams:
     and share the projection `weight` ([V, D])."""
     h = head_input(hc_head, norm, streams, cfg)
     logits = linear(h, weight, out_dtype=jnp.float32)  # vocab-parallel under a mesh
-    out = spec("batch", *([None] * (logits.ndim - 1)))
-    return logits if out is None else jax.sharding.reshard(logits, out)  # gather the vocabulary
+    return batch_major(logits)  # gather the vocabulary
 
 
 def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:

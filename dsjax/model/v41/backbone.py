@@ -181,7 +181,8 @@ def v41_head_input(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cf
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
 def v41_logits(params: ModelParamsV41, streams: jax.Array, pi: jax.Array, cfg: ModelConfig) -> jax.Array:
     """logits = W_head Norm(collapse(X, pi)) in fp32 (spec §1.3 step 4; no hc_head)."""
-    return linear(v41_head_input(params, streams, pi, cfg), lm_head_weight(params), out_dtype=jnp.float32)
+    logits = linear(v41_head_input(params, streams, pi, cfg), lm_head_weight(params), out_dtype=jnp.float32)
+    return batch_major(logits)  # vocab-parallel under a mesh: gathered, as the sampler's rows take them
 
 
 # ----------------------------------------------------------------------------- with a cache
