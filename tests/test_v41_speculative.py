@@ -86,14 +86,17 @@ def test_engine_dspark_speculation_equals_the_plain_engine(tiny8):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 def test_engine_dspark_speculation_on_a_mesh_equals_the_plain_engine(tiny8):
-    """The same on a mesh (data=2: each slot's row on its own batch shard; prefill chunks over
-    every row at once, the DSpark rings written, the Engram id history rolled back and the
-    drafts drawn row by row): greedy tokens equal the plain engine's on one device, on the same
-    weights (whose logits a mesh gives to fp32 rounding: test_v41_sharding). The plain programs
-    are the first test's: the mesh costs only the speculative engine's compiles. Each device
-    fetches its rows' Engram entries through the host call by number, so no program calls back
-    into Python (such a program JAX's persistent cache cannot keep: compiled in every process)."""
-    (engine,) = _greedy_equals_plain(_tiny8(make_mesh("data=2")), 12, dict(spec_policy="fixed"), plain_model=tiny8)
+    """The same on a mesh (data=2: each slot's row on its own batch shard; tensor=2: the
+    vocabulary split, the target's and the drafter's logits gathered before their rows are
+    sampled; prefill chunks over every row at once, the DSpark rings written, the Engram id
+    history rolled back and the drafts drawn row by row): greedy tokens equal the plain engine's
+    on one device, on the same weights, with the round trips off (with them, tensor-parallel
+    sums can round a quantisation step the other way: test_v41_sharding). Each device fetches
+    its rows' Engram entries through the host call by number, so no program calls back into
+    Python (such a program JAX's persistent cache cannot keep: compiled in every process)."""
+    off = lambda m: m.replace(options=m.options.replace(round_trips=False))  # noqa: E731
+    (engine,) = _greedy_equals_plain(off(_tiny8(make_mesh("data=2,tensor=2"))), 12, dict(spec_policy="fixed"),
+                                     plain_model=off(tiny8))
     m = engine.spec_metrics()
     assert 0 < m["drafts_accepted"] < m["drafts_proposed"]
     targets = [set(re.findall(r'custom_call_target="([^"]+)"', c.as_text())) for c in engine.runner.call.table.values()]

@@ -37,7 +37,7 @@ from dsjax.model.cache import Cache
 from dsjax.model.v41.backbone import first_pi, stream_tap, v41_forward_rows
 from dsjax.model.v41.params import DSparkParams, ModelParamsV41, dspark_config
 from dsjax.model.v41.shared_attention import SharedAttention, attend_and_project, project_q_kv, round_trip
-from dsjax.sharding.rules import lookup
+from dsjax.sharding.rules import batch_major, lookup
 
 
 @struct.dataclass
@@ -192,7 +192,7 @@ def dspark_draft(ds: DSparkParams, main: ModelParamsV41, anchor: jax.Array, main
     streams, pi = dspark_stages(ds, embed_streams(main, ids, cfg, opts), ids, positions, ring, t, cfg, opts)
     h = collapse(streams, pi)  # [B, K, D], un-normed
     head = main.embed if main.lm_head is None else main.lm_head
-    logits = linear(rms_norm(h, ds.norm, cfg.rms_norm_eps), head, out_dtype=jnp.float32)
+    logits = batch_major(linear(rms_norm(h, ds.norm, cfg.rms_norm_eps), head, out_dtype=jnp.float32))  # vocab gathered
     drafts, logits, e = markov_correct(ds, logits, anchor, temperature, key, pick)
     confidence = linear_f32(jnp.concatenate([h, e.astype(h.dtype)], axis=-1), ds.confidence)[..., 0]
     return ring, drafts, logits, confidence
