@@ -230,7 +230,7 @@ def engram_fetch(fetch, cfg: ModelConfig, tokens: jax.Array, history: jax.Array,
         out = on_batch_shards(call, (tokens.astype(jnp.int32), history.astype(jnp.int32), n_valid.astype(jnp.int32)))
     else:
         out = jax.pure_callback(fetch, tuple(shapes(*tokens.shape, history.shape)), tokens, history, n_valid)
-    return _stored_rows(out, cfg), batch_major(out[-1])  # the callback's outputs are replicated; the history batch-major
+    return _stored_rows(out, cfg), batch_major(out[-1])  # a callback's outputs are replicated: the history batch-major
 
 
 def _stored_rows(fetched, cfg: ModelConfig) -> tuple:
