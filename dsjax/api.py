@@ -117,10 +117,11 @@ class Model:
         """The params for one whole-sequence forward over host ids [B, S]: V4.1's Engram rows
         fetched before the call (`with_sequence_rows`: a program without a host callback, which
         JAX's persistent cache keeps), on a mesh split over its batch axes as the ids are."""
-        if self.mesh is None:
-            return with_sequence_rows(self.params, ids, self.config)
-        return with_sequence_rows(self.params, ids, self.config,
-                                  put=lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim)))
+        return with_sequence_rows(self.params, ids, self.config, put=self._on_batch_shards)
+
+    def _on_batch_shards(self, a: np.ndarray) -> jax.Array:
+        """A batch-major host array on the device, or split over the mesh's batch axes."""
+        return jnp.asarray(a) if self.mesh is None else jax.device_put(a, batch_sharding(self.mesh, a.ndim))
 
     def batch_shards(self) -> int:
         with self.mesh_context():
@@ -150,7 +151,7 @@ class Model:
         code_memory.relieve()  # a program per shape: past most of the limit on code mappings, drop the old ones
         params = self.sequence_params(ids)
         with self.mesh_context():
-            x = jnp.asarray(ids) if self.mesh is None else jax.device_put(ids, batch_sharding(self.mesh, 2))
+            x = self._on_batch_shards(ids)
             return to_host(forward(params, x, self.config, opts=self.options)[0])[:b, :s]
 
 
