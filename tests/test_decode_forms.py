@@ -16,7 +16,8 @@ from dsjax.engine.sampler import SamplingParams
 from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
 from dsjax.kernels import cpu as cpu_kernels
-from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight
+from dsjax.layers.quantized import Bf16Slice, Bf16Weight, ColumnMajor, Fp8Weight, take
+from dsjax.layers.moe import expert_ffn_each, expert_ffn_gathered
 from dsjax.model import forward, init_cache, take_rows
 from dsjax.model.head import one_row_head
 from hlo_checks import widened_outside
@@ -77,6 +78,86 @@ def test_head_kernel_matches_a_float64_product_row_by_row(dtype):
             return linear(x, w)
     assert cpu_kernels.HEAD not in jax.jit(xla_product).lower(x, packed).as_text()
     np.testing.assert_allclose(np.asarray(jax.jit(xla_product)(x, packed)), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
+@pytest.mark.parametrize("stored", ["bits", "bfloat16", "float32"])
+def test_rows_kernel_reads_a_weight_of_a_stack_where_it_lies(stored):
+    """`cpu_kernels.rows_product` (what `linear` runs for a 16-bit layer weight at few rows, and
+    each assignment's expert at decode) against a float64 product: weights of a stack [L, E, O, I]
+    read at (l, e) with the indices clamped as XLA's dynamic slices clamp them, an input axis that
+    is not whole vectors, more rows than a pass holds; each row bitwise the same alone or with
+    other rows."""
+    rng = np.random.default_rng(5)
+    stack = rng.normal(size=(2, 3, 37, 100)).astype(np.float32)
+    exact = stack if stored == "float32" else np.asarray(jnp.asarray(stack).astype(jnp.bfloat16).astype(jnp.float32))
+    w = {"bits": Bf16Weight.of(jnp.asarray(stack)).bits, "bfloat16": jnp.asarray(stack).astype(jnp.bfloat16),
+         "float32": jnp.asarray(stack)}[stored]
+    x = rng.normal(size=(19, 100)).astype(np.float32)  # 19 rows: passes of 8, 8 and 3
+    product = jax.jit(cpu_kernels.rows_product)
+    for at, where in [((1, 2), (1, 2)), ((0, 0), (0, 0)), ((5, -3), (1, 0))]:
+        at = jnp.asarray(at, jnp.int32)
+        got = np.asarray(product(x, w, at))
+        want = x.astype(np.float64) @ exact[where].T.astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        for rows in (slice(0, 1), slice(5, 8), slice(3, 19)):
+            np.testing.assert_array_equal(np.asarray(product(x[rows], w, at)), got[rows])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
+def test_a_16bit_layer_weight_taken_from_its_stack_is_read_in_place():
+    """A scanned layer's 16-bit weight, and an expert of it, taken at traced indices (`take`, as the
+    layer loop and the per-assignment experts take them) stay the whole stack and the indices
+    (`Bf16Slice`): the few-row product's kernel reads the stack itself, where XLA would copy a
+    slice out for a custom call; any other reader gets the slice (`bits`, `dense`)."""
+    rng = np.random.default_rng(6)
+    stack = Bf16Weight.of(jnp.asarray(rng.normal(size=(2, 3, 37, 96)).astype(np.float32)))
+    x = jnp.asarray(rng.normal(size=(2, 1, 96)).astype(np.float32))
+
+    def product(x, stack, layer, expert):
+        w = take(take(stack, layer), expert)
+        assert isinstance(w, Bf16Slice) and w.stack is stack.bits and w.shape == (37, 96)
+        return linear(x, w), w.dense(jnp.float32)
+
+    text = jax.jit(product).lower(x, stack, 1, 2).as_text()
+    assert cpu_kernels.PRODUCT in text and "tensor<2x3x37x96xui16>" in text.split(cpu_kernels.PRODUCT)[1].split("\n")[0]
+    got, dense = jax.jit(product)(x, stack, 1, 2)
+    np.testing.assert_array_equal(np.asarray(dense), np.asarray(Bf16Weight(stack.bits[1, 2]).dense(jnp.float32)))
+    want = np.asarray(x, np.float64) @ np.asarray(dense, np.float64).T
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
+def test_16bit_experts_read_each_chosen_expert_once_for_its_rows():
+    """A decode step's routed experts with 16-bit weights (`expert_ffn_each`, scanned: one layer of
+    a stack) take the library's expert kernel: rows grouped by expert (repeated and out-of-range
+    experts here), each row's outputs bitwise the few-row kernel's on that row and expert alone,
+    and the whole FFN the gathered XLA product's on the widened weights, to fp32 rounding."""
+    rng = np.random.default_rng(8)
+    n_layers, n_experts, d, inter, t, k = 2, 5, 96, 64, 4, 3
+    w1, w3 = (Bf16Weight.of(jnp.asarray(rng.normal(size=(n_layers, n_experts, inter, d)).astype(np.float32)))
+              for _ in range(2))
+    w2 = Bf16Weight.of(jnp.asarray(rng.normal(size=(n_layers, n_experts, d, inter)).astype(np.float32)))
+    x = jnp.asarray(rng.normal(size=(t, d)).astype(np.float32))
+    idx = jnp.asarray([[3, 1, 3], [0, 3, 4], [4, 4, 2], [1, 0, 3]], jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)).astype(np.float32))
+
+    def each(x, idx, weights, layer):
+        layer_w = [take(w, layer) for w in (w1, w3, w2)]
+        return expert_ffn_each(x, idx, *layer_w, 10.0, weights)
+
+    assert cpu_kernels.EXPERTS in jax.jit(each).lower(x, idx, weights, 1).as_text()
+    got = np.asarray(jax.jit(each)(x, idx, weights, 1))
+    dense1 = [Bf16Weight(w.bits[1]).dense(jnp.float32) for w in (w1, w3, w2)]
+    want = np.asarray(jax.jit(lambda *a: expert_ffn_gathered(*a, 10.0, weights))(x, idx, *dense1))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+    rows = jnp.asarray(rng.normal(size=(7, d)).astype(np.float32))
+    experts = jnp.asarray([3, 1, 3, 0, 9, -2, 3], jnp.int32)
+    grouped = np.asarray(jax.jit(cpu_kernels.expert_rows_product)(rows, w1.bits, experts, jnp.asarray([1], jnp.int32)))
+    alone = jax.jit(cpu_kernels.rows_product)
+    for a, e in enumerate(np.clip(np.asarray(experts), 0, n_experts - 1)):
+        np.testing.assert_array_equal(grouped[a], np.asarray(alone(rows[a:a + 1], w1.bits, jnp.asarray([1, e])))[0])
 
 
 def _rounded(model):

@@ -1,4 +1,4 @@
-"""The vocabulary head on XLA:CPU as a small C++ kernel (an XLA FFI custom call).
+"""The vocabulary head and 16-bit layer weights on XLA:CPU as small C++ kernels (XLA FFI custom calls).
 
 XLA:CPU runs a decode step's head product for 2..16 rows at a third of the FMA rate and
 half the memory rate, in every form it offers (its GEMM, a fused multiply-reduce, batched or
@@ -18,6 +18,12 @@ False, with the reason in `status()`), and nothing else changes.
 Each logit is the sequential multiply-add over the hidden size (fused where the CPU has FMA):
 a row's logits do not depend on the other rows, their number, or the threads, so batch
 invariance holds (an engine in batch-invariant mode runs the GEMM throughout anyway).
+
+The same library reads a decode step's 16-bit layer weights (`rows_product`, `expert_rows_product`:
+2..16 rows against a weight kept [out, in] as bf16 bits, where it lies in its layer stack, each
+chosen expert once for all the rows routed to it); XLA:CPU's own products of 2..16 rows widen
+the bits in element loops (docs/cpu-decode.md, "16-bit layer weights"). `DSJAX_CPU_ROWS_KERNEL=off`
+leaves those products to XLA (to compare).
 
 The same library holds `dsjax_host_call` (`host_call`, below): a host function called by a
 number the program holds, so that a program calling back into Python stays one JAX's
@@ -52,8 +58,11 @@ TILE = 32  # vocabulary rows a tile (csrc/cpu_kernels.cc kTile)
 HEAD = "dsjax_vocab_head"
 GREEDY = "dsjax_greedy_head"
 HOST = "dsjax_host_call"
+PRODUCT = "dsjax_rows_product"
+EXPERTS = "dsjax_expert_rows_product"
 ENV_OFF = "DSJAX_CPU_KERNELS"
 ENV_CACHE = "DSJAX_KERNEL_CACHE"
+ENV_ROWS_OFF = "DSJAX_CPU_ROWS_KERNEL"  # =off: the few-row product alone stays XLA's (to compare)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
 
@@ -118,8 +127,12 @@ def _build(cxx: str) -> Path:
     return out
 
 
+def _off(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("off", "0", "false", "no")
+
+
 def _disabled() -> bool:
-    return os.environ.get(ENV_OFF, "").lower() in ("off", "0", "false", "no")
+    return _off(ENV_OFF)
 
 
 def _load() -> str:
@@ -138,6 +151,8 @@ def _load() -> str:
         jax.ffi.register_ffi_target(HEAD, jax.ffi.pycapsule(library.DsjaxVocabHead), platform="cpu")
         jax.ffi.register_ffi_target(GREEDY, jax.ffi.pycapsule(library.DsjaxGreedyHead), platform="cpu")
         jax.ffi.register_ffi_target(HOST, jax.ffi.pycapsule(library.DsjaxHostCall), platform="cpu")
+        jax.ffi.register_ffi_target(PRODUCT, jax.ffi.pycapsule(library.DsjaxRowsProduct), platform="cpu")
+        jax.ffi.register_ffi_target(EXPERTS, jax.ffi.pycapsule(library.DsjaxExpertRowsProduct), platform="cpu")
         library.DsjaxSetHostFunction(_trampoline)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         return f"build failed: {e}"
@@ -319,6 +334,35 @@ def vocab_head(x: jax.Array, w: PackedHead) -> jax.Array:
     if y.shape[1] != w.vocab:
         y = y[:, :w.vocab]
     return y.reshape(*x.shape[:-1], w.vocab)
+
+
+def rows_available() -> bool:
+    """Whether a 16-bit layer weight's few-row products take `rows_product` (`available()`, and
+    not `DSJAX_CPU_ROWS_KERNEL=off`, which leaves them to XLA, e.g. to compare)."""
+    return available() and not _off(ENV_ROWS_OFF)
+
+
+def rows_product(x: jax.Array, w: jax.Array, at: jax.Array | None = None) -> jax.Array:
+    """x [R, I] fp32 @ w[O, I].T -> [R, O] fp32 through the library's few-row product, w as
+    stored: fp32, bf16, or bf16's uint16 bits (`Bf16Weight`), widened exactly as it is read
+    (`available()`). at: w is a stack [*lead, O, I] and the weight is w[at] (int32 [len(lead)],
+    each clamped into its axis), read where it lies. Each output is 16 lane sums over the input
+    axis then a fixed sum of the lanes, so a row's outputs do not depend on the other rows or
+    their number."""
+    at = jnp.zeros((0,), jnp.int32) if at is None else jnp.asarray(at, jnp.int32).reshape(-1)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-2]), jnp.float32)
+    return jax.ffi.ffi_call(PRODUCT, out, vmap_method="sequential")(x.astype(jnp.float32), w, at)
+
+
+def expert_rows_product(x: jax.Array, w: jax.Array, experts: jax.Array, at: jax.Array | None = None) -> jax.Array:
+    """Each assignment's row x[a] [A, I] fp32 @ w[experts[a]].T -> [A, O] fp32, w [E, O, I] as
+    `rows_product` reads it (or a stack [*lead, E, O, I] and `at` the experts' place in it); experts
+    clamped into [0, E). Rows are grouped by expert so that each expert is read once; a row's
+    outputs are bitwise `rows_product`'s on that row and expert alone."""
+    at = jnp.zeros((0,), jnp.int32) if at is None else jnp.asarray(at, jnp.int32).reshape(-1)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-2]), jnp.float32)
+    return jax.ffi.ffi_call(EXPERTS, out, vmap_method="sequential")(x.astype(jnp.float32), w, at,
+                                                                    experts.astype(jnp.int32).reshape(-1))
 
 
 def screen_rows() -> int:

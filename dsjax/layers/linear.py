@@ -10,6 +10,10 @@ decode speed). `linear` picks by the static row count:
                                    an fp32 w under `whole_weights` (the library product)
     any rows, a `PackedHead`      the XLA:CPU vocabulary-head kernel (`cpu_kernels`: an
                                    engine's head on one CPU device, fp32 or bf16)
+    2..16 rows, a 16-bit layer weight (`Bf16Weight`, or `Bf16Slice`: a scanned layer's,
+                  read in its stack) the library's few-row kernel (`cpu_kernels.rows_product`:
+                                   each output row of w read once for 8 rows at a time);
+                                   the library not built: as below
     2..16 rows, w with more than WIDE_TILE rows (the vocabulary head, a big model's layers):
                   sum(w * x, -1)   a fused multiply-reduce: w read once for all rows (a
                                    plain bf16 w, as `store_weights` keeps the head: read as
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.kernels.cpu import PackedHead
-from dsjax.layers.quantized import Bf16Weight, ColumnMajor, Fp8Weight, dense
+from dsjax.layers.quantized import Bf16Slice, Bf16Weight, ColumnMajor, Fp8Weight, dense
 from dsjax.kernels.dispatch import kernel_choice, resolve_kernels
 from dsjax.kernels.stored_matmul import mgpu_fp8_linear
 from dsjax.sharding.rules import current_mesh, reshape
@@ -118,7 +122,9 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
     if not cpu_forms(x, rows):
         return None
     flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:
+    if rows > 1 and stored_rows(w):  # one row: XLA's matrix-vector loop measured faster (docs/cpu-decode.md)
+        y = stored_rows_product(flat, w)
+    elif rows == 1:
         if isinstance(w, ColumnMajor):
             y = flat @ w.t
         elif _WHOLE_WEIGHTS.get() and isinstance(w, jax.Array) and w.dtype == jnp.float32:
@@ -134,6 +140,37 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
     else:
         return None
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _stored_kernels() -> bool:
+    return not _GEMM_ONLY.get() and cpu_kernels.rows_available()
+
+
+def stored_rows(w) -> bool:
+    """Whether a few-row product by w takes the library's few-row kernel (`stored_rows_product`):
+    a 16-bit weight [out, in] (`Bf16Weight`, or one of a stack: `Bf16Slice`), the library built."""
+    return isinstance(w, (Bf16Weight, Bf16Slice)) and len(w.shape) == 2 and _stored_kernels()
+
+
+def stored_rows_product(flat: jax.Array, w) -> jax.Array:
+    """flat [R, I] fp32 @ w.T for a `stored_rows` weight, read where it lies."""
+    if isinstance(w, Bf16Slice):
+        return cpu_kernels.rows_product(flat, w.stack, w.at)
+    return cpu_kernels.rows_product(flat, w.bits)
+
+
+def stored_experts(*ws) -> bool:
+    """Whether a decode step's assignments take the library's expert kernel for the 16-bit expert
+    stacks ws ([E, out, in] each: `stored_experts_product`)."""
+    return all(isinstance(w, (Bf16Weight, Bf16Slice)) and len(w.shape) == 3 for w in ws) and _stored_kernels()
+
+
+def stored_experts_product(rows: jax.Array, w, experts: jax.Array) -> jax.Array:
+    """rows [A, I] fp32, each against its expert's w[experts[a]].T -> [A, out] fp32, each expert
+    read once where it lies (`stored_experts`)."""
+    if isinstance(w, Bf16Slice):
+        return cpu_kernels.expert_rows_product(rows, w.stack, experts, w.at)
+    return cpu_kernels.expert_rows_product(rows, w.bits, experts)
 
 
 WIDE_TILE = 4096  # rows of a large stored weight widened at a time (a few MB: stays in cache)

@@ -45,7 +45,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
-from dsjax.layers.linear import cpu_forms, linear, linear_f32
+from dsjax.layers.linear import cpu_forms, linear, linear_f32, stored_experts, stored_experts_product
 from dsjax.layers.quantized import dense, stored_form, take
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers import taps
@@ -170,10 +170,17 @@ def expert_ffn_each(x: jax.Array, idx: jax.Array, w1, w3, w2, limit: float, weig
     (docs/cpu-decode.md). Not for `exact_products` (DeepSeek-V4.1's FP8 activations): their
     two-row fp32 form widens each expert into a buffer either way, so the one gathered product
     runs as fast, with the same bits, in a fraction of the program (the unrolled one was a third
-    of a tiny-v41 prefill's compile)."""
+    of a tiny-v41 prefill's compile). 16-bit experts (`linear.stored_experts`): three calls of
+    the library's expert kernel instead, the assignments grouped by expert so that each chosen
+    expert is read once for all its rows."""
     t, k = idx.shape
     if exact_products(down):
         raise ValueError("expert_ffn_each: exact products (FP8 activations on XLA:CPU) take expert_ffn_gathered")
+    if stored_experts(w1, w3, w2):  # 16-bit experts: the library's kernel reads each chosen expert once
+        rows, flat = jnp.repeat(x.astype(jnp.float32), k, axis=0), idx.reshape(-1)
+        gate, up = (stored_experts_product(rows, w, flat).reshape(t, k, -1) for w in (w1, w3))
+        h = hidden(gate, up, limit, x.dtype, weights, down)
+        return stored_experts_product(h.reshape(t * k, -1), w2, flat).reshape(t, k, -1)
 
     def one(i: int, j: int) -> jax.Array:
         product = lambda a, w: expert_product(a, dense(take(w, idx[i, j]), jnp.float32))  # noqa: E731

@@ -99,6 +99,32 @@ class Bf16Weight:
 
 
 @struct.dataclass
+class Bf16Slice:
+    """One weight of a `Bf16Weight` stack kept whole: stack[at] (a scanned layer's weight inside
+    its layer loop, a layer's expert), so that XLA:CPU's few-row kernel reads it where it lies
+    (`dsjax.kernels.cpu.rows_product`; a custom call would get a copy of a slice). Anything else
+    reads `bits`, the slice itself, as it reads a `Bf16Weight`'s (`take` makes one)."""
+
+    stack: jax.Array  # [*lead, out, in] uint16
+    at: jax.Array  # [len(lead)] int32
+
+    @property
+    def shape(self):
+        return self.stack.shape[self.at.shape[0]:]
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.bfloat16)
+
+    @property
+    def bits(self) -> jax.Array:
+        return self.stack[tuple(self.at[j] for j in range(self.at.shape[0]))]
+
+    def dense(self, dtype) -> jax.Array:
+        return Bf16Weight(self.bits).dense(dtype)
+
+
+@struct.dataclass
 class ColumnMajor:
     """A plain [out, in] weight kept as its transpose `t` [in, out]: the layout in which
     XLA:CPU reads a one-row product x @ w.T fastest when `in` is short (a vector-matrix loop
@@ -123,7 +149,7 @@ class ColumnMajor:
 
 def dense(w, dtype) -> jax.Array:
     """A weight as a plain array of `dtype`: dequantized if stored quantized."""
-    return (w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight, ColumnMajor, PackedHead))
+    return (w.dense(dtype) if isinstance(w, (Fp8Weight, Fp4Weight, Bf16Weight, Bf16Slice, ColumnMajor, PackedHead))
             else w.astype(dtype))
 
 
@@ -139,7 +165,13 @@ def stored_form(w):
 
 
 def take(w, index):
-    """w[index] for a plain or a stored (quantized, 16-bit) weight."""
+    """w[index] for a plain or a stored (quantized, 16-bit) weight. A 16-bit stack and one index
+    (a scalar) on XLA:CPU: a `Bf16Slice`, the stack kept whole."""
+    if isinstance(w, (Bf16Weight, Bf16Slice)) and jnp.ndim(index) == 0 and jax.default_backend() == "cpu":
+        stack, at = (w.bits, jnp.zeros((0,), jnp.int32)) if isinstance(w, Bf16Weight) else (w.stack, w.at)
+        return Bf16Slice(stack, jnp.concatenate([at, jnp.asarray(index, jnp.int32).reshape(1)]))
+    if isinstance(w, Bf16Slice):
+        w = Bf16Weight(w.bits)
     return jax.tree.map(lambda a: a[index], w)
 
 

@@ -1,5 +1,5 @@
-// The vocabulary head on XLA:CPU, as an XLA FFI custom call (dsjax/layers/cpu_kernels.py builds and
-// registers it): logits [R, NT * 32] = x [R, D] @ W.T, W kept in tiles [NT, D, 32] of 32
+// XLA FFI custom calls for XLA:CPU (dsjax/kernels/cpu.py builds and registers them). The vocabulary
+// head: logits [R, NT * 32] = x [R, D] @ W.T, W kept in tiles [NT, D, 32] of 32
 // vocabulary rows (for each k the tile's 32 weights are contiguous: one sequential stream),
 // fp32 or bf16 weights (bf16 widened exactly), fp32 products and sums.
 //
@@ -148,6 +148,175 @@ ffi::Error VocabHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     run(pool, x.typed_data(), rows, d, static_cast<const uint16_t*>(w.untyped_data()), out->typed_data(), nt);
   else
     return ffi::Error::InvalidArgument("dsjax_vocab_head: tiles must be float32 or bfloat16");
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------- few-row products
+// out [R, O] = x [R, I] @ W[O, I]^T for a layer's weight as stored ([out, in], fp32 or bf16:
+// widened exactly), fp32 products and sums: each output is 16 lane sums over k = lane (mod 16)
+// in ascending k, then a fixed pairwise sum of the lanes (plus the k past the last 16, in
+// order). A row's outputs do not depend on the other rows, their number or the threads.
+//
+// Why: XLA:CPU reads a 16-bit weight of a decode step's projection through an element loop
+// that widens and multiplies it (4-13 GB/s); this streams each output's row once for up to 8
+// activation rows at the memory rate.
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+inline float lanes_sum(v16f v) {
+  v8f a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  v8f s8 = a + b;
+  v4f c, d;
+  std::memcpy(&c, &s8, sizeof c);
+  std::memcpy(&d, reinterpret_cast<const char*>(&s8) + sizeof c, sizeof d);
+  v4f s4 = c + d;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// rows [RB] of x against outputs [OB] (w: their rows, `in` apart) -> out[r * stride + o]
+template <int RB, int OB, typename W>
+inline void rows_outputs(const float* x, int64_t in, const W* w, float* out, int64_t stride) {
+  v16f acc[OB][RB];
+  for (int o = 0; o < OB; ++o)
+    for (int r = 0; r < RB; ++r) acc[o][r] = v16f{};
+  int64_t k = 0;
+  for (; k + 16 <= in; k += 16) {
+    v16f xv[RB];
+    for (int r = 0; r < RB; ++r) xv[r] = load16(x + r * in + k);
+    for (int o = 0; o < OB; ++o) {
+      v16f wv = load16(w + o * in + k);
+      for (int r = 0; r < RB; ++r) acc[o][r] += xv[r] * wv;
+    }
+  }
+  for (int o = 0; o < OB; ++o)
+    for (int r = 0; r < RB; ++r) {
+      float s = lanes_sum(acc[o][r]);
+      for (int64_t j = k; j < in; ++j) s = std::fma(x[r * in + j], widen(w[o * in + j]), s);  // fused, in every build
+      out[r * stride + o] = s;
+    }
+}
+
+// outputs [o0, o1) for every row, 8 rows a pass (the outputs' rows stay in cache between passes)
+template <typename W>
+void rows_product(const float* x, int64_t rows, int64_t in, const W* w, float* out, int64_t outs, int64_t o0,
+                  int64_t o1) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    with_rows(rows - r0, [&](auto rb) {
+      constexpr int RB = decltype(rb)::value;
+      constexpr int OB = RB == 1 ? 8 : RB <= 4 ? 4 : 2;  // accumulators: at most 16, with the x vectors
+      const float* xr = x + r0 * in;
+      float* yr = out + r0 * outs;
+      int64_t o = o0;
+      for (; o + OB <= o1; o += OB) rows_outputs<RB, OB>(xr, in, w + o * in, yr + o, outs);
+      for (; o < o1; ++o) rows_outputs<RB, 1>(xr, in, w + o * in, yr + o, outs);
+    });
+  }
+}
+
+constexpr int64_t kProductItemBytes = int64_t(1) << 16;  // weight bytes a work item shared over the threads
+
+template <typename W>
+void run_product(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, const W* w, float* out,
+                 int64_t outs) {
+  int64_t per = std::max<int64_t>(16, kProductItemBytes / std::max<int64_t>(1, in * int64_t(sizeof(W))));
+  per = (per + 15) / 16 * 16;
+  int64_t items = (outs + per - 1) / per;
+  if (items <= 1) {  // one item: no helpers (a pool round trip costs more than a small weight's read)
+    rows_product(x, rows, in, w, out, outs, 0, outs);
+    return;
+  }
+  parallel_items(pool, items, [&](int64_t i) {
+    rows_product(x, rows, in, w, out, outs, i * per, std::min(outs, (i + 1) * per));
+  });
+}
+
+// w: the weight, or a stack of them [*lead, O, I] and `at` [len(lead)] the weight's place in it
+// (a scanned layer's weight, an expert: read where it lies, not copied out first); each index
+// clamped into its axis as XLA's dynamic slices clamp.
+ffi::Error RowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> at,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto ad = at.dimensions();
+  int64_t lead = ad.size() == 1 ? ad[0] : -1;
+  if (xd.size() != 2 || lead < 0 || int64_t(wd.size()) != lead + 2 || wd[lead + 1] != xd[1])
+    return ffi::Error::InvalidArgument("dsjax_rows_product: x [R, I], w [*lead, O, I] and at [len(lead)] expected");
+  int64_t rows = xd[0], in = xd[1], outs = wd[lead];
+  int64_t offset = 0;  // in weights
+  for (int64_t j = 0; j < lead; ++j)
+    offset = offset * wd[j] + std::clamp<int64_t>(at.typed_data()[j], 0, wd[j] - 1);
+  offset *= outs * in;
+  auto type = w.element_type();
+  if (type == ffi::DataType::F32)
+    run_product(pool, x.typed_data(), rows, in, static_cast<const float*>(w.untyped_data()) + offset,
+                out->typed_data(), outs);
+  else if (type == ffi::DataType::BF16 || type == ffi::DataType::U16)
+    run_product(pool, x.typed_data(), rows, in, static_cast<const uint16_t*>(w.untyped_data()) + offset,
+                out->typed_data(), outs);
+  else
+    return ffi::Error::InvalidArgument("dsjax_rows_product: w must be float32, bfloat16 or its uint16 bits");
+  return ffi::Error::Success();
+}
+
+// Experts: out [A, O] = each assignment's row x[a] @ W[e_a]^T, W [E, O, I] (or one of a stack
+// [*lead, E, O, I], `at` its place), e_a = experts[a] clamped into [0, E). The rows are grouped
+// by expert and each group runs `rows_product` on its expert, so an expert is read once for all
+// its rows (a decode step's assignments share experts); a row's outputs are bitwise those of
+// `RowsProduct` on that row and expert alone.
+template <typename W>
+void run_experts(ffi::ThreadPool& pool, const float* x, int64_t assignments, int64_t in, const W* w, int64_t n_experts,
+                 int64_t outs, const int32_t* experts, float* out) {
+  std::vector<int64_t> order(assignments);
+  auto expert = [&](int64_t a) { return std::clamp<int64_t>(experts[a], 0, n_experts - 1); };
+  for (int64_t a = 0; a < assignments; ++a) order[a] = a;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return expert(p) < expert(q); });
+  std::vector<int64_t> starts;  // each group's first place in `order`, then the end
+  for (int64_t i = 0; i < assignments; ++i)
+    if (i == 0 || expert(order[i]) != expert(order[i - 1])) starts.push_back(i);
+  starts.push_back(assignments);
+  parallel_items(pool, int64_t(starts.size()) - 1, [&](int64_t g) {
+    int64_t first = starts[g], n = starts[g + 1] - first;
+    std::vector<float> xs(n * in), ys(n * outs);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&xs[i * in], x + order[first + i] * in, in * sizeof(float));
+    rows_product(xs.data(), n, in, w + expert(order[first]) * outs * in, ys.data(), outs, 0, outs);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(out + order[first + i] * outs, &ys[i * outs], outs * sizeof(float));
+  });
+}
+
+ffi::Error ExpertRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> at,
+                             ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto ad = at.dimensions();
+  int64_t lead = ad.size() == 1 ? ad[0] : -1;
+  if (xd.size() != 2 || lead < 0 || int64_t(wd.size()) != lead + 3 || wd[lead + 2] != xd[1] ||
+      experts.dimensions().size() != 1 || experts.dimensions()[0] != xd[0])
+    return ffi::Error::InvalidArgument(
+        "dsjax_expert_rows_product: x [A, I], w [*lead, E, O, I], at [len(lead)] and experts [A] expected");
+  int64_t assignments = xd[0], in = xd[1], n_experts = wd[lead], outs = wd[lead + 1];
+  int64_t offset = 0;
+  for (int64_t j = 0; j < lead; ++j)
+    offset = offset * wd[j] + std::clamp<int64_t>(at.typed_data()[j], 0, wd[j] - 1);
+  offset *= n_experts * outs * in;
+  auto type = w.element_type();
+  if (type == ffi::DataType::F32)
+    run_experts(pool, x.typed_data(), assignments, in, static_cast<const float*>(w.untyped_data()) + offset, n_experts,
+                outs, experts.typed_data(), out->typed_data());
+  else if (type == ffi::DataType::BF16 || type == ffi::DataType::U16)
+    run_experts(pool, x.typed_data(), assignments, in, static_cast<const uint16_t*>(w.untyped_data()) + offset,
+                n_experts, outs, experts.typed_data(), out->typed_data());
+  else
+    return ffi::Error::InvalidArgument("dsjax_expert_rows_product: w must be float32, bfloat16 or its uint16 bits");
   return ffi::Error::Success();
 }
 
@@ -400,6 +569,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxGreedyHead, GreedyHead,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("vocab")
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxRowsProduct, RowsProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxExpertRowsProduct, ExpertRowsProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxVocabHead, VocabHead,

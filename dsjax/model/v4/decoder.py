@@ -30,6 +30,7 @@ from dsjax.layers.attention import attention_extend, attention_forward, attentio
 from dsjax.layers.hyper_connection import HyperHead, hyper_connection_specs, hyper_head_specs
 from dsjax.layers.linear import whole_weights
 from dsjax.layers.moe import moe_specs
+from dsjax.layers.quantized import Bf16Weight, take
 from dsjax.layers import taps
 from dsjax.model.block import (DEFAULT_OPTIONS, INVARIANT_ROWS, Block, LayerByLayer, block_apply, embed_streams,
                                norm_spec)
@@ -189,7 +190,8 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
                 else:  # this repeat's slice of the weights; the routed experts are read from the stack
                     moe = block.moe
                     with jax.named_scope("layer_weights"):  # a profile's op group (benchmarks/decode_trace.py)
-                        own = jax.tree.map(lambda a: a[at], block.replace(moe=moe.replace(w1=None, w3=None, w2=None)))
+                        own = jax.tree.map(lambda a: take(a, at), block.replace(moe=moe.replace(w1=None, w3=None, w2=None)),
+                                           is_leaf=lambda a: isinstance(a, Bf16Weight))
                     own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
                     streams, state = v4_block(own, streams, tokens, attend, cfg, opts, expert_layer=at)
             new.append(state)
