@@ -240,9 +240,29 @@ void run_product(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in
   });
 }
 
+// Where w[at] begins in a stack w [*lead, ...] of weights `per` elements each (each index
+// clamped into its axis, as XLA's dynamic slices clamp).
+int64_t stack_offset(ffi::Span<const int64_t> wd, const int32_t* at, int64_t lead, int64_t per) {
+  int64_t offset = 0;
+  for (int64_t j = 0; j < lead; ++j) offset = offset * wd[j] + std::clamp<int64_t>(at[j], 0, wd[j] - 1);
+  return offset * per;
+}
+
+// f(weights) with w's data from `offset` as fp32 or bf16 bits (a bf16 buffer or its uint16 bits)
+template <typename F>
+ffi::Error with_weights(ffi::AnyBuffer& w, int64_t offset, const std::string& name, F f) {
+  auto type = w.element_type();
+  if (type == ffi::DataType::F32)
+    f(static_cast<const float*>(w.untyped_data()) + offset);
+  else if (type == ffi::DataType::BF16 || type == ffi::DataType::U16)
+    f(static_cast<const uint16_t*>(w.untyped_data()) + offset);
+  else
+    return ffi::Error::InvalidArgument(name + ": w must be float32, bfloat16 or its uint16 bits");
+  return ffi::Error::Success();
+}
+
 // w: the weight, or a stack of them [*lead, O, I] and `at` [len(lead)] the weight's place in it
-// (a scanned layer's weight, an expert: read where it lies, not copied out first); each index
-// clamped into its axis as XLA's dynamic slices clamp.
+// (a scanned layer's weight: read where it lies, not copied out first).
 ffi::Error RowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> at,
                        ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions();
@@ -252,20 +272,9 @@ ffi::Error RowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   if (xd.size() != 2 || lead < 0 || int64_t(wd.size()) != lead + 2 || wd[lead + 1] != xd[1])
     return ffi::Error::InvalidArgument("dsjax_rows_product: x [R, I], w [*lead, O, I] and at [len(lead)] expected");
   int64_t rows = xd[0], in = xd[1], outs = wd[lead];
-  int64_t offset = 0;  // in weights
-  for (int64_t j = 0; j < lead; ++j)
-    offset = offset * wd[j] + std::clamp<int64_t>(at.typed_data()[j], 0, wd[j] - 1);
-  offset *= outs * in;
-  auto type = w.element_type();
-  if (type == ffi::DataType::F32)
-    run_product(pool, x.typed_data(), rows, in, static_cast<const float*>(w.untyped_data()) + offset,
-                out->typed_data(), outs);
-  else if (type == ffi::DataType::BF16 || type == ffi::DataType::U16)
-    run_product(pool, x.typed_data(), rows, in, static_cast<const uint16_t*>(w.untyped_data()) + offset,
-                out->typed_data(), outs);
-  else
-    return ffi::Error::InvalidArgument("dsjax_rows_product: w must be float32, bfloat16 or its uint16 bits");
-  return ffi::Error::Success();
+  return with_weights(w, stack_offset(wd, at.typed_data(), lead, outs * in), "dsjax_rows_product", [&](auto weights) {
+    run_product(pool, x.typed_data(), rows, in, weights, out->typed_data(), outs);
+  });
 }
 
 // Experts: out [A, O] = each assignment's row x[a] @ W[e_a]^T, W [E, O, I] (or one of a stack
@@ -304,20 +313,11 @@ ffi::Error ExpertRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     return ffi::Error::InvalidArgument(
         "dsjax_expert_rows_product: x [A, I], w [*lead, E, O, I], at [len(lead)] and experts [A] expected");
   int64_t assignments = xd[0], in = xd[1], n_experts = wd[lead], outs = wd[lead + 1];
-  int64_t offset = 0;
-  for (int64_t j = 0; j < lead; ++j)
-    offset = offset * wd[j] + std::clamp<int64_t>(at.typed_data()[j], 0, wd[j] - 1);
-  offset *= n_experts * outs * in;
-  auto type = w.element_type();
-  if (type == ffi::DataType::F32)
-    run_experts(pool, x.typed_data(), assignments, in, static_cast<const float*>(w.untyped_data()) + offset, n_experts,
-                outs, experts.typed_data(), out->typed_data());
-  else if (type == ffi::DataType::BF16 || type == ffi::DataType::U16)
-    run_experts(pool, x.typed_data(), assignments, in, static_cast<const uint16_t*>(w.untyped_data()) + offset,
-                n_experts, outs, experts.typed_data(), out->typed_data());
-  else
-    return ffi::Error::InvalidArgument("dsjax_expert_rows_product: w must be float32, bfloat16 or its uint16 bits");
-  return ffi::Error::Success();
+  return with_weights(w, stack_offset(wd, at.typed_data(), lead, n_experts * outs * in), "dsjax_expert_rows_product",
+                      [&](auto weights) {
+                        run_experts(pool, x.typed_data(), assignments, in, weights, n_experts, outs,
+                                    experts.typed_data(), out->typed_data());
+                      });
 }
 
 // ---------------------------------------------------------------- greedy tokens through a screen
