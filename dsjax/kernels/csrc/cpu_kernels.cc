@@ -157,9 +157,10 @@ ffi::Error VocabHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 // in ascending k, then a fixed pairwise sum of the lanes (plus the k past the last 16, in
 // order). A row's outputs do not depend on the other rows, their number or the threads.
 //
-// Why: XLA:CPU reads a 16-bit weight of a decode step's projection through an element loop
-// that widens and multiplies it (4-13 GB/s); this streams each output's row once for up to 8
-// activation rows at the memory rate.
+// Why: XLA:CPU's products of 2..16 rows by a 16-bit weight widen it in element loops or for
+// its GEMM; this streams each output's row once for up to 8 activation rows, widening in
+// registers (bench-78m 16-bit, batch 8: docs/cpu-decode.md). At one row XLA's matrix-vector
+// loop reads as fast (the caller keeps it there).
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
@@ -223,7 +224,9 @@ void rows_product(const float* x, int64_t rows, int64_t in, const W* w, float* o
   }
 }
 
-constexpr int64_t kProductItemBytes = int64_t(1) << 16;  // weight bytes a work item shared over the threads
+// weight bytes a work item shared over the threads: a 128 KB weight read from memory in two
+// items ran 1.3x faster than in one (32 against 24 GB/s, one row, 400 weights in turn)
+constexpr int64_t kProductItemBytes = int64_t(1) << 16;
 
 template <typename W>
 void run_product(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, const W* w, float* out,
@@ -231,7 +234,7 @@ void run_product(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in
   int64_t per = std::max<int64_t>(16, kProductItemBytes / std::max<int64_t>(1, in * int64_t(sizeof(W))));
   per = (per + 15) / 16 * 16;
   int64_t items = (outs + per - 1) / per;
-  if (items <= 1) {  // one item: no helpers (a pool round trip costs more than a small weight's read)
+  if (items <= 1) {  // one item: no helpers
     rows_product(x, rows, in, w, out, outs, 0, outs);
     return;
   }

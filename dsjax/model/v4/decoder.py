@@ -190,7 +190,9 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
                 else:  # this repeat's slice of the weights; the routed experts are read from the stack
                     moe = block.moe
                     with jax.named_scope("layer_weights"):  # a profile's op group (benchmarks/decode_trace.py)
-                        own = jax.tree.map(lambda a: take(a, at), block.replace(moe=moe.replace(w1=None, w3=None, w2=None)),
+                        # (a 16-bit weight stays its stack and this index, `take`: the few-row kernel reads it there)
+                        own = jax.tree.map(lambda a: take(a, at), block.replace(moe=moe.replace(w1=None, w3=None,
+                                                                                                w2=None)),
                                            is_leaf=lambda a: isinstance(a, Bf16Weight))
                     own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
                     streams, state = v4_block(own, streams, tokens, attend, cfg, opts, expert_layer=at)
