@@ -207,6 +207,14 @@ inline void rows_outputs(const float* x, int64_t in, const W* w, float* out, int
     }
 }
 
+// Bytes of a weight asked for ahead of the rows being read: a decode step reads each weight
+// once, cold, and the hardware prefetcher ramps up on each new weight; with the rows 16 KB
+// ahead asked for, 128 KB / 512 KB weights read from memory one after another ran 1.06x /
+// 1.14x faster (one row, 400 / 100 weights, two runs each way: 4.29 -> 4.03 us, 13.27 ->
+// 11.37 us a weight; AMD EPYC). In the engine within its noise: bench-78m 16-bit batch 1
+// median 2.66 -> 2.52 ms, batch 8 5.35 -> 5.28 ms over ten alternating processes each way.
+constexpr int64_t kPrefetch = 16384;
+
 // outputs [o0, o1) for every row, 8 rows a pass (the outputs' rows stay in cache between passes)
 template <typename W>
 void rows_product(const float* x, int64_t rows, int64_t in, const W* w, float* out, int64_t outs, int64_t o0,
@@ -218,7 +226,13 @@ void rows_product(const float* x, int64_t rows, int64_t in, const W* w, float* o
       const float* xr = x + r0 * in;
       float* yr = out + r0 * outs;
       int64_t o = o0;
-      for (; o + OB <= o1; o += OB) rows_outputs<RB, OB>(xr, in, w + o * in, yr + o, outs);
+      const char* bytes = reinterpret_cast<const char*>(w);
+      const int64_t row = in * int64_t(sizeof(W)), stop = o1 * row;
+      for (; o + OB <= o1; o += OB) {
+        for (int64_t b = o * row + kPrefetch; b < std::min(stop, (o + OB) * row + kPrefetch); b += 64)
+          __builtin_prefetch(bytes + b, 0, 3);  // many reads in flight
+        rows_outputs<RB, OB>(xr, in, w + o * in, yr + o, outs);
+      }
       for (; o < o1; ++o) rows_outputs<RB, 1>(xr, in, w + o * in, yr + o, outs);
     });
   }
