@@ -342,6 +342,15 @@ def rows_available() -> bool:
     return available() and not _off(ENV_ROWS_OFF)
 
 
+def _place(at) -> jax.Array:
+    """A weight's place in its stack as the kernels take it: int32 [len(lead)] (none: [0])."""
+    return jnp.zeros((0,), jnp.int32) if at is None else jnp.asarray(at, jnp.int32).reshape(-1)
+
+
+def _rows_out(x: jax.Array, w: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((x.shape[0], w.shape[-2]), jnp.float32)
+
+
 def rows_product(x: jax.Array, w: jax.Array, at: jax.Array | None = None) -> jax.Array:
     """x [R, I] fp32 @ w[O, I].T -> [R, O] fp32 through the library's few-row product, w as
     stored: fp32, bf16, or bf16's uint16 bits (`Bf16Weight`), widened exactly as it is read
@@ -349,9 +358,7 @@ def rows_product(x: jax.Array, w: jax.Array, at: jax.Array | None = None) -> jax
     each clamped into its axis), read where it lies. Each output is 16 lane sums over the input
     axis then a fixed sum of the lanes, so a row's outputs do not depend on the other rows or
     their number."""
-    at = jnp.zeros((0,), jnp.int32) if at is None else jnp.asarray(at, jnp.int32).reshape(-1)
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-2]), jnp.float32)
-    return jax.ffi.ffi_call(PRODUCT, out, vmap_method="sequential")(x.astype(jnp.float32), w, at)
+    return jax.ffi.ffi_call(PRODUCT, _rows_out(x, w), vmap_method="sequential")(x.astype(jnp.float32), w, _place(at))
 
 
 def expert_rows_product(x: jax.Array, w: jax.Array, experts: jax.Array, at: jax.Array | None = None) -> jax.Array:
@@ -359,10 +366,8 @@ def expert_rows_product(x: jax.Array, w: jax.Array, experts: jax.Array, at: jax.
     `rows_product` reads it (or a stack [*lead, E, O, I] and `at` the experts' place in it); experts
     clamped into [0, E). Rows are grouped by expert so that each expert is read once; a row's
     outputs are bitwise `rows_product`'s on that row and expert alone."""
-    at = jnp.zeros((0,), jnp.int32) if at is None else jnp.asarray(at, jnp.int32).reshape(-1)
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-2]), jnp.float32)
-    return jax.ffi.ffi_call(EXPERTS, out, vmap_method="sequential")(x.astype(jnp.float32), w, at,
-                                                                    experts.astype(jnp.int32).reshape(-1))
+    return jax.ffi.ffi_call(EXPERTS, _rows_out(x, w), vmap_method="sequential")(
+        x.astype(jnp.float32), w, _place(at), experts.astype(jnp.int32).reshape(-1))
 
 
 def screen_rows() -> int:

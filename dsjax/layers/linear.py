@@ -142,35 +142,41 @@ def _cpu_product(x: jax.Array, w) -> jax.Array | None:
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _stored_kernels() -> bool:
-    return not _GEMM_ONLY.get() and cpu_kernels.rows_available()
+def _stored_16bit(w, rank: int) -> bool:
+    """w a 16-bit weight of `rank` dims (`Bf16Weight`, or one of a stack: `Bf16Slice`) that the
+    library's kernels read, here and now."""
+    return (isinstance(w, (Bf16Weight, Bf16Slice)) and len(w.shape) == rank and not _GEMM_ONLY.get()
+            and cpu_kernels.rows_available())
+
+
+def _in_place(w) -> tuple[jax.Array, jax.Array | None]:
+    """(array, index) from which the library's kernels read a 16-bit weight where it lies."""
+    return (w.stack, w.at) if isinstance(w, Bf16Slice) else (w.bits, None)
 
 
 def stored_rows(w) -> bool:
     """Whether a few-row product by w takes the library's few-row kernel (`stored_rows_product`):
-    a 16-bit weight [out, in] (`Bf16Weight`, or one of a stack: `Bf16Slice`), the library built."""
-    return isinstance(w, (Bf16Weight, Bf16Slice)) and len(w.shape) == 2 and _stored_kernels()
+    a 16-bit weight [out, in], the library built."""
+    return _stored_16bit(w, 2)
 
 
 def stored_rows_product(flat: jax.Array, w) -> jax.Array:
     """flat [R, I] fp32 @ w.T for a `stored_rows` weight, read where it lies."""
-    if isinstance(w, Bf16Slice):
-        return cpu_kernels.rows_product(flat, w.stack, w.at)
-    return cpu_kernels.rows_product(flat, w.bits)
+    stack, at = _in_place(w)
+    return cpu_kernels.rows_product(flat, stack, at)
 
 
 def stored_experts(*ws) -> bool:
     """Whether a decode step's assignments take the library's expert kernel for the 16-bit expert
     stacks ws ([E, out, in] each: `stored_experts_product`)."""
-    return all(isinstance(w, (Bf16Weight, Bf16Slice)) and len(w.shape) == 3 for w in ws) and _stored_kernels()
+    return all(_stored_16bit(w, 3) for w in ws)
 
 
 def stored_experts_product(rows: jax.Array, w, experts: jax.Array) -> jax.Array:
     """rows [A, I] fp32, each against its expert's w[experts[a]].T -> [A, out] fp32, each expert
     read once where it lies (`stored_experts`)."""
-    if isinstance(w, Bf16Slice):
-        return cpu_kernels.expert_rows_product(rows, w.stack, experts, w.at)
-    return cpu_kernels.expert_rows_product(rows, w.bits, experts)
+    stack, at = _in_place(w)
+    return cpu_kernels.expert_rows_product(rows, stack, experts, at)
 
 
 WIDE_TILE = 4096  # rows of a large stored weight widened at a time (a few MB: stays in cache)
