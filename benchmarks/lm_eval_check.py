@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -40,11 +40,12 @@ def test_linear_forms_match_a_float64_product(rows, stored, out):
         w_arg = Fp8Weight(q=w_arg.astype(jnp.float8_e4m3fn),
                           scale_exp=jnp.asarray(rng.integers(124, 131, (-(-out // 128), 1)), jnp.uint8))
         w = np.asarray(w_arg.dense(jnp.float32))
-    product = linear
     if stored == "whole":  # a layer-by-layer run's whole weight (`whole_weights`): w @ x at one row
         def product(x, w):
             with whole_weights():
                 return linear(x, w)
+    else:
+        product = linear
     got = np.asarray(jax.jit(product)(jnp.asarray(x), w_arg))
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     assert got.shape == (rows, 1, out)

@@ -27,7 +27,8 @@ import openai
 import pytest
 
 import dsjax
-from dsjax.protocol import Limits
+from dsjax.engine import TokenEvent
+from dsjax.protocol import CHAT, MESSAGES, RESPONSES, Context, Limits, prepare
 from dsjax.serving.server import BackgroundServer, build
 
 NAME = "tiny"
@@ -296,10 +297,40 @@ def test_thinking_splits_reasoning_from_content(oai):
     """Thinking mode: everything before </think> is reasoning (recipe's parser); max_tokens
     cuts this random model inside its reasoning."""
     r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                    extra_body={"thinking": {"type": "enabled"}})
+                                    extra_body={"thinking": {"type": "enabled"}, "seed": 40})
     msg = r.choices[0].message.model_dump()
     assert msg["reasoning_content"] and not msg["content"]
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("api", [CHAT, RESPONSES, MESSAGES], ids=lambda a: a.name)
+def test_usage_counts_tokens_cut_inside_a_character(api):
+    """An answer cut by max_tokens can end in tokens that spell part of a character (a random
+    model's seed-40 answer above ends in b' \\xeb\\xb0'); the recipe drops those from its count.
+    Usage is the engine's count of tokens all the same, over random runs of lead, continuation
+    and whole-character tokens, `</think>` among them, thinking on and off."""
+    tok = dsjax.load_tokenizer()
+    ctx = Context((NAME,), tok, (tok.eos_id,), 512, 2, Limits())
+    byte = [tok.token_id(p) for p in ("\u00e0", "\u00e1", "\u00a1", "\u0120")]  # bytes e0, e1, a1, 20
+    assert None not in byte
+    pool = [*byte, *tok.encode(" Архив 饺子 x"), tok.token_id("</think>")]
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        n = int(rng.integers(1, 8))
+        ids = [int(t) for t in rng.choice(pool, n)]
+        thinking = {"type": "enabled" if trial % 2 else "disabled"}
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "thinking": thinking}
+        if api is RESPONSES:
+            body = {"model": NAME, "input": "hi", "max_output_tokens": 8,
+                    "reasoning": {"effort": "high" if trial % 2 else "none"}}
+        job = prepare(api, body, ctx)
+        translator = job.choices[0].translator
+        translator.start()
+        translator.push([TokenEvent("r", t, None, None, "length" if k == n - 1 else None) for k, t in enumerate(ids)])
+        translator.finish("length")
+        out = job.response()
+        usage = (json.loads(out) if isinstance(out, str) else out)["usage"]
+        assert usage["completion_tokens" if api is CHAT else "output_tokens"] == n, (ids, thinking)
 
 
 def test_completions_text_ids_stop_and_batch(model, oai):

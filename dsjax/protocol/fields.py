@@ -80,8 +80,6 @@ class Choice:
     params: SamplingParams
     translator: Any
     constraint: tuple | None = None  # the OutputConstraint: (kind, schema, thinking, parallel tool calls,
-
-
     #                                   reasoning budget in thinking mode)
 
 

@@ -22,7 +22,10 @@ from dsjax.protocol.fields import (API, CHAT, MESSAGES, RESPONSES, APIError, che
 class RecipeTranslator:
     """Engine TokenEvents -> one API's events, by deepseek-recipe's StreamProcessor. The EOS
     that ends a turn is not text: it goes in as an empty text chunk counting one token, so
-    usage counts every token the engine generated.
+    usage counts every token the engine generated. So do the tokens an answer cut by
+    max_tokens ends in while they spell part of a character: the recipe holds their bytes
+    for the rest of it and at the end drops them uncounted; their text stays out (as
+    vLLM's), their count goes in as an empty text chunk.
 
     index: choice k of a Chat Completions request with n > 1. The recipe writes every chunk as
     choice 0 with its own usage; then each streamed chunk gets its index and loses its usage
@@ -36,6 +39,8 @@ class RecipeTranslator:
         self.events: list = []  # kept for the non-streaming accumulation
         self.keep = False
         self.tokens = 0
+        self._text = ctx.tokenizer.stream(skip_special_tokens=False)
+        self._split = 0  # the last tokens, whose bytes end inside a character (the recipe holds them)
 
     @property
     def stopped(self) -> bool:
@@ -75,12 +80,16 @@ class RecipeTranslator:
                 chunk = recipe.InferenceChunk.tokens([event.token], [(event.logprob or 0.0, top)])
             else:
                 chunk = recipe.InferenceChunk.tokens([event.token])
+            if chunk.kind == "tokens":
+                self._split = 0 if self._text.push(event.token) else self._split + 1
             out += self.processor.push(chunk)
         return self._out(out)
 
     def finish(self, reason: str | None):
         out = []
         if not self.stopped:
+            if self._split:
+                out += self.processor.push(recipe.InferenceChunk.text("", self._split))
             kind = recipe.InferenceFinishReason.Stop if reason == "stop" else recipe.InferenceFinishReason.Length
             out += self.processor.push(recipe.InferenceChunk.finish(kind))
         out += self.processor.finish()
