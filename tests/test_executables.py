@@ -91,26 +91,40 @@ def test_a_torn_store_file_costs_a_compile_not_a_failure(tmp_path, loads):
 
 def test_a_warm_engine_start_reads_every_program_from_the_store(tmp_path, monkeypatch, loads):
     """The second engine (as after a restart: nothing in memory) builds none of its programs,
-    loads them all, and generates the first one's tokens."""
+    loads them all, and generates the first one's tokens. With a new store (dsjax's sources
+    changed, so the store's directory did) every program is read from JAX's persistent cache
+    instead of compiled, and stored: the start after that loads them all from the new store,
+    and they run (XLA:CPU re-serializes an executable read from JAX's cache without some of
+    its functions: "Function ... not found" when run, unless stored as that cache's bytes)."""
+    from dsjax.compile_cache import current
+
+    if not current().enabled:
+        pytest.skip("JAX's persistent cache is off (DSJAX_COMPILE_CACHE)")
     tiny = dsjax.load_model("tiny", dtype="float32", seed=0)
-    monkeypatch.setattr("dsjax.engine.runner.executable_directory", lambda: tmp_path)
     prompts = np.random.default_rng(1).integers(0, 200, (3, 11)).tolist()
     sp = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.9, seed=4),
           SamplingParams(max_tokens=6)]
 
-    def start_and_run():
+    def start_and_run(store):
+        monkeypatch.setattr("dsjax.engine.runner.executable_directory", lambda: tmp_path / store)
         executables.clear()
         jax.clear_caches()
+        loads.clear()
         with compile_counter() as counts:
             engine = Engine(tiny, max_slots=2, capacity=64, prefill_chunk=16)
             engine.warmup()
         return counts, engine.generate(prompts, sp)
 
-    cold, tokens = start_and_run()
+    cold, tokens = start_and_run("first")
     assert cold["programs"] >= 3 and not loads  # the state, a prompt chunk, a decode step
-    warm, again = start_and_run()
+    warm, again = start_and_run("first")
     assert warm["programs"] == warm["cached"] == len(loads) == cold["programs"]  # every one read whole
     assert again == tokens and all(len(t) == 6 for t in tokens)
+    moved, again = start_and_run("moved")
+    assert moved["programs"] == moved["cached"] == cold["programs"] and not loads  # JAX's cache: no compile
+    assert again == tokens and len(list((tmp_path / "moved").rglob("*.exe"))) == cold["programs"]
+    warm, again = start_and_run("moved")
+    assert warm["programs"] == warm["cached"] == len(loads) == cold["programs"] and again == tokens
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (fake) devices")

@@ -15,10 +15,11 @@ its static arguments, the top-level arguments' shapes and types: the runner's st
 one shape for its life), in the process's table (the whole key; `jax.clear_caches()`
 empties it, as it does jit's), in the store on disk (`jax.experimental.serialize_executable`,
 when a command turned the store on: `compile_cache.setup_compile_cache(...,
-executables=True)`), and otherwise it is lowered and compiled: with the store on, JAX's
-persistent cache is skipped for it (see `_compile_fresh`) and the executable written to
-the store; one-device programs only: a mesh's program (which the store cannot keep) is
-compiled through JAX's persistent cache, as jit's are, and found there by the next process.
+executables=True)`), and otherwise it is lowered and compiled through JAX's persistent
+cache, as jit's are, and written to the store; one-device programs only: a mesh's program
+(which the store cannot keep) is found in JAX's cache by the next process. A program JAX's
+cache had (dsjax's sources changed, the program did not) costs a lowering, not a compile,
+and is stored as the bytes that cache held (see `_stored_form`).
 A short key that stops matching (an argument of another shape inside a pytree) is caught by
 the executable's own argument check and looked up again by the whole key, so a stale match
 cannot run.
@@ -32,10 +33,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import os
 import pickle
 import platform
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -158,15 +161,15 @@ class Store:
         jax.monitoring.record_event(EXECUTABLE_LOADED)
         return compiled
 
-    def save(self, key: str, compiled) -> None:
-        from jax.experimental.serialize_executable import serialize
-
+    def save(self, key: str, compiled, cached: bytes | None = None) -> None:
+        """cached: the executable's bytes as JAX's persistent cache held them, when it was read
+        from there (`_stored_form`)."""
         devices = {d for s in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
                    for d in s.device_set}
         if len(devices) != 1:  # kept for one device (a mesh's programs are compiled per process)
             return
         try:
-            blob = pickle.dumps((*serialize(compiled), devices.pop().id))
+            blob = pickle.dumps((*_stored_form(compiled, cached), devices.pop().id))
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
@@ -176,33 +179,71 @@ class Store:
             pass
 
 
-_skipping = {"count": 0, "saved": None}  # compiles under way with JAX's cache skipped (threads: `Programs.ahead`)
+_cache_reads = threading.local()  # .serialized: what JAX's cache gave this thread's last compile
 
 
-@contextlib.contextmanager
-def _persistent_cache_skipped():
-    """JAX's persistent cache off for the compiles inside, until the last of those running
-    at once ends (private state; where it has moved, nothing is skipped and `_compile_fresh`
-    still refuses a re-read executable)."""
+def _watch_cache_reads() -> bool:
+    """Keep the bytes JAX's persistent cache gives a compile (its entry's executable), per
+    thread (private function; where it has moved: False, and a program read from that cache
+    is not stored)."""
     try:
         from jax._src import compilation_cache as cc
 
-        lock = cc._cache_initialized_mutex
+        extract = cc.extract_executable_and_time
     except (ImportError, AttributeError):  # pragma: no cover
-        yield
-        return
-    with lock:
-        if _skipping["count"] == 0:
-            _skipping["saved"] = (cc._cache_checked, cc._cache_used)
-            cc._cache_checked, cc._cache_used = True, False
-        _skipping["count"] += 1
+        return False
+    if not getattr(extract, "dsjax_watch", False):
+        def watched(entry):
+            serialized, compile_time = extract(entry)
+            _cache_reads.serialized = serialized
+            return serialized, compile_time
+
+        watched.dsjax_watch = True
+        cc.extract_executable_and_time = watched
+    return True
+
+
+def _compile_through_cache(lowered) -> tuple[Any, bool, bytes | None]:
+    """(the executable, whether JAX's persistent cache gave it, the bytes it was read from).
+    Compiles run side by side (`Programs.ahead`): a cache read is told per thread; only where
+    it cannot be watched does any cache hit meanwhile count (so nothing is stored)."""
+    _cache_reads.serialized = None
+    if _watch_cache_reads():
+        compiled = lowered.compile()
+        return compiled, _cache_reads.serialized is not None, _cache_reads.serialized
+    hits = []  # pragma: no cover (a jax without the watched function)
+    listener = lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None  # noqa: E731
+    jax.monitoring.register_event_listener(listener)
     try:
-        yield
+        compiled = lowered.compile()
     finally:
-        with lock:
-            _skipping["count"] -= 1
-            if _skipping["count"] == 0:
-                cc._cache_checked, cc._cache_used = _skipping["saved"]
+        jax.monitoring.unregister_event_listener(listener)
+    return compiled, bool(hits), None
+
+
+def _stored_form(compiled, cached: bytes | None) -> tuple:
+    """`serialize_executable.serialize(compiled)`, but with `cached` as the executable's bytes
+    where given: XLA:CPU (jax 0.10) serializes an executable read from JAX's cache without
+    some of its functions, which then fail at run time ("Function copy_bitcast_fusion not
+    found"), while the bytes it was read from load whole (private pickler; where it has
+    moved, ValueError and the program is not stored)."""
+    from jax.experimental import serialize_executable as se
+
+    if cached is None:
+        return se.serialize(compiled)
+    base = getattr(se, "_JaxPjrtPickler", None)
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    if base is None or unloaded is None:  # pragma: no cover
+        raise ValueError("this jax cannot store an executable read from its cache")
+
+    class Pickler(base):
+        def persistent_id(self, obj):
+            return ("exec", cached) if isinstance(obj, se.xc.LoadedExecutable) else super().persistent_id(obj)
+
+    leaves, in_tree = jax.tree.flatten(compiled.args_info)
+    with io.BytesIO() as f:
+        Pickler(f).dump((unloaded, leaves, compiled._no_kwargs))
+        return f.getvalue(), in_tree, compiled.out_tree
 
 
 def host_callbacks(lowered) -> bool:
@@ -216,28 +257,12 @@ def host_callbacks(lowered) -> bool:
 
 
 def num_devices(lowered) -> int:
-    """The devices the program runs on (private attribute; where it has moved: 1, so a mesh's
-    program skips JAX's cache as a one-device program does when the store is on)."""
+    """The devices the program runs on (private attribute; where it has moved: 1, and the
+    store's save leaves a mesh's program out by its shardings)."""
     try:
         return int(lowered._lowering.compile_args["num_devices"])
     except (AttributeError, KeyError, TypeError):  # pragma: no cover
         return 1
-
-
-def _compile_fresh(lowered):
-    """(the executable, whether it was read from JAX's persistent cache). The store keeps only
-    executables compiled here: XLA:CPU (jax 0.10) serializes one read from JAX's cache without
-    some of its functions, which then fail at run time ("Function wrapped_broadcast not
-    found"); so the engine's programs, when stored, skip JAX's cache."""
-    hits = []
-    listener = lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None  # noqa: E731
-    jax.monitoring.register_event_listener(listener)
-    try:
-        with _persistent_cache_skipped():
-            compiled = lowered.compile()
-    finally:
-        jax.monitoring.unregister_event_listener(listener)
-    return compiled, bool(hits)
 
 
 def _short(a) -> Any:
@@ -302,12 +327,12 @@ class Programs:
         return compiled
 
     def _compile(self, key: str | None, lowered):
-        # only what the store can keep skips JAX's cache: a mesh's program (or one calling back
-        # into Python) is compiled through it, as jit would, so the next process reads it there
+        # what the store cannot keep (a mesh's program, one calling back into Python) is found in
+        # JAX's cache by the next process
         if self.store and key and not host_callbacks(lowered) and num_devices(lowered) == 1:
-            compiled, reread = _compile_fresh(lowered)
-            if not reread:
-                self.store.save(key, compiled)
+            compiled, reread, cached = _compile_through_cache(lowered)
+            if cached is not None or not reread:
+                self.store.save(key, compiled, cached)
         else:
             compiled = lowered.compile()
         if key:
