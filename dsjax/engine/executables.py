@@ -204,13 +204,14 @@ def _watch_cache_reads() -> bool:
 
 
 def _compile_through_cache(lowered) -> tuple[Any, bool, bytes | None]:
-    """(the executable, whether JAX's persistent cache gave it, the bytes it was read from).
-    Compiles run side by side (`Programs.ahead`): a cache read is told per thread; only where
-    it cannot be watched does any cache hit meanwhile count (so nothing is stored)."""
+    """(the executable, whether the store may keep it, the bytes JAX's persistent cache gave
+    it: None for a fresh compile). Compiles run side by side (`Programs.ahead`): a cache read
+    is told per thread; only where it cannot be watched does any cache hit meanwhile make the
+    executable one not to keep."""
     _cache_reads.serialized = None
     if _watch_cache_reads():
         compiled = lowered.compile()
-        return compiled, _cache_reads.serialized is not None, _cache_reads.serialized
+        return compiled, True, _cache_reads.serialized
     hits = []  # pragma: no cover (a jax without the watched function)
     listener = lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None  # noqa: E731
     jax.monitoring.register_event_listener(listener)
@@ -218,7 +219,7 @@ def _compile_through_cache(lowered) -> tuple[Any, bool, bytes | None]:
         compiled = lowered.compile()
     finally:
         jax.monitoring.unregister_event_listener(listener)
-    return compiled, bool(hits), None
+    return compiled, not hits, None
 
 
 def _stored_form(compiled, cached: bytes | None) -> tuple:
@@ -330,8 +331,8 @@ class Programs:
         # what the store cannot keep (a mesh's program, one calling back into Python) is found in
         # JAX's cache by the next process
         if self.store and key and not host_callbacks(lowered) and num_devices(lowered) == 1:
-            compiled, reread, cached = _compile_through_cache(lowered)
-            if cached is not None or not reread:
+            compiled, storable, cached = _compile_through_cache(lowered)
+            if storable:
                 self.store.save(key, compiled, cached)
         else:
             compiled = lowered.compile()
