@@ -34,6 +34,10 @@ from dsjax.train.export import most_frequent
 from hlo_checks import widened_outside
 
 F32 = jnp.float32
+# The full-sequence oracles as one program each (run op by op they were ~700 programs to fetch)
+_streams = jax.jit(decoder_streams, static_argnames="cfg")
+_mtp = jax.jit(mtp_forward, static_argnames="cfg")
+_mtp_head = jax.jit(mtp_head, static_argnames="cfg")
 
 
 def _model(vocab: int | None = None, seed: int = 0) -> dsjax.Model:
@@ -67,21 +71,20 @@ def test_mtp_cached_matches_full_sequence(small_vocab, rng):
     tiny = small_vocab
     cfg, s = tiny.config, 41
     ids = jnp.asarray(rng.integers(2, cfg.vocab_size, (2, s + 1)))
-    streams, _ = jax.jit(decoder_streams, static_argnames="cfg")(tiny.params, ids[:, :s], cfg)
-    mtp = jax.jit(mtp_forward, static_argnames="cfg")
-    want_out, _ = mtp(tiny.mtp, tiny.params, streams, ids[:, 1:], cfg)
-    want_logits = mtp_head(tiny.mtp, tiny.params, want_out, cfg)
+    streams, _ = _streams(tiny.params, ids[:, :s], cfg)
+    want_out, _ = _mtp(tiny.mtp, tiny.params, streams, ids[:, 1:], cfg)
+    want_logits = _mtp_head(tiny.mtp, tiny.params, want_out, cfg)
     state = init_speculation(cfg, 2, 1, F32).mtp
     start, outs = 0, []
     for c in (8, 1, 16, 16):
         length = jnp.full((2,), start, jnp.int32)
-        out, state = mtp(tiny.mtp, tiny.params, streams[:, start:start + c], ids[:, start + 1:start + c + 1], cfg,
-                         state, start=length, n_valid=jnp.full((2,), c, jnp.int32))
+        out, state = _mtp(tiny.mtp, tiny.params, streams[:, start:start + c], ids[:, start + 1:start + c + 1], cfg,
+                          state, start=length, n_valid=jnp.full((2,), c, jnp.int32))
         outs.append(out)
         start += c
     out = jnp.concatenate(outs, axis=1)
     np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(mtp_head(tiny.mtp, tiny.params, out, cfg), want_logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(_mtp_head(tiny.mtp, tiny.params, out, cfg), want_logits, atol=1e-4, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -292,12 +295,16 @@ def test_acceptance_rule_keeps_the_target_distribution(rng, limit, support):
     if support is not None:
         q[:, np.setdiff1d(np.arange(v), support)] = 0.0
         q /= q.sum(-1, keepdims=True)
-    s = _sampling_state(n, 16, 1.0)
-    start = jnp.zeros((n,), jnp.int32)
-    drafts = jnp.stack([draw(jnp.broadcast_to(q[j], (n, v)), s.seed, start + 2 + j, DRAFT) for j in range(k)], 1)
-    a, nxt = accept(jnp.broadcast_to(p, (n, k + 1, v)), jnp.broadcast_to(q, (n, k, v)), drafts,
-                    jnp.full((n,), limit, jnp.int32), s, start)
-    a, nxt, drafts = np.asarray(a), np.asarray(nxt), np.asarray(drafts)
+
+    @jax.jit  # one program for every case (op by op it was ~100)
+    def draw_and_accept(p, q, limit, s):
+        start = jnp.zeros((n,), jnp.int32)
+        drafts = jnp.stack([draw(jnp.broadcast_to(q[j], (n, v)), s.seed, start + 2 + j, DRAFT) for j in range(k)], 1)
+        a, nxt = accept(jnp.broadcast_to(p, (n, k + 1, v)), jnp.broadcast_to(q, (n, k, v)), drafts,
+                        jnp.full((n,), limit, jnp.int32), s, start)
+        return a, nxt, drafts
+
+    a, nxt, drafts = map(np.asarray, draw_and_accept(p, q, limit, _sampling_state(n, 16, 1.0)))
     assert (a <= limit).all()
     first = np.where(a > 0, drafts[:, 0], nxt)
     assert _chi_square_p(first, p[0]) > 1e-3
@@ -378,9 +385,9 @@ def test_draft_vocab_drafts_are_the_drafter_restricted_to_it(small_vocab, rng):
     cfg = model.config
     prompt, first = _prompts(rng, 6, (11,))[0], 3
     seq = jnp.asarray([prompt + [first]])
-    streams, _ = decoder_streams(model.params, seq[:, :-1], cfg)
-    out, _ = mtp_forward(model.mtp, model.params, streams, seq[:, 1:], cfg)
-    z = np.asarray(mtp_head(model.mtp, model.params, out, cfg))[0, -1]  # [V]: predicts the token after `first`
+    streams, _ = _streams(model.params, seq[:, :-1], cfg)
+    out, _ = _mtp(model.mtp, model.params, streams, seq[:, 1:], cfg)
+    z = np.asarray(_mtp_head(model.mtp, model.params, out, cfg))[0, -1]  # [V]: predicts the token after `first`
     d = np.setdiff1d(np.arange(cfg.vocab_size), [np.argmax(z)])
 
     sampling = _sampling_state(2, 64, t).replace(temperature=jnp.asarray([0.0, t], F32))  # row 0 greedy
@@ -459,8 +466,8 @@ def test_caches_after_accept_reject_equal_plain_decoding(small_vocab, rng):
     # the MTP ring equals one built from the plain sequence in a single pass
     seq = jnp.asarray([prompt + truth[: emitted]])
     length = len(prompt) + emitted - 1
-    streams, _ = decoder_streams(model.params, seq[:, :length], cfg)
-    _, want = mtp_forward(model.mtp, model.params, streams, seq[:, 1:length + 1], cfg,
+    streams, _ = _streams(model.params, seq[:, :length], cfg)
+    _, want = _mtp(model.mtp, model.params, streams, seq[:, 1:length + 1], cfg,
                           init_speculation(cfg, 1, k, F32).mtp, start=jnp.zeros((1,), jnp.int32),
                           n_valid=jnp.full((1,), length, jnp.int32))
     np.testing.assert_allclose(spec_engine.spec.mtp.window[:1], want.window, atol=2e-5, rtol=2e-5)
