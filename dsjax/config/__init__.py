@@ -7,8 +7,9 @@
 """
 
 from dsjax.config.io import configs_dir, from_hf_dict, from_json, load_config, named_configs, to_hf_dict
+from dsjax.config.layer_plan import HASH_MOE
 from dsjax.config.options import KERNELS, RuntimeOptions
-from dsjax.config.schema import (CSA, HASH_MOE, HCA, LAYER_TYPES, MLP_LAYER_TYPES, SCORING_FUNCS, SLIDING, TOPK_MOE,
+from dsjax.config.schema import (CSA, HCA, LAYER_TYPES, MLP_LAYER_TYPES, SCORING_FUNCS, SLIDING, TOPK_MOE,
                                  ConfigError, LayerRun, LayerSpec, ModelConfig, RopeConfig)
 
 __all__ = ["CSA", "ConfigError", "HASH_MOE", "HCA", "KERNELS", "LAYER_TYPES", "LayerRun", "LayerSpec", "MLP_LAYER_TYPES",

@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from dsjax.config.schema import (CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ConfigError, DSparkConfig, EngramConfig,
+from dsjax.config.layer_plan import HASH_MOE
+from dsjax.config.schema import (CSA, HCA, SLIDING, TOPK_MOE, ConfigError, DSparkConfig, EngramConfig,
                                  ModelConfig, RopeConfig, V41Config)
 
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from dsjax.config.layer_plan import (CSA, HASH_MOE, HCA, LAYER_TYPES, MLP_LAYER_TYPES, SLIDING, TOPK_MOE,  # noqa: F401
+from dsjax.config.layer_plan import (CSA, HCA, LAYER_TYPES, MLP_LAYER_TYPES, SLIDING, TOPK_MOE,  # noqa: F401
                                      ConfigError, LayerRun, LayerSpec, Sharing, layer_runs)
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
