@@ -341,10 +341,10 @@ def test_drafts_are_the_drafters_after_each_position(name, k):
     scale = np.abs(drafted).max()
     if name == "tiny":
         _, full = inspect.forward(model, x, capture="final.streams")
-        first = jax.jit(lambda streams, x: mtp_head(model.mtp, model.params,  # one program, not ~200 op by op
-                                                     mtp_forward(model.mtp, model.params, streams, x, cfg)[0], cfg))
-        np.testing.assert_allclose(drafted[:, :, 0], first(full["final.streams"][:, :-1], jnp.asarray(x[:, 1:])),
-                                   atol=1e-5 * scale)
+        first = jax.jit(lambda weights, params, streams, x:  # one program, not ~200 op by op
+                        mtp_head(weights, params, mtp_forward(weights, params, streams, x, cfg)[0], cfg))
+        want = first(model.mtp, model.params, full["final.streams"][:, :-1], jnp.asarray(x[:, 1:]))
+        np.testing.assert_allclose(drafted[:, :, 0], want, atol=1e-5 * scale)
 
     @jax.jit
     def engine_path(params, weights, n):  # positions 0..n-1 prefilled in one chunk, committed, then k drafts

@@ -283,6 +283,17 @@ def _chi_square_p(samples, probs):
     return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
 
 
+@jax.jit  # one trace and program for every case below (op by op it was ~100 programs)
+def _draw_and_accept(p, q, limit, s):
+    """k drafts per row drawn from q [k, V], then accept() against p [k + 1, V] with `limit`."""
+    (k, v), n = q.shape, s.seed.shape[0]
+    start = jnp.zeros((n,), jnp.int32)
+    drafts = jnp.stack([draw(jnp.broadcast_to(q[j], (n, v)), s.seed, start + 2 + j, DRAFT) for j in range(k)], 1)
+    a, nxt = accept(jnp.broadcast_to(p, (n, k + 1, v)), jnp.broadcast_to(q, (n, k, v)), drafts,
+                    jnp.full((n,), limit, jnp.int32), s, start)
+    return a, nxt, drafts
+
+
 @pytest.mark.parametrize("limit, support", [(3, None), (1, None), (0, None), (3, (0, 2, 3, 5))])
 def test_acceptance_rule_keeps_the_target_distribution(rng, limit, support):
     """accept() over 20000 seeds: the first emitted token follows p_0 and the second (given
@@ -295,16 +306,7 @@ def test_acceptance_rule_keeps_the_target_distribution(rng, limit, support):
     if support is not None:
         q[:, np.setdiff1d(np.arange(v), support)] = 0.0
         q /= q.sum(-1, keepdims=True)
-
-    @jax.jit  # one program for every case (op by op it was ~100)
-    def draw_and_accept(p, q, limit, s):
-        start = jnp.zeros((n,), jnp.int32)
-        drafts = jnp.stack([draw(jnp.broadcast_to(q[j], (n, v)), s.seed, start + 2 + j, DRAFT) for j in range(k)], 1)
-        a, nxt = accept(jnp.broadcast_to(p, (n, k + 1, v)), jnp.broadcast_to(q, (n, k, v)), drafts,
-                        jnp.full((n,), limit, jnp.int32), s, start)
-        return a, nxt, drafts
-
-    a, nxt, drafts = map(np.asarray, draw_and_accept(p, q, limit, _sampling_state(n, 16, 1.0)))
+    a, nxt, drafts = map(np.asarray, _draw_and_accept(p, q, limit, _sampling_state(n, 16, 1.0)))
     assert (a <= limit).all()
     first = np.where(a > 0, drafts[:, 0], nxt)
     assert _chi_square_p(first, p[0]) > 1e-3
@@ -468,8 +470,8 @@ def test_caches_after_accept_reject_equal_plain_decoding(small_vocab, rng):
     length = len(prompt) + emitted - 1
     streams, _ = _streams(model.params, seq[:, :length], cfg)
     _, want = _mtp(model.mtp, model.params, streams, seq[:, 1:length + 1], cfg,
-                          init_speculation(cfg, 1, k, F32).mtp, start=jnp.zeros((1,), jnp.int32),
-                          n_valid=jnp.full((1,), length, jnp.int32))
+                   init_speculation(cfg, 1, k, F32).mtp, start=jnp.zeros((1,), jnp.int32),
+                   n_valid=jnp.full((1,), length, jnp.int32))
     np.testing.assert_allclose(spec_engine.spec.mtp.window[:1], want.window, atol=2e-5, rtol=2e-5)
 
 
