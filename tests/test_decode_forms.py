@@ -17,7 +17,9 @@ from dsjax.engine.speculative import draft_vocab
 from dsjax.layers.linear import FEW_ROWS, WIDE_TILE, linear, merge_last_two, whole_weights
 from dsjax.kernels import cpu as cpu_kernels
 from dsjax.layers.quantized import Bf16Slice, Bf16Weight, ColumnMajor, Fp8Weight, take
-from dsjax.layers.moe import expert_ffn_each, expert_ffn_gathered
+from dsjax.layers.hyper_connection import HyperConnection, one_call, sublayer_input
+from dsjax.layers.moe import MoE, expert_ffn_each, expert_ffn_gathered, moe_forward
+from dsjax.layers.linear import stored_grouped_product
 from dsjax.model import forward, init_cache, take_rows
 from dsjax.model.head import one_row_head
 from hlo_checks import widened_outside
@@ -94,7 +96,7 @@ def test_rows_kernel_reads_a_weight_of_a_stack_where_it_lies(stored):
     exact = stack if stored == "float32" else np.asarray(jnp.asarray(stack).astype(jnp.bfloat16).astype(jnp.float32))
     w = {"bits": Bf16Weight.of(jnp.asarray(stack)).bits, "bfloat16": jnp.asarray(stack).astype(jnp.bfloat16),
          "float32": jnp.asarray(stack)}[stored]
-    x = rng.normal(size=(19, 100)).astype(np.float32)  # 19 rows: passes of 8, 8 and 3
+    x = rng.normal(size=(19, 100)).astype(np.float32)  # 19 rows: passes of 4 and one of 3
     product = jax.jit(cpu_kernels.rows_product)
     for at, where in [((1, 2), (1, 2)), ((0, 0), (0, 0)), ((5, -3), (1, 0))]:
         at = jnp.asarray(at, jnp.int32)
@@ -159,6 +161,83 @@ def test_16bit_experts_read_each_chosen_expert_once_for_its_rows():
     alone = jax.jit(cpu_kernels.rows_product)
     for a, e in enumerate(np.clip(np.asarray(experts), 0, n_experts - 1)):
         np.testing.assert_array_equal(grouped[a], np.asarray(alone(rows[a:a + 1], w1.bits, jnp.asarray([1, e])))[0])
+
+
+def _bits_stack(rng, *shape) -> Bf16Weight:
+    return Bf16Weight.of(jnp.asarray(rng.normal(size=shape).astype(np.float32)))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
+def test_a_decode_steps_16bit_moe_is_one_library_call():
+    """A decode step's MoE with 16-bit weights (routed experts one layer of a stack, the shared
+    expert its own) runs its experts, the SwiGLU, the routing weights and the shared expert as
+    one call (`cpu_kernels.moe_rows`): against the XLA:CPU path of the same step (the library
+    off), routing included; each row bitwise the same beside other rows as beside these (the
+    router's product at one row is XLA's, not the library's: two rows at least)."""
+    cfg = dsjax.load_config("tiny")
+    rng = np.random.default_rng(11)
+    e, i, d, si = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.shared_intermediate_size
+    p = MoE(router=_bits_stack(rng, e, d), w1=_bits_stack(rng, 2, e, i, d), w3=_bits_stack(rng, 2, e, i, d),
+            w2=_bits_stack(rng, 2, e, d, i), shared_w1=_bits_stack(rng, si, d), shared_w3=_bits_stack(rng, si, d),
+            shared_w2=_bits_stack(rng, d, si), router_bias=jnp.asarray(rng.normal(size=e).astype(np.float32)))
+    x = jnp.asarray(3 * rng.normal(size=(5, 1, d)).astype(np.float32))  # large enough to clamp some SwiGLU inputs
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (5, 1)), jnp.int32)
+    step = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
+    assert cpu_kernels.MOE in step.lower(p, x, tokens).as_text()
+    got = np.asarray(step(p, x, tokens))
+    with cpu_kernels.disabled():
+        plain = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
+        assert cpu_kernels.MOE not in plain.lower(p, x, tokens).as_text()
+        want = np.asarray(plain(p, x, tokens))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for rows in (slice(0, 2), slice(2, 5)):
+        np.testing.assert_array_equal(np.asarray(step(p, x[rows], tokens[rows])), got[rows])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
+def test_a_sublayers_mhc_input_is_one_library_call():
+    """A decode step's mHC before a sublayer (mixes, Sinkhorn, collapse, RMSNorm) as one call
+    (`cpu_kernels.hc_input`), its weights one layer of a stack read in place, with its own pre or
+    given collapse weights (V4.1's lag): against the ops (`hc_mixes`, `collapse`, `rms_norm`) on
+    the sliced layer; each row bitwise the same alone as beside others."""
+    cfg = dsjax.load_config("tiny")
+    rng = np.random.default_rng(12)
+    n, d = cfg.hc_mult, cfg.hidden_size
+    width = (2 + n) * n
+    p = HyperConnection(fn=jnp.asarray(0.1 * rng.normal(size=(3, width, n * d)).astype(np.float32)),
+                        base=jnp.asarray(rng.normal(size=(3, width)).astype(np.float32)),
+                        scale=jnp.asarray(rng.uniform(0.5, 2, (3, 3)).astype(np.float32)))
+    norm = jnp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32))
+    streams = jnp.asarray(rng.normal(size=(6, 1, n, d)).astype(np.float32))
+    lag = jnp.asarray(rng.uniform(0.1, 1, (6, 1, n)).astype(np.float32))
+    run = jax.jit(lambda p, s, w: sublayer_input(p, norm, s, cfg, w, jnp.int32(2)))
+    assert one_call(streams) and cpu_kernels.HC_INPUT in run.lower(p, streams, lag).as_text()
+    for weights in (None, lag):
+        got = run(p, streams, weights)
+        with cpu_kernels.disabled():
+            assert not one_call(streams)
+            want = jax.jit(lambda p, s, w: sublayer_input(p, norm, s, cfg, w, jnp.int32(2)))(p, streams, weights)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(jnp.abs(w).max()))
+        for rows in (slice(0, 1), slice(1, 4)):
+            part = run(p, streams[rows], None if weights is None else weights[rows])
+            for g, w in zip(part, got):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w)[rows])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
+def test_a_16bit_grouped_output_projection_reads_each_block_in_place():
+    """V4 attention's W_oa (block-diagonal over the output groups) with a 16-bit weight of a stack at
+    a decode step's rows: each group against its block, read in place, as a float64 product."""
+    rng = np.random.default_rng(13)
+    g, o, i = 4, 24, 40
+    w = _bits_stack(rng, 3, g * o, i)
+    x = jnp.asarray(rng.normal(size=(3, 1, g, i)).astype(np.float32))
+    got = np.asarray(jax.jit(lambda x, at: stored_grouped_product(x, take(w, at), g))(x, 2))
+    blocks = np.asarray(Bf16Weight(w.bits[2]).dense(jnp.float32), np.float64).reshape(g, o, i)
+    want = np.einsum("bsgi,goi->bsgo", np.asarray(x, np.float64), blocks)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert stored_grouped_product(jnp.zeros((17, 1, g, i)), w.bits[0], g) is None  # beyond a decode step's rows
 
 
 def _rounded(model):

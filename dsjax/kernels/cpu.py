@@ -25,6 +25,12 @@ chosen expert once for all the rows routed to it); XLA:CPU's own products of 2..
 the bits in element loops (docs/cpu-decode.md, "16-bit layer weights"). `DSJAX_CPU_ROWS_KERNEL=off`
 leaves those products to XLA (to compare).
 
+A decode step's sublayer pieces are one call each there too (`layer_calls_available`): a
+sublayer's mHC input (`hc_input`: the mixes, the Sinkhorn, the collapse and the norm, ~20 XLA
+thunks a sublayer), a 16-bit MoE (`moe_rows`: the chosen experts, the SwiGLU, the routing
+weights and the shared expert) and a 16-bit W_oa (`expert_rows_product`, its groups as experts).
+`DSJAX_CPU_LAYER_CALLS=off` leaves them to XLA's ops (to compare).
+
 The same library holds `dsjax_host_call` (`host_call`, below): a host function called by a
 number the program holds, so that a program calling back into Python stays one JAX's
 persistent cache can keep (V4.1's Engram lookup on one CPU device).
@@ -60,9 +66,12 @@ GREEDY = "dsjax_greedy_head"
 HOST = "dsjax_host_call"
 PRODUCT = "dsjax_rows_product"
 EXPERTS = "dsjax_expert_rows_product"
+MOE = "dsjax_moe_rows"
+HC_INPUT = "dsjax_hc_input"
 ENV_OFF = "DSJAX_CPU_KERNELS"
 ENV_CACHE = "DSJAX_KERNEL_CACHE"
 ENV_ROWS_OFF = "DSJAX_CPU_ROWS_KERNEL"  # =off: the few-row product alone stays XLA's (to compare)
+ENV_LAYER_OFF = "DSJAX_CPU_LAYER_CALLS"  # =off: mHC inputs, 16-bit MoE and W_oa stay XLA's ops (to compare)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
 
@@ -153,6 +162,8 @@ def _load() -> str:
         jax.ffi.register_ffi_target(HOST, jax.ffi.pycapsule(library.DsjaxHostCall), platform="cpu")
         jax.ffi.register_ffi_target(PRODUCT, jax.ffi.pycapsule(library.DsjaxRowsProduct), platform="cpu")
         jax.ffi.register_ffi_target(EXPERTS, jax.ffi.pycapsule(library.DsjaxExpertRowsProduct), platform="cpu")
+        jax.ffi.register_ffi_target(HC_INPUT, jax.ffi.pycapsule(library.DsjaxHcInput), platform="cpu")
+        jax.ffi.register_ffi_target(MOE, jax.ffi.pycapsule(library.DsjaxMoeRows), platform="cpu")
         library.DsjaxSetHostFunction(_trampoline)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         return f"build failed: {e}"
@@ -342,6 +353,14 @@ def rows_available() -> bool:
     return available() and not _off(ENV_ROWS_OFF)
 
 
+def layer_calls_available() -> bool:
+    """Whether a decode step's sublayer pieces run as one library call each (`hc_input`: a
+    sublayer's mHC input; `moe_rows`: a 16-bit MoE; the 16-bit W_oa through
+    `expert_rows_product`): `available()`, and not `DSJAX_CPU_LAYER_CALLS=off`, which leaves them
+    to XLA's ops (e.g. to compare)."""
+    return available() and not _off(ENV_LAYER_OFF)
+
+
 def _place(at) -> jax.Array:
     """A weight's place in its stack as the kernels take it: int32 [len(lead)] (none: [0])."""
     return jnp.zeros((0,), jnp.int32) if at is None else jnp.asarray(at, jnp.int32).reshape(-1)
@@ -355,9 +374,9 @@ def rows_product(x: jax.Array, w: jax.Array, at: jax.Array | None = None) -> jax
     """x [R, I] fp32 @ w[O, I].T -> [R, O] fp32 through the library's few-row product, w as
     stored: fp32, bf16, or bf16's uint16 bits (`Bf16Weight`), widened exactly as it is read
     (`available()`). at: w is a stack [*lead, O, I] and the weight is w[at] (int32 [len(lead)],
-    each clamped into its axis), read where it lies. Each output is 16 lane sums over the input
-    axis then a fixed sum of the lanes, so a row's outputs do not depend on the other rows or
-    their number."""
+    each clamped into its axis), read where it lies. Each output is four sums of 16 lanes over
+    the input axis, then fixed sums of those and of the lanes (csrc/cpu_kernels.cc), the same for
+    every row, so a row's outputs do not depend on the other rows or their number."""
     return jax.ffi.ffi_call(PRODUCT, _rows_out(x, w), vmap_method="sequential")(x.astype(jnp.float32), w, _place(at))
 
 
@@ -368,6 +387,36 @@ def expert_rows_product(x: jax.Array, w: jax.Array, experts: jax.Array, at: jax.
     outputs are bitwise `rows_product`'s on that row and expert alone."""
     return jax.ffi.ffi_call(EXPERTS, _rows_out(x, w), vmap_method="sequential")(
         x.astype(jnp.float32), w, _place(at), experts.astype(jnp.int32).reshape(-1))
+
+
+def moe_rows(x: jax.Array, weights: jax.Array, idx: jax.Array, experts, shared, limit: float) -> jax.Array:
+    """A decode step's MoE FFN in one call: x [T, D] fp32, each row through its experts idx [T, K]
+    weighted by weights [T, K], plus the shared expert -> [T, D] fp32 (the experts' SwiGLU
+    clamped at `limit`). experts: (w1 [E, I, D], w3 [E, I, D], w2 [E, D, I]) and shared: (w1
+    [Is, D], w3 [Is, D], w2 [D, Is]), each a 16-bit weight as (stack, at) that `rows_product`
+    reads (at None: the stack is the weight). Each chosen expert is read once for all its rows;
+    every product is `rows_product`'s, so a row's outputs do not depend on the other rows."""
+    pairs = [a for stack, at in (*experts, *shared) for a in (stack, _place(at))]
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return jax.ffi.ffi_call(MOE, out, vmap_method="sequential")(
+        x.astype(jnp.float32), weights.astype(jnp.float32), idx.astype(jnp.int32), *pairs, limit=np.float32(limit))
+
+
+def hc_input(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm: jax.Array,
+             weights: jax.Array | None, at: jax.Array | None = None, *, eps: float, hc_eps: float, iters: int):
+    """A sublayer's mHC input in one call, row by row: streams [R, N, D] fp32 -> (h [R, D]: the
+    RMS-normed collapse, times `norm`; pre [R, N], post [R, N], comb [R, N, N]), as
+    `dsjax.layers.hyper_connection` computes them (fn [(2+N)N, ND], base, scale [3]; or stacks
+    [*lead, ...] of them and `at` [len(lead)] the layer's place: read where they lie). weights
+    [R, N]: collapse with these instead of pre (DeepSeek-V4.1's lag)."""
+    r, n, d = streams.shape
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((r, d), f32), jax.ShapeDtypeStruct((r, n), f32), jax.ShapeDtypeStruct((r, n), f32),
+           jax.ShapeDtypeStruct((r, n, n), f32))
+    with_ = jnp.zeros((0,), f32) if weights is None else weights.astype(f32)
+    return jax.ffi.ffi_call(HC_INPUT, out, vmap_method="sequential")(
+        streams.astype(f32), fn, base, scale, _place(at), norm.astype(f32), with_, eps=np.float32(eps), hc_eps=np.float32(hc_eps),
+        iters=np.int64(iters))
 
 
 def screen_rows() -> int:

@@ -23,7 +23,7 @@ from dsjax.layers.compressor import (Compressor, CompressorState, compress_exten
                                      compressor_state_shapes, state_rows, state_set)
 from dsjax.layers.indexer import (Indexer, index_queries, index_scores, index_weights, indexer_specs,
                                   select_topk_indices)
-from dsjax.layers.linear import linear, merge_last_two
+from dsjax.layers.linear import linear, merge_last_two, stored_grouped_product
 from dsjax.layers.norms import rms_norm, unweighted_rms_norm
 from dsjax.layers.quantized import dense
 from dsjax.layers.rope import apply_rope, rope_cos_sin
@@ -100,12 +100,17 @@ def project_kv(p: AttentionProjections, x: jax.Array, cos, sin, cfg: ModelConfig
 
 def grouped_output(p: AttentionProjections, o: jax.Array, cfg: ModelConfig, round_trips: bool = False) -> jax.Array:
     """o [B, S, H, hd] -> [B, S, D]: per-group low-rank W_oa (one batched GEMM, also for a CPU
-    decode row: per-group matrix-vector loops were no faster), then the mixing W_ob.
+    decode row: per-group matrix-vector loops were no faster; a 16-bit W_oa at a CPU decode
+    step's rows: one library call reading each group's block in place, `stored_grouped_product`),
+    then the mixing W_ob.
     round_trips: DeepSeek-V4.1's Lin8 on W_ob (deepseek-v41.md §2.10)."""
     g = cfg.o_groups
     grouped = reshape(o, (*o.shape[:-2], g, -1))  # [B, S, G, H/G * hd]
-    w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
-    z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32).astype(o.dtype)
+    z = stored_grouped_product(grouped, p.o_a_proj, g)  # a 16-bit W_oa on XLA:CPU, a decode step's rows
+    if z is None:
+        w_oa = dense(p.o_a_proj, o.dtype).reshape(g, cfg.o_lora_rank, -1)
+        z = jnp.einsum("bsgi,goi->bsgo", grouped, w_oa, preferred_element_type=jnp.float32)
+    z = z.astype(o.dtype)
     return linear(merge_last_two(z), p.o_b_proj, out_sharding=spec("batch", None, None),
                   fp8_act=round_trips)
 

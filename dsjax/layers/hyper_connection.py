@@ -16,12 +16,17 @@ returns `pre` rather than applying it, so the caller decides which one to use.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dsjax.config import ModelConfig
-from dsjax.layers.linear import linear_f32, merge_last_two
+from dsjax.kernels import cpu as cpu_kernels
+from dsjax.layers import taps
+from dsjax.layers.linear import cpu_forms, linear_f32, merge_last_two
+from dsjax.layers.norms import rms_norm
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import reshape
 
@@ -112,6 +117,41 @@ def expand(y: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -
     dtype = streams.dtype
     mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(dtype), streams, preferred_element_type=jnp.float32)
     return (post.astype(dtype)[..., None] * y[..., None, :] + mixed.astype(dtype)).astype(dtype)
+
+
+def one_call(streams: jax.Array) -> bool:
+    """Whether a sublayer's mHC input runs as one call of the XLA:CPU library (`sublayer_input`):
+    a decode step's few fp32 rows on one CPU device (`linear.cpu_forms`), the library's layer
+    calls on (`cpu_kernels.layer_calls_available`), and no dsjax.inspect session tracing (its
+    points sit between the ops)."""
+    rows = math.prod(streams.shape[:-2])
+    return (streams.ndim >= 3 and cpu_forms(streams, rows) and streams.shape[-2] <= 16
+            and cpu_kernels.layer_calls_available() and not taps.tracing())
+
+
+@jax.named_scope("mhc")  # a profile's op group (benchmarks/decode_trace.py)
+def sublayer_input(p: HyperConnection, norm: jax.Array, streams: jax.Array, cfg: ModelConfig,
+                   weights: jax.Array | None = None, at: jax.Array | None = None):
+    """streams [..., N, D] -> (the sublayer's input RMSNorm(collapse(streams, w)) * norm [..., D],
+    pre, post, comb) with w = pre, or `weights` [..., N] (DeepSeek-V4.1's lag): `hc_mixes`,
+    `collapse` and `rms_norm`, in one call of the library where `one_call` says so.
+    at: p's leaves are stacked over a scanned layer run and this is layer `at` (the library reads
+    them where they lie; a slice of a stack handed to a call would be copied first)."""
+    if one_call(streams):
+        lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
+        h, pre, post, comb = cpu_kernels.hc_input(
+            streams.reshape(-1, n, d), p.fn, p.base, p.scale, norm, None if weights is None else weights.reshape(-1, n),
+            at, eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
+        return h.reshape(*lead, d).astype(streams.dtype), pre.reshape(*lead, n), post.reshape(*lead, n), \
+            comb.reshape(*lead, n, n)
+    p = layer_of(p, at)
+    pre, post, comb = hc_mixes(p, streams, cfg)
+    return rms_norm(collapse(streams, pre if weights is None else weights), norm, cfg.rms_norm_eps), pre, post, comb
+
+
+def layer_of(p: HyperConnection, at: jax.Array | None) -> HyperConnection:
+    """p's layer `at` of a stacked run (None: p is one layer's)."""
+    return p if at is None else jax.tree.map(lambda a: a[at], p)
 
 
 def head_collapse(p: HyperHead, streams: jax.Array, cfg: ModelConfig) -> jax.Array:

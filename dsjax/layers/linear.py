@@ -21,6 +21,9 @@ decode speed). `linear` picks by the static row count:
                                    holds, `_tiled`)
     otherwise     einsum           the library GEMM
 
+V4 attention's W_oa (block-diagonal over its groups) at a decode step's rows, 16-bit: one call
+of the library's expert kernel, the groups as its experts (`stored_grouped_product`).
+
 The choice is static (it depends on shapes only), so a program computes a row the same way
 whatever the other rows hold. Batch-invariant mode takes the GEMM throughout (`gemm_only`), as
 a mesh does.
@@ -177,6 +180,30 @@ def stored_experts_product(rows: jax.Array, w, experts: jax.Array) -> jax.Array:
     read once where it lies (`stored_experts`)."""
     stack, at = _in_place(w)
     return cpu_kernels.expert_rows_product(rows, stack, experts, at)
+
+
+def stored_grouped_product(x: jax.Array, w, groups: int) -> jax.Array | None:
+    """x [..., G, I] fp32, group g against its block w[g O:(g + 1) O] of a [G O, I] weight ->
+    [..., G, O] fp32 (a block-diagonal product: V4 attention's W_oa), or None where the
+    library's kernel does not take it: a decode step's few fp32 rows (`cpu_forms`) and a 16-bit
+    w (`stored_rows`), each block read once where it lies (`cpu_kernels.expert_rows_product`,
+    the groups as its experts) instead of widened into a buffer for a batched product."""
+    rows = math.prod(x.shape[:-2])
+    if not (cpu_forms(x, rows) and stored_rows(w) and cpu_kernels.layer_calls_available()):
+        return None
+    stack, at = _in_place(w)
+    blocks = stack.reshape(*stack.shape[:-2], groups, stack.shape[-2] // groups, stack.shape[-1])
+    which = jnp.tile(jnp.arange(groups, dtype=jnp.int32), rows)
+    y = cpu_kernels.expert_rows_product(x.reshape(rows * groups, x.shape[-1]), blocks, which, at)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def stored_moe_product(x: jax.Array, weights: jax.Array, idx: jax.Array, experts, shared, limit: float) -> jax.Array:
+    """A decode step's MoE FFN (routed experts weighted, plus the shared expert) in one call of
+    the library (`cpu_kernels.moe_rows`), every weight 16-bit and read where it lies: experts
+    (w1, w3, w2) `stored_experts`, shared (w1, w3, w2) `stored_rows`."""
+    return cpu_kernels.moe_rows(x, weights, idx, [_in_place(w) for w in experts], [_in_place(w) for w in shared],
+                                limit)
 
 
 WIDE_TILE = 4096  # rows of a large stored weight widened at a time (a few MB: stays in cache)

@@ -45,10 +45,12 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
-from dsjax.layers.linear import cpu_forms, linear, linear_f32, stored_experts, stored_experts_product
+from dsjax.layers.linear import (cpu_forms, linear, linear_f32, stored_experts, stored_experts_product,
+                                 stored_moe_product, stored_rows)
 from dsjax.layers.quantized import dense, stored_form, take
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers import taps
+from dsjax.kernels import cpu as cpu_kernels
 from dsjax.kernels.dispatch import kernel_choice
 from dsjax.kernels.grouped_matmul import exact_products, expert_product, grouped_ffn, hidden, swiglu
 from dsjax.kernels.stored_matmul import mgpu_stored_grouped_ffn
@@ -364,6 +366,16 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
 
 
 # ----------------------------------------------------------------------------- the layer
+def one_call_ffn(p: MoE, x: jax.Array, idx: jax.Array, kernels: str) -> bool:
+    """Whether a step's routed and shared experts run as one call of the XLA:CPU library
+    (`linear.stored_moe_product`): a decode step's few assignments (`cpu_forms`), every expert
+    weight 16-bit where the library reads it (p's routed experts cut to their layer), the
+    library's layer calls on (`cpu_kernels.layer_calls_available`), and no kernel that reads
+    stored bytes instead."""
+    return (cpu_forms(x, idx.size) and cpu_kernels.layer_calls_available() and stored_experts(p.w1, p.w3, p.w2)
+            and all(stored_rows(w) for w in (p.shared_w1, p.shared_w3, p.shared_w2)) and not stored_kernel(p, kernels))
+
+
 def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig, fp8_acts: bool = False) -> jax.Array:
     """fp8_acts: DeepSeek-V4.1's Lin8 for all three products."""
     h = swiglu(linear(x, p.shared_w1, fp8_act=fp8_acts), linear(x, p.shared_w3, fp8_act=fp8_acts), cfg.swiglu_limit)
@@ -383,7 +395,9 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
     rows (batch-invariant mode): the grouped path at any token count, in tiles of this many
     rows, so a token's expert products do not depend on the others.
     fp8_acts: DeepSeek-V4.1's FP8 activations (Lin8 shared expert, Lin4 routed experts with the
-    routing weight before W2; spec deepseek-v41.md §4), with its quantisation round trips."""
+    routing weight before W2; spec deepseek-v41.md §4), with its quantisation round trips.
+    A decode step with 16-bit weights on XLA:CPU routes as here, then runs the routed and shared
+    experts as one library call (`one_call_ffn`)."""
     flat = reshape(x, (-1, x.shape[-1]))
     if current_mesh() is not None:
         p = expert_layer(p, layer)
@@ -392,6 +406,11 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
                                         lead=x.shape[:-1], ep_dispatch=ep_dispatch)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg, x.shape[:-1])
+        layer_p = expert_layer(p, layer)
+        if rows is None and not fp8_acts and one_call_ffn(layer_p, flat, idx, kernels):
+            y = stored_moe_product(flat, gained(weights, idx, cfg), idx, (layer_p.w1, layer_p.w3, layer_p.w2),
+                                   (p.shared_w1, p.shared_w3, p.shared_w2), cfg.swiglu_limit)
+            return reshape(y.astype(x.dtype), x.shape)
         routed = routed_experts(p, flat, gained(weights, idx, cfg), idx, cfg, None if rows is None else "grouped",
                                 kernels=kernels, layer=layer, rows=rows, fp8_acts=fp8_acts)
     routed = routed.astype(x.dtype)

@@ -73,6 +73,12 @@ def _session() -> _Session | None:
     return getattr(_local, "session", None)
 
 
+def tracing() -> bool:
+    """Whether a dsjax.inspect session is tracing (a layer that fuses its named points away
+    takes its plain path then)."""
+    return _session() is not None
+
+
 def asks(*points: str) -> bool:
     """Whether the session tracing (if any) captures or edits one of these points of the layer
     running now (a layer that must take another path to expose them asks first)."""

@@ -22,7 +22,8 @@ from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers.attention import AttentionProjections
-from dsjax.layers.hyper_connection import HyperConnection, collapse, expand, hc_mixes
+from dsjax.layers.hyper_connection import (HyperConnection, collapse, expand, hc_mixes, layer_of, one_call,
+                                            sublayer_input)
 from dsjax.layers.moe import MoE, moe_forward
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.taps import tap
@@ -93,18 +94,28 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     pi None: each sublayer collapses with its own pre (V4). pi [B, S, N]: V4.1's lag, the
     attention collapses with pi and the FFN with the attention's pre; the FFN's pre returned
     is the next block's pi.
-    expert_layer: p.moe's routed-expert weights are still stacked over the layer run and this
-    is layer `expert_layer`. rows, fp8_acts: `moe_forward`'s (batch-invariant tiles; V4.1's
+    expert_layer: p.moe's routed-expert weights and p's mHC mixes (attn_hc, ffn_hc) are still
+    stacked over the layer run and this is layer `expert_layer`. rows, fp8_acts: `moe_forward`'s (batch-invariant tiles; V4.1's
     FP8 activations)."""
     streams = tap("mhc.streams_in", streams)  # `tap`: a named point for dsjax.inspect (inert otherwise)
-    a_pre, a_post, a_comb = (tap(f"attn_hc.{k}", m) for k, m in zip(MIXES, hc_mixes(p.attn_hc, streams, cfg)))
-    with jax.named_scope("mhc"):  # the sublayer's input norm counts with its collapse in a profile
-        h = rms_norm(collapse(streams, a_pre if pi is None else pi), p.attn_norm, cfg.rms_norm_eps)
+    if one_call(streams):  # a decode step on XLA:CPU: each sublayer's mixes, collapse and norm in one call
+        h, a_pre, a_post, a_comb = sublayer_input(p.attn_hc, p.attn_norm, streams, cfg, pi, expert_layer)
+    else:
+        a_pre, a_post, a_comb = (tap(f"attn_hc.{k}", m) for k, m in zip(
+            MIXES, hc_mixes(layer_of(p.attn_hc, expert_layer), streams, cfg)))
+        with jax.named_scope("mhc"):  # the sublayer's input norm counts with its collapse in a profile
+            h = rms_norm(collapse(streams, a_pre if pi is None else pi), p.attn_norm, cfg.rms_norm_eps)
     out, state = attend(p.attn, h)
     streams = tap("mhc.streams_mid", expand(tap("attn.out", out), streams, a_post, a_comb))
-    f_pre, f_post, f_comb = (tap(f"ffn_hc.{k}", m) for k, m in zip(MIXES, hc_mixes(p.ffn_hc, streams, cfg)))
-    with jax.named_scope("mhc"):
-        h = tap("moe.in", rms_norm(collapse(streams, f_pre if pi is None else a_pre), p.ffn_norm, cfg.rms_norm_eps))
+    if one_call(streams):
+        h, f_pre, f_post, f_comb = sublayer_input(p.ffn_hc, p.ffn_norm, streams, cfg, None if pi is None else a_pre,
+                                                  expert_layer)
+    else:
+        f_pre, f_post, f_comb = (tap(f"ffn_hc.{k}", m) for k, m in zip(
+            MIXES, hc_mixes(layer_of(p.ffn_hc, expert_layer), streams, cfg)))
+        with jax.named_scope("mhc"):
+            h = tap("moe.in", rms_norm(collapse(streams, f_pre if pi is None else a_pre), p.ffn_norm,
+                                       cfg.rms_norm_eps))
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
                     layer=expert_layer, rows=rows, fp8_acts=fp8_acts, ep_dispatch=opts.ep_dispatch)
     return tap("mhc.streams_out", expand(tap("moe.out", y), streams, f_post, f_comb)), f_pre, state

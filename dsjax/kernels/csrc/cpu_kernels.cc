@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #endif
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -153,14 +155,20 @@ ffi::Error VocabHead(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 
 // ---------------------------------------------------------------- few-row products
 // out [R, O] = x [R, I] @ W[O, I]^T for a layer's weight as stored ([out, in], fp32 or bf16:
-// widened exactly), fp32 products and sums: each output is 16 lane sums over k = lane (mod 16)
-// in ascending k, then a fixed pairwise sum of the lanes (plus the k past the last 16, in
-// order). A row's outputs do not depend on the other rows, their number or the threads.
+// widened exactly), fp32 products and sums: each output is 4 x 16 lane sums, lane l of sum a
+// over k = 64 j + 16 a + l in ascending j (then the k past the last 64 in steps of 16 into sum
+// 0), the four summed in order, a fixed pairwise sum of the lanes, and the k past the last 16 in
+// order. The same for every row, so a row's outputs do not depend on the other rows, their
+// number or the threads.
 //
 // Why: XLA:CPU's products of 2..16 rows by a 16-bit weight widen it in element loops or for
-// its GEMM; this streams each output's row once for up to 8 activation rows, widening in
-// registers (bench-78m 16-bit, batch 8: docs/cpu-decode.md). At one row XLA's matrix-vector
-// loop reads as fast (the caller keeps it there).
+// its GEMM, and a decode step reads each weight once, cold: this reads each output's weight row
+// once, in order, for up to 4 activation rows at a time (the row stays in cache for the next
+// 4), with four independent sums a row so that one row's multiply-adds keep up with memory.
+// Cold weights of [256, 256] .. [256, 1024] from scattered places, one row, one thread (AMD
+// EPYC): 17-24 GB/s, a plain sum's rate, against 8-12 GB/s when 8 outputs' rows were read
+// side by side (one sum each) with software prefetch; at 8 rows 1.0-1.35x slower than that
+// (bound by multiply-adds there). benchmarks/rows_kernel.py times it in programs.
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
@@ -184,57 +192,47 @@ inline float widen(uint16_t h) {
   return v;
 }
 
-// rows [RB] of x against outputs [OB] (w: their rows, `in` apart) -> out[r * stride + o]
-template <int RB, int OB, typename W>
-inline void rows_outputs(const float* x, int64_t in, const W* w, float* out, int64_t stride) {
-  v16f acc[OB][RB];
-  for (int o = 0; o < OB; ++o)
-    for (int r = 0; r < RB; ++r) acc[o][r] = v16f{};
+constexpr int kSums = 4;      // independent sums an output row
+constexpr int kPassRows = 4;  // activation rows a pass over an output's weight row (16 accumulators)
+
+// rows [RB] of x against one output's weight row w -> out[r * stride]
+template <int RB, typename W>
+inline void row_outputs(const float* x, int64_t in, const W* w, float* out, int64_t stride) {
+  v16f acc[RB][kSums];
+  for (int r = 0; r < RB; ++r)
+    for (int a = 0; a < kSums; ++a) acc[r][a] = v16f{};
   int64_t k = 0;
+  for (; k + 16 * kSums <= in; k += 16 * kSums)
+    for (int a = 0; a < kSums; ++a) {
+      v16f wv = load16(w + k + 16 * a);
+      for (int r = 0; r < RB; ++r) acc[r][a] += load16(x + r * in + k + 16 * a) * wv;
+    }
   for (; k + 16 <= in; k += 16) {
-    v16f xv[RB];
-    for (int r = 0; r < RB; ++r) xv[r] = load16(x + r * in + k);
-    for (int o = 0; o < OB; ++o) {
-      v16f wv = load16(w + o * in + k);
-      for (int r = 0; r < RB; ++r) acc[o][r] += xv[r] * wv;
-    }
+    v16f wv = load16(w + k);
+    for (int r = 0; r < RB; ++r) acc[r][0] += load16(x + r * in + k) * wv;
   }
-  for (int o = 0; o < OB; ++o)
-    for (int r = 0; r < RB; ++r) {
-      float s = lanes_sum(acc[o][r]);
-      for (int64_t j = k; j < in; ++j) s = std::fma(x[r * in + j], widen(w[o * in + j]), s);  // fused, in every build
-      out[r * stride + o] = s;
-    }
+  for (int r = 0; r < RB; ++r) {
+    for (int a = 1; a < kSums; ++a) acc[r][0] += acc[r][a];
+    float s = lanes_sum(acc[r][0]);
+    for (int64_t j = k; j < in; ++j) s = std::fma(x[r * in + j], widen(w[j]), s);  // fused, in every build
+    out[r * stride] = s;
+  }
 }
 
-// Bytes of a weight asked for ahead of the rows being read: a decode step reads each weight
-// once, cold, and the hardware prefetcher ramps up on each new weight; with the rows 16 KB
-// ahead asked for, 128 KB / 512 KB weights read from memory one after another ran 1.06x /
-// 1.14x faster (one row, 400 / 100 weights, two runs each way: 4.29 -> 4.03 us, 13.27 ->
-// 11.37 us a weight; AMD EPYC). In the engine within its noise: bench-78m 16-bit batch 1
-// median 2.66 -> 2.52 ms, batch 8 5.35 -> 5.28 ms over ten alternating processes each way.
-constexpr int64_t kPrefetch = 16384;
-
-// outputs [o0, o1) for every row, 8 rows a pass (the outputs' rows stay in cache between passes)
+// outputs [o0, o1) for every row: each output's weight row read once, in order
 template <typename W>
 void rows_product(const float* x, int64_t rows, int64_t in, const W* w, float* out, int64_t outs, int64_t o0,
                   int64_t o1) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    with_rows(rows - r0, [&](auto rb) {
-      constexpr int RB = decltype(rb)::value;
-      constexpr int OB = RB == 1 ? 8 : RB <= 4 ? 4 : 2;  // accumulators: at most 16, with the x vectors
-      const float* xr = x + r0 * in;
-      float* yr = out + r0 * outs;
-      int64_t o = o0;
-      const char* bytes = reinterpret_cast<const char*>(w);
-      const int64_t row = in * int64_t(sizeof(W)), stop = o1 * row;
-      for (; o + OB <= o1; o += OB) {
-        for (int64_t b = o * row + kPrefetch; b < std::min(stop, (o + OB) * row + kPrefetch); b += 64)
-          __builtin_prefetch(bytes + b, 0, 3);  // many reads in flight
-        rows_outputs<RB, OB>(xr, in, w + o * in, yr + o, outs);
-      }
-      for (; o < o1; ++o) rows_outputs<RB, 1>(xr, in, w + o * in, yr + o, outs);
-    });
+  for (int64_t o = o0; o < o1; ++o) {
+    const W* wo = w + o * in;
+    int64_t r = 0;
+    for (; r + kPassRows <= rows; r += kPassRows) row_outputs<kPassRows>(x + r * in, in, wo, out + r * outs + o, outs);
+    switch (rows - r) {
+      case 3: row_outputs<3>(x + r * in, in, wo, out + r * outs + o, outs); break;
+      case 2: row_outputs<2>(x + r * in, in, wo, out + r * outs + o, outs); break;
+      case 1: row_outputs<1>(x + r * in, in, wo, out + r * outs + o, outs); break;
+      default: break;
+    }
   }
 }
 
@@ -299,18 +297,32 @@ ffi::Error RowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 // by expert and each group runs `rows_product` on its expert, so an expert is read once for all
 // its rows (a decode step's assignments share experts); a row's outputs are bitwise those of
 // `RowsProduct` on that row and expert alone.
+// A decode step's assignments grouped by expert (experts clamped into [0, E)): `order` the
+// assignments sorted by expert (stable), `starts` each group's first place in it, then the end.
+struct ExpertGroups {
+  ExpertGroups(const int32_t* experts, int64_t assignments, int64_t n_experts)
+      : experts(experts), n_experts(n_experts), order(assignments) {
+    for (int64_t a = 0; a < assignments; ++a) order[a] = a;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return expert(p) < expert(q); });
+    for (int64_t i = 0; i < assignments; ++i)
+      if (i == 0 || expert(order[i]) != expert(order[i - 1])) starts.push_back(i);
+    starts.push_back(assignments);
+  }
+  int64_t expert(int64_t a) const { return std::clamp<int64_t>(experts[a], 0, n_experts - 1); }
+  int64_t size() const { return int64_t(starts.size()) - 1; }
+  const int32_t* experts;
+  int64_t n_experts;
+  std::vector<int64_t> order, starts;
+};
+
 template <typename W>
 void run_experts(ffi::ThreadPool& pool, const float* x, int64_t assignments, int64_t in, const W* w, int64_t n_experts,
                  int64_t outs, const int32_t* experts, float* out) {
-  std::vector<int64_t> order(assignments);
-  auto expert = [&](int64_t a) { return std::clamp<int64_t>(experts[a], 0, n_experts - 1); };
-  for (int64_t a = 0; a < assignments; ++a) order[a] = a;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return expert(p) < expert(q); });
-  std::vector<int64_t> starts;  // each group's first place in `order`, then the end
-  for (int64_t i = 0; i < assignments; ++i)
-    if (i == 0 || expert(order[i]) != expert(order[i - 1])) starts.push_back(i);
-  starts.push_back(assignments);
-  parallel_items(pool, int64_t(starts.size()) - 1, [&](int64_t g) {
+  ExpertGroups groups(experts, assignments, n_experts);
+  const auto& order = groups.order;
+  const auto& starts = groups.starts;
+  auto expert = [&](int64_t a) { return groups.expert(a); };
+  parallel_items(pool, groups.size(), [&](int64_t g) {
     int64_t first = starts[g], n = starts[g + 1] - first;
     std::vector<float> xs(n * in), ys(n * outs);
     for (int64_t i = 0; i < n; ++i) std::memcpy(&xs[i * in], x + order[first + i] * in, in * sizeof(float));
@@ -570,6 +582,188 @@ ffi::Error HostCall(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t ke
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------- a decode step's MoE FFN
+// out [T, D] = sum_k weights[t, k] * expert_{idx[t, k]}(x[t]) + shared(x[t]), with
+// expert(x) = W2 h, h = silu(min(W1 x, L)) * clip(W3 x, -L, L), every weight 16-bit ([out, in]
+// as stored, each one of a stack at its `at`), in one call: each chosen expert's three
+// products for all its rows, and the shared expert's, are one work item each (an expert read
+// once; the items shared out over the threads), then each row's sum over its k in order. Every
+// product is `rows_product`'s, so a row's outputs do not depend on the other rows.
+//
+// Why: the three expert products, the SwiGLU, the shared expert and the sums ran as ~15 XLA:CPU
+// thunks a layer, each a fixed cost against its few microseconds of reading.
+inline float swiglu(float gate, float up, float limit) {
+  float g = std::min(gate, limit), u = std::clamp(up, -limit, limit);
+  return g / (1.0f + std::exp(-g)) * u;
+}
+
+// rows [n] of x through one expert (w1 / w3 [I, D], w2 [D, I]) -> y [n, D]
+void ffn_rows(const float* x, int64_t n, int64_t d, int64_t inter, const uint16_t* w1, const uint16_t* w3,
+              const uint16_t* w2, float limit, float* y) {
+  std::vector<float> gate(n * inter), up(n * inter);
+  rows_product(x, n, d, w1, gate.data(), inter, 0, inter);
+  rows_product(x, n, d, w3, up.data(), inter, 0, inter);
+  for (int64_t i = 0; i < n * inter; ++i) gate[i] = swiglu(gate[i], up[i], limit);
+  rows_product(gate.data(), n, inter, w2, y, d, 0, d);
+}
+
+ffi::Error MoeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
+                   ffi::Buffer<ffi::S32> idx, ffi::RemainingArgs stacks, ffi::ResultBuffer<ffi::F32> out,
+                   float limit) {
+  const char* name = "dsjax_moe_rows";
+  auto xd = x.dimensions(), kd = idx.dimensions();
+  if (xd.size() != 2 || kd.size() != 2 || kd[0] != xd[0] || weights.dimensions().size() != 2 ||
+      weights.dimensions()[0] != kd[0] || weights.dimensions()[1] != kd[1] || stacks.size() != 12)
+    return ffi::Error::InvalidArgument(std::string(name) + ": x [T, D], weights / idx [T, K] and six (stack, at) expected");
+  int64_t t = xd[0], d = xd[1], k = kd[1];
+  // (w1, w3, w2) routed [*lead, E, I, D] / [*lead, E, D, I], then shared [*lead, Is, D] / [*lead, D, Is]
+  const uint16_t* w[6];
+  int64_t dims[6][3];  // per weight: experts (1 for shared), out, in
+  for (int j = 0; j < 6; ++j) {
+    auto stack = stacks.get<ffi::AnyBuffer>(2 * j);
+    auto at = stacks.get<ffi::Buffer<ffi::S32>>(2 * j + 1);
+    if (stack.has_error() || at.has_error()) return ffi::Error::InvalidArgument(std::string(name) + ": bad argument");
+    auto sd = stack->dimensions();
+    auto ad = at->dimensions();
+    int64_t lead = ad.size() == 1 ? ad[0] : -1, rank = j < 3 ? 3 : 2;
+    if (lead < 0 || int64_t(sd.size()) != lead + rank ||
+        (stack->element_type() != ffi::DataType::BF16 && stack->element_type() != ffi::DataType::U16))
+      return ffi::Error::InvalidArgument(std::string(name) + ": 16-bit weights [*lead, (E,) O, I] and at [len(lead)] expected");
+    dims[j][0] = rank == 3 ? sd[lead] : 1;
+    dims[j][1] = sd[lead + rank - 2];
+    dims[j][2] = sd[lead + rank - 1];
+    w[j] = static_cast<const uint16_t*>(stack->untyped_data()) +
+           stack_offset(sd, at->typed_data(), lead, dims[j][0] * dims[j][1] * dims[j][2]);
+  }
+  int64_t n_experts = dims[0][0], inter = dims[0][1], shared = dims[3][1];
+  for (int j = 0; j < 3; ++j)
+    if (dims[j][0] != n_experts || dims[j][1] != (j == 2 ? d : inter) || dims[j][2] != (j == 2 ? inter : d) ||
+        dims[j + 3][1] != (j == 2 ? d : shared) || dims[j + 3][2] != (j == 2 ? shared : d))
+      return ffi::Error::InvalidArgument(std::string(name) + ": weight shapes do not match x");
+  ExpertGroups groups(idx.typed_data(), t * k, n_experts);
+  std::vector<float> routed(t * k * d), own(t * d);
+  const float* xs = x.typed_data();
+  parallel_items(pool, groups.size() + 1, [&](int64_t g) {
+    if (g == groups.size()) {  // the shared expert, every row
+      ffn_rows(xs, t, d, shared, w[3], w[4], w[5], limit, own.data());
+      return;
+    }
+    int64_t first = groups.starts[g], n = groups.starts[g + 1] - first, e = groups.expert(groups.order[first]);
+    std::vector<float> rows(n * d), ys(n * d);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * d], xs + groups.order[first + i] / k * d, d * sizeof(float));
+    ffn_rows(rows.data(), n, d, inter, w[0] + e * inter * d, w[1] + e * inter * d, w[2] + e * d * inter, limit,
+             ys.data());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&routed[groups.order[first + i] * d], &ys[i * d], d * sizeof(float));
+  });
+  const float* wt = weights.typed_data();
+  float* o = out->typed_data();
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        volatile float term = routed[(r * k + j) * d + c] * wt[r * k + j];  // rounded, as XLA's product then sum
+        sum += term;
+      }
+      o[r * d + c] = sum + own[r * d + c];
+    }
+  return ffi::Error::Success();
+}
+
+
+
+// ---------------------------------------------------------------- mHC: a sublayer's input
+// For each row of streams X [R, N, D] (fp32), what dsjax/layers/hyper_connection.py computes
+// before a sublayer: mix = (fn @ v) * rsqrt(mean(v^2) + eps), v = X flattened; pre = sigmoid(mix[:N]
+// * s0 + b) + hc_eps; post = 2 sigmoid(mix[N:2N] * s1 + b); comb = Sinkhorn(mix[2N:] * s2 + b)
+// (a row softmax plus hc_eps, a column normalisation, then `iters - 1` row / column passes, each
+// sum plus hc_eps); h = norm * RMSNorm(sum_i w_i X_i), w = pre (or the given weights: DeepSeek-V4.1's
+// lagged collapse). fn, base and scale may be one layer of stacks [*lead, ...] (`at` its place:
+// read where they lie). The product is `rows_product`'s; the rest row by row, one thread.
+//
+// Why: ~20 XLA:CPU thunks a sublayer (the Sinkhorn a loop of small reductions) for a few
+// thousand multiply-adds a row, a third of a batch-1 step's thunks.
+inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+ffi::Error HcInput(ffi::Buffer<ffi::F32> streams, ffi::Buffer<ffi::F32> fn, ffi::Buffer<ffi::F32> base,
+                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> at, ffi::Buffer<ffi::F32> norm,
+                   ffi::Buffer<ffi::F32> with, ffi::ResultBuffer<ffi::F32> h, ffi::ResultBuffer<ffi::F32> pre, ffi::ResultBuffer<ffi::F32> post,
+                   ffi::ResultBuffer<ffi::F32> comb, float eps, float hc_eps, int64_t iters) {
+  auto sd = streams.dimensions();
+  if (sd.size() != 3) return ffi::Error::InvalidArgument("dsjax_hc_input: streams [R, N, D] expected");
+  int64_t rows = sd[0], n = sd[1], d = sd[2], width = (2 + n) * n, flat = n * d;
+  auto wd = with.dimensions();
+  bool lagged = wd.size() == 2 && wd[0] == rows && wd[1] == n;
+  auto fd = fn.dimensions(), bd = base.dimensions(), cd = scale.dimensions();
+  int64_t lead = at.dimensions().size() == 1 ? at.dimensions()[0] : -1;
+  if (lead < 0 || int64_t(fd.size()) != lead + 2 || int64_t(bd.size()) != lead + 1 || int64_t(cd.size()) != lead + 1 ||
+      fd[lead] != width || fd[lead + 1] != flat || bd[lead] != width || cd[lead] != 3 || norm.element_count() != d ||
+      !(lagged || with.element_count() == 0) || n > 16)
+    return ffi::Error::InvalidArgument(
+        "dsjax_hc_input: fn [*lead, (2+N)N, ND], base [*lead, (2+N)N], scale [*lead, 3], at [len(lead)], norm [D], "
+        "with [R, N] or [0] expected (N <= 16)");
+  const int32_t* place = at.typed_data();
+  const float* x = streams.typed_data();
+  std::vector<float> mix(rows * width);
+  rows_product(x, rows, flat, fn.typed_data() + stack_offset(fd, place, lead, width * flat), mix.data(), width, 0,
+               width);
+  const float* b = base.typed_data() + stack_offset(bd, place, lead, width);
+  const float* sc = scale.typed_data() + stack_offset(cd, place, lead, 3);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = x + r * flat;
+    float ss = 0.0f;
+    for (int64_t j = 0; j < flat; ++j) ss += v[j] * v[j];
+    float inv = 1.0f / std::sqrt(ss / float(flat) + eps);
+    float* m = mix.data() + r * width;
+    for (int64_t j = 0; j < width; ++j) m[j] *= inv;
+    float* pr = pre->typed_data() + r * n;
+    float* po = post->typed_data() + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      pr[i] = sigmoid(m[i] * sc[0] + b[i]) + hc_eps;
+      po[i] = 2.0f * sigmoid(m[n + i] * sc[1] + b[n + i]);
+    }
+    float c[16][16];
+    for (int64_t i = 0; i < n; ++i) {  // softmax over each row, plus hc_eps
+      float top = -INFINITY, sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) top = std::max(top, c[i][j] = m[2 * n + i * n + j] * sc[2] + b[2 * n + i * n + j]);
+      for (int64_t j = 0; j < n; ++j) sum += c[i][j] = std::exp(c[i][j] - top);
+      for (int64_t j = 0; j < n; ++j) c[i][j] = c[i][j] / sum + hc_eps;
+    }
+    auto columns = [&] {
+      for (int64_t j = 0; j < n; ++j) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) sum += c[i][j];
+        for (int64_t i = 0; i < n; ++i) c[i][j] = c[i][j] / (sum + hc_eps);
+      }
+    };
+    columns();
+    for (int64_t t = 1; t < iters; ++t) {
+      for (int64_t i = 0; i < n; ++i) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; ++j) sum += c[i][j];
+        for (int64_t j = 0; j < n; ++j) c[i][j] = c[i][j] / (sum + hc_eps);
+      }
+      columns();
+    }
+    float* co = comb->typed_data() + r * n * n;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) co[i * n + j] = c[i][j];
+    const float* w = lagged ? with.typed_data() + r * n : pr;
+    float* hr = h->typed_data() + r * d;
+    float hs = 0.0f;
+    for (int64_t k = 0; k < d; ++k) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < n; ++i) acc += w[i] * v[i * d + k];
+      hr[k] = acc;
+      hs += acc * acc;
+    }
+    float hinv = 1.0f / std::sqrt(hs / float(d) + eps);
+    const float* nw = norm.typed_data();
+    for (int64_t k = 0; k < d; ++k) hr[k] = nw[k] * (hr[k] * hinv);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" void DsjaxSetHostFunction(HostFunction f) { host_function.store(f); }
@@ -604,6 +798,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxExpertRowsProduct, ExpertRowsProduct,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxMoeRows, MoeRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("limit"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxHcInput, HcInput,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("hc_eps")
+                                  .Attr<int64_t>("iters"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsjaxVocabHead, VocabHead,
                               ffi::Ffi::Bind()

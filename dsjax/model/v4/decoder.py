@@ -191,9 +191,11 @@ def _run_apply(run: LayerRun, blocks: tuple[Block, ...], states, streams, tokens
                     moe = block.moe
                     with jax.named_scope("layer_weights"):  # a profile's op group (benchmarks/decode_trace.py)
                         # (a 16-bit weight stays its stack and this index, `take`: the few-row kernel reads it there)
-                        per_repeat = block.replace(moe=moe.replace(w1=None, w3=None, w2=None))
+                        per_repeat = block.replace(moe=moe.replace(w1=None, w3=None, w2=None), attn_hc=None, ffn_hc=None)
                         own = jax.tree.map(lambda a: take(a, at), per_repeat, is_leaf=lambda a: isinstance(a, Bf16Weight))
-                    own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2))
+                    # the routed experts and the mHC mixes stay stacked: read at `at` where they lie
+                    own = own.replace(moe=own.moe.replace(w1=moe.w1, w3=moe.w3, w2=moe.w2), attn_hc=block.attn_hc,
+                                      ffn_hc=block.ffn_hc)
                     streams, state = v4_block(own, streams, tokens, attend, cfg, opts, expert_layer=at)
             new.append(state)
         return streams, tuple(new)
