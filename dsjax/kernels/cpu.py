@@ -415,8 +415,8 @@ def hc_input(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Arra
            jax.ShapeDtypeStruct((r, n, n), f32))
     with_ = jnp.zeros((0,), f32) if weights is None else weights.astype(f32)
     return jax.ffi.ffi_call(HC_INPUT, out, vmap_method="sequential")(
-        streams.astype(f32), fn, base, scale, _place(at), norm.astype(f32), with_, eps=np.float32(eps), hc_eps=np.float32(hc_eps),
-        iters=np.int64(iters))
+        streams.astype(f32), fn, base, scale, _place(at), norm.astype(f32), with_, eps=np.float32(eps),
+        hc_eps=np.float32(hc_eps), iters=np.int64(iters))
 
 
 def screen_rows() -> int:

@@ -95,8 +95,8 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     attention collapses with pi and the FFN with the attention's pre; the FFN's pre returned
     is the next block's pi.
     expert_layer: p.moe's routed-expert weights and p's mHC mixes (attn_hc, ffn_hc) are still
-    stacked over the layer run and this is layer `expert_layer`. rows, fp8_acts: `moe_forward`'s (batch-invariant tiles; V4.1's
-    FP8 activations)."""
+    stacked over the layer run and this is layer `expert_layer`. rows, fp8_acts: `moe_forward`'s
+    (batch-invariant tiles; V4.1's FP8 activations)."""
     streams = tap("mhc.streams_in", streams)  # `tap`: a named point for dsjax.inspect (inert otherwise)
     if one_call(streams):  # a decode step on XLA:CPU: each sublayer's mixes, collapse and norm in one call
         h, a_pre, a_post, a_comb = sublayer_input(p.attn_hc, p.attn_norm, streams, cfg, pi, expert_layer)
