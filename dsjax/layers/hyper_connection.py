@@ -129,14 +129,19 @@ def one_call(streams: jax.Array) -> bool:
             and cpu_kernels.layer_calls_available() and not taps.tracing())
 
 
+MIXES = ("pre", "post", "comb")  # the mHC mixes of a sublayer, as dsjax.inspect names them
+
+
 @jax.named_scope("mhc")  # a profile's op group (benchmarks/decode_trace.py)
 def sublayer_input(p: HyperConnection, norm: jax.Array, streams: jax.Array, cfg: ModelConfig,
-                   weights: jax.Array | None = None, at: jax.Array | None = None):
+                   weights: jax.Array | None = None, at: jax.Array | None = None, name: str | None = None):
     """streams [..., N, D] -> (the sublayer's input RMSNorm(collapse(streams, w)) * norm [..., D],
     pre, post, comb) with w = pre, or `weights` [..., N] (DeepSeek-V4.1's lag): `hc_mixes`,
     `collapse` and `rms_norm`, in one call of the library where `one_call` says so.
     at: p's leaves are stacked over a scanned layer run and this is layer `at` (the library reads
-    them where they lie; a slice of a stack handed to a call would be copied first)."""
+    them where they lie; a slice of a stack handed to a call would be copied first).
+    name: the mixes are dsjax.inspect's points `{name}.pre` / `.post` / `.comb` (tapped, so edited
+    as a session asks, before the collapse uses pre; a session takes the ops, not the call)."""
     if one_call(streams):
         lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
         h, pre, post, comb = cpu_kernels.hc_input(
@@ -144,8 +149,9 @@ def sublayer_input(p: HyperConnection, norm: jax.Array, streams: jax.Array, cfg:
             at, eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
         return h.reshape(*lead, d).astype(streams.dtype), pre.reshape(*lead, n), post.reshape(*lead, n), \
             comb.reshape(*lead, n, n)
-    p = layer_of(p, at)
-    pre, post, comb = hc_mixes(p, streams, cfg)
+    pre, post, comb = hc_mixes(layer_of(p, at), streams, cfg)
+    if name is not None:
+        pre, post, comb = (taps.tap(f"{name}.{k}", m) for k, m in zip(MIXES, (pre, post, comb)))
     return rms_norm(collapse(streams, pre if weights is None else weights), norm, cfg.rms_norm_eps), pre, post, comb
 
 

@@ -22,17 +22,14 @@ from flax import struct
 
 from dsjax.config import ModelConfig, RuntimeOptions
 from dsjax.layers.attention import AttentionProjections
-from dsjax.layers.hyper_connection import (HyperConnection, collapse, expand, hc_mixes, layer_of, one_call,
-                                            sublayer_input)
+from dsjax.layers.hyper_connection import HyperConnection, expand, sublayer_input
 from dsjax.layers.moe import MoE, moe_forward
-from dsjax.layers.norms import rms_norm
 from dsjax.layers.taps import tap
 from dsjax.params import ParamSpec
 from dsjax.sharding.rules import lookup
 
 DEFAULT_OPTIONS = RuntimeOptions()
 INVARIANT_ROWS = 8  # rows per batch-invariant tile (see `dsjax.model.forward`)
-MIXES = ("pre", "post", "comb")  # the mHC mixes of a sublayer, as dsjax.inspect names them
 
 
 @struct.dataclass
@@ -98,24 +95,13 @@ def block_apply(p: Block, streams: jax.Array, token_ids: jax.Array, attend, cfg:
     stacked over the layer run and this is layer `expert_layer`. rows, fp8_acts: `moe_forward`'s
     (batch-invariant tiles; V4.1's FP8 activations)."""
     streams = tap("mhc.streams_in", streams)  # `tap`: a named point for dsjax.inspect (inert otherwise)
-    if one_call(streams):  # a decode step on XLA:CPU: each sublayer's mixes, collapse and norm in one call
-        h, a_pre, a_post, a_comb = sublayer_input(p.attn_hc, p.attn_norm, streams, cfg, pi, expert_layer)
-    else:
-        a_pre, a_post, a_comb = (tap(f"attn_hc.{k}", m) for k, m in zip(
-            MIXES, hc_mixes(layer_of(p.attn_hc, expert_layer), streams, cfg)))
-        with jax.named_scope("mhc"):  # the sublayer's input norm counts with its collapse in a profile
-            h = rms_norm(collapse(streams, a_pre if pi is None else pi), p.attn_norm, cfg.rms_norm_eps)
+    # each sublayer's mixes, collapse and norm (one library call in a decode step on XLA:CPU)
+    h, a_pre, a_post, a_comb = sublayer_input(p.attn_hc, p.attn_norm, streams, cfg, pi, expert_layer, "attn_hc")
     out, state = attend(p.attn, h)
     streams = tap("mhc.streams_mid", expand(tap("attn.out", out), streams, a_post, a_comb))
-    if one_call(streams):
-        h, f_pre, f_post, f_comb = sublayer_input(p.ffn_hc, p.ffn_norm, streams, cfg, None if pi is None else a_pre,
-                                                  expert_layer)
-    else:
-        f_pre, f_post, f_comb = (tap(f"ffn_hc.{k}", m) for k, m in zip(
-            MIXES, hc_mixes(layer_of(p.ffn_hc, expert_layer), streams, cfg)))
-        with jax.named_scope("mhc"):
-            h = tap("moe.in", rms_norm(collapse(streams, f_pre if pi is None else a_pre), p.ffn_norm,
-                                       cfg.rms_norm_eps))
+    h, f_pre, f_post, f_comb = sublayer_input(p.ffn_hc, p.ffn_norm, streams, cfg, None if pi is None else a_pre,
+                                              expert_layer, "ffn_hc")
+    h = tap("moe.in", h)
     y = moe_forward(p.moe, h, token_ids, cfg, kernels=opts.kernels, capacity_factor=opts.moe_capacity_factor,
                     layer=expert_layer, rows=rows, fp8_acts=fp8_acts, ep_dispatch=opts.ep_dispatch)
     return tap("mhc.streams_out", expand(tap("moe.out", y), streams, f_post, f_comb)), f_pre, state
