@@ -3,6 +3,12 @@ for one row, a fused multiply-reduce for a few, the GEMM beyond) and 16-bit weig
 (`dsjax.store_weights`): each form against a float64 product, and a bf16-stored model against
 the float32 model on the same bf16-rounded weights."""
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,6 +87,43 @@ def test_head_kernel_matches_a_float64_product_row_by_row(dtype):
             return linear(x, w)
     assert cpu_kernels.HEAD not in jax.jit(xla_product).lower(x, packed).as_text()
     np.testing.assert_allclose(np.asarray(jax.jit(xla_product)(x, packed)), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def kernel_outputs(path: str) -> None:
+    """The head and few-row kernels' outputs on fixed inputs (fp32 and bf16 weights, 1..11
+    rows, inputs that are not whole vectors) saved to `path` (.npz)."""
+    rng = np.random.default_rng(1)
+    head, rows = jax.jit(cpu_kernels.vocab_head), jax.jit(cpu_kernels.rows_product)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        packed = cpu_kernels.pack_head(jnp.asarray(rng.normal(size=(1005, 256)).astype(np.float32)).astype(dtype))
+        for n in (1, 3, 11):
+            out[f"head {dtype} {n}"] = np.asarray(head(jnp.asarray(rng.normal(size=(n, 256)).astype(np.float32)), packed))
+        for shape in ((96, 256), (40, 100)):
+            w = jnp.asarray(rng.normal(size=shape).astype(np.float32)).astype(dtype)
+            for n in (1, 5):
+                out[f"rows {dtype} {shape} {n}"] = np.asarray(rows(rng.normal(size=(n, shape[1])).astype(np.float32), w))
+    np.savez(path, **out)
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or platform.machine() not in ("x86_64", "AMD64"),
+                    reason=f"the CPU kernels on x86-64: {cpu_kernels.status()}")
+def test_the_kernels_built_for_avx2_give_the_native_builds_bits(tmp_path):
+    """The library built for an AVX2 + FMA machine (`DSJAX_CPU_MARCH=x86-64-v3`, GCC's generic
+    vectors where the native build of an AVX-512 machine widens bf16 with its own instructions)
+    gives the native build's outputs bit for bit: the same multiply-adds in the same order."""
+    out = tmp_path / "avx2.npz"
+    env = {**os.environ, cpu_kernels.ENV_MARCH: "x86-64-v3", cpu_kernels.ENV_CACHE: str(tmp_path / "kernels"),
+           "JAX_PLATFORMS": "cpu"}
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_decode_forms as t; " \
+           f"t.kernel_outputs({str(out)!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernel_outputs(str(tmp_path / "native.npz"))
+    avx2, native = np.load(out), np.load(tmp_path / "native.npz")
+    assert sorted(avx2.files) == sorted(native.files)
+    for name in native.files:
+        np.testing.assert_array_equal(avx2[name], native[name], err_msg=name)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")

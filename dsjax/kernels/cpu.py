@@ -10,8 +10,12 @@ benchmarks/head_kernel.py.
 
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`,
 `g++`, `clang++`; a few seconds, once) into ~/.cache/dsjax/kernels (`$XDG_CACHE_HOME`;
-`DSJAX_KERNEL_CACHE=DIR` elsewhere), for this CPU (`-march=native`: the file name carries a
-hash of the source, compiler, jaxlib and CPU flags); jaxlib ships the FFI headers. Without a
+`DSJAX_KERNEL_CACHE=DIR` elsewhere), for this CPU (`-march=native`, or `DSJAX_CPU_MARCH=x86-64-v3` say, for a fleet of
+mixed machines: the file name carries a hash of the source, compiler, flags, jaxlib and CPU
+flags); jaxlib ships the FFI headers. Where the target has AVX-512 the kernels widen 16-bit
+weights with one instruction and split bf16 head tiles without shuffles; elsewhere the same
+multiply-adds in GCC's generic vectors (the results are the same bits where the target has
+FMA: tests/test_kernels.py builds an AVX2 library beside the native one). Without a
 compiler, or with `DSJAX_CPU_KERNELS=off`, the head stays XLA's product (`available()` is
 False, with the reason in `status()`), and nothing else changes.
 
@@ -73,7 +77,8 @@ ENV_CACHE = "DSJAX_KERNEL_CACHE"
 ENV_ROWS_OFF = "DSJAX_CPU_ROWS_KERNEL"  # =off: the few-row product alone stays XLA's (to compare)
 ENV_LAYER_OFF = "DSJAX_CPU_LAYER_CALLS"  # =off: mHC inputs, 16-bit MoE and W_oa stay XLA's ops (to compare)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
+ENV_MARCH = "DSJAX_CPU_MARCH"  # the compiler's -march target (default native: this CPU's features)
+FLAGS = ["-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 log = logging.getLogger("dsjax")
 _lock = threading.Lock()
@@ -87,6 +92,10 @@ def _compiler() -> str | None:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def _flags() -> list[str]:
+    return [f"-march={os.environ.get(ENV_MARCH) or 'native'}", *FLAGS]
 
 
 def _cpu_flags() -> str:
@@ -115,7 +124,7 @@ def _cache_dir() -> Path:
 def _library(cxx: str) -> Path:
     """Where the library for this source, compiler, jaxlib and CPU lives in the cache."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.__version__,
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_flags()), version, jax.__version__,
                                     _jaxlib_version(), _cpu_flags()]).encode()).hexdigest()[:16]
     return _cache_dir() / f"libdsjax_cpu_kernels_{key}.so"
 
@@ -128,7 +137,7 @@ def _build(cxx: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then move in whole
         lib = Path(tmp) / out.name
-        done = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(lib)],
+        done = subprocess.run([cxx, *_flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(lib)],
                               capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
