@@ -238,6 +238,39 @@ def test_a_decode_steps_16bit_moe_is_one_library_call():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
+@pytest.mark.parametrize("stored", ["float32", "bits"])
+def test_a_prompt_chunks_moe_is_one_library_call(stored):
+    """A prompt chunk's MoE on XLA:CPU (more assignments than a decode step's; fp32 or 16-bit
+    weights, routed experts one layer of a stack, read where they lie) runs its experts, SwiGLU,
+    routing weights and shared expert as one call (`cpu_kernels.moe_rows`, an expert's rows 16
+    to a work item): against the XLA path (the library off), and each row bitwise the same in
+    another chunk; 16-bit rows also the same as a decode step's (the same call at few rows)."""
+    cfg = dsjax.load_config("tiny")
+    rng = np.random.default_rng(12)
+    e, i, d, si = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.shared_intermediate_size
+
+    def weight(*shape):
+        return _bits_stack(rng, *shape) if stored == "bits" else jnp.asarray(rng.normal(size=shape).astype(np.float32))
+
+    p = MoE(router=weight(e, d), w1=weight(2, e, i, d), w3=weight(2, e, i, d), w2=weight(2, e, d, i),
+            shared_w1=weight(si, d), shared_w3=weight(si, d), shared_w2=weight(d, si),
+            router_bias=jnp.asarray(rng.normal(size=e).astype(np.float32)))
+    x = jnp.asarray(3 * rng.normal(size=(1, 100, d)).astype(np.float32))  # 200 assignments: ~25 an expert
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 100)), jnp.int32)
+    step = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
+    assert cpu_kernels.MOE in step.lower(p, x, tokens).as_text()
+    got = np.asarray(step(p, x, tokens))
+    with cpu_kernels.disabled():
+        plain = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
+        assert cpu_kernels.MOE not in plain.lower(p, x, tokens).as_text()
+        want = np.asarray(plain(p, x, tokens))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(step(p, x[:, 30:60], tokens[:, 30:60])), got[:, 30:60])
+    if stored == "bits":
+        np.testing.assert_array_equal(np.asarray(step(p, x[:, 7:10], tokens[:, 7:10])), got[:, 7:10])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
 def test_a_sublayers_mhc_input_is_one_library_call():
     """A decode step's mHC before a sublayer (mixes, Sinkhorn, collapse, RMSNorm) as one call
     (`cpu_kernels.hc_input`), its weights one layer of a stack read in place, with its own pre or

@@ -399,12 +399,13 @@ def expert_rows_product(x: jax.Array, w: jax.Array, experts: jax.Array, at: jax.
 
 
 def moe_rows(x: jax.Array, weights: jax.Array, idx: jax.Array, experts, shared, limit: float) -> jax.Array:
-    """A decode step's MoE FFN in one call: x [T, D] fp32, each row through its experts idx [T, K]
+    """A step's MoE FFN in one call: x [T, D] fp32, each row through its experts idx [T, K]
     weighted by weights [T, K], plus the shared expert -> [T, D] fp32 (the experts' SwiGLU
     clamped at `limit`). experts: (w1 [E, I, D], w3 [E, I, D], w2 [E, D, I]) and shared: (w1
-    [Is, D], w3 [Is, D], w2 [D, Is]), each a 16-bit weight as (stack, at) that `rows_product`
-    reads (at None: the stack is the weight). Each chosen expert is read once for all its rows;
-    every product is `rows_product`'s, so a row's outputs do not depend on the other rows."""
+    [Is, D], w3 [Is, D], w2 [D, Is]), each as (stack, at) that `rows_product` reads (at None:
+    the stack is the weight), all fp32 or all 16-bit. Each chosen expert is read once for up
+    to 16 of its rows; every product is `rows_product`'s, so a row's outputs do not depend on
+    the other rows."""
     pairs = [a for stack, at in (*experts, *shared) for a in (stack, _place(at))]
     out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     return jax.ffi.ffi_call(MOE, out, vmap_method="sequential")(

@@ -115,6 +115,14 @@ def cpu_forms(x: jax.Array, rows: int) -> bool:
     return x.dtype == jnp.float32 and current_mesh() is None and few_rows(rows)
 
 
+def cpu_library_forms(x: jax.Array) -> bool:
+    """Whether products of fp32 activations like x may take the XLA:CPU library's kernels at
+    any row count (one CPU device, no mesh, not `gemm_only`: batch-invariant mode keeps XLA's
+    GEMM), where `cpu_forms` is a decode step's few rows."""
+    return (x.dtype == jnp.float32 and current_mesh() is None and jax.default_backend() == "cpu"
+            and not _GEMM_ONLY.get())
+
+
 def _cpu_product(x: jax.Array, w) -> jax.Array | None:
     """x [..., I] fp32 @ w[O, I].T (plain, or stored: quantized / 16-bit) in fp32 on XLA:CPU
     with few rows, or None (use the GEMM). A stored weight is widened inside the product.
@@ -199,11 +207,13 @@ def stored_grouped_product(x: jax.Array, w, groups: int) -> jax.Array | None:
 
 
 def stored_moe_product(x: jax.Array, weights: jax.Array, idx: jax.Array, experts, shared, limit: float) -> jax.Array:
-    """A decode step's MoE FFN (routed experts weighted, plus the shared expert) in one call of
-    the library (`cpu_kernels.moe_rows`), every weight 16-bit and read where it lies: experts
-    (w1, w3, w2) `stored_experts`, shared (w1, w3, w2) `stored_rows`."""
-    return cpu_kernels.moe_rows(x, weights, idx, [_in_place(w) for w in experts], [_in_place(w) for w in shared],
-                                limit)
+    """A step's MoE FFN (routed experts weighted, plus the shared expert) in one call of the
+    library (`cpu_kernels.moe_rows`), every weight read where it lies: 16-bit, experts (w1, w3,
+    w2) `stored_experts` and shared (w1, w3, w2) `stored_rows`; or fp32 arrays, each given as
+    itself or as (stack, at)."""
+    def place(w):
+        return w if isinstance(w, tuple) else (w, None) if isinstance(w, jax.Array) else _in_place(w)
+    return cpu_kernels.moe_rows(x, weights, idx, [place(w) for w in experts], [place(w) for w in shared], limit)
 
 
 WIDE_TILE = 4096  # rows of a large stored weight widened at a time (a few MB: stays in cache)

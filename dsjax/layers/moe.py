@@ -45,8 +45,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from dsjax.config import HASH_MOE, LayerSpec, ModelConfig
-from dsjax.layers.linear import (cpu_forms, linear, linear_f32, stored_experts, stored_experts_product,
-                                 stored_moe_product, stored_rows)
+from dsjax.layers.linear import (cpu_forms, cpu_library_forms, linear, linear_f32, stored_experts,
+                                 stored_experts_product, stored_moe_product, stored_rows)
 from dsjax.layers.quantized import dense, stored_form, take
 from dsjax.layers.qdq import qdq_fp8
 from dsjax.layers import taps
@@ -368,12 +368,28 @@ def routed_experts_sharded(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: Mode
 # ----------------------------------------------------------------------------- the layer
 def one_call_ffn(p: MoE, x: jax.Array, idx: jax.Array, kernels: str) -> bool:
     """Whether a step's routed and shared experts run as one call of the XLA:CPU library
-    (`linear.stored_moe_product`): a decode step's few assignments (`cpu_forms`), every expert
-    weight 16-bit where the library reads it (p's routed experts cut to their layer), the
-    library's layer calls on (`cpu_kernels.layer_calls_available`), and no kernel that reads
-    stored bytes instead."""
-    return (cpu_forms(x, idx.size) and cpu_kernels.layer_calls_available() and stored_experts(p.w1, p.w3, p.w2)
-            and all(stored_rows(w) for w in (p.shared_w1, p.shared_w3, p.shared_w2)) and not stored_kernel(p, kernels))
+    (`linear.stored_moe_product`): the library's layer calls on
+    (`cpu_kernels.layer_calls_available`), no kernel that reads stored bytes instead, and either
+    a decode step's few assignments (`cpu_forms`) with every expert weight 16-bit where the
+    library reads it (p's routed experts cut to their layer), or a prompt chunk
+    (`cpu_library_forms`) with 16-bit or fp32 weights (XLA's tile loop copies each tile's
+    expert out of its stack before the GEMM)."""
+    if not cpu_kernels.layer_calls_available() or stored_kernel(p, kernels):
+        return False
+    shared = (p.shared_w1, p.shared_w3, p.shared_w2)
+    sixteen = stored_experts(p.w1, p.w3, p.w2) and all(stored_rows(w) for w in shared)
+    if cpu_forms(x, idx.size):
+        return sixteen
+    fp32 = all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in (p.w1, p.w3, p.w2, *shared))
+    return cpu_library_forms(x) and (sixteen or fp32)
+
+
+def _experts_in_place(p: MoE, layer_p: MoE, layer: jax.Array | None) -> tuple:
+    """The routed experts as `stored_moe_product` reads them: fp32 stacks of a layer run as
+    (stack, [layer]) (no copy of the layer's experts), else layer_p's own."""
+    if layer is not None and all(isinstance(w, jax.Array) for w in (p.w1, p.w3, p.w2)):
+        return tuple((w, jnp.reshape(layer, (1,))) for w in (p.w1, p.w3, p.w2))
+    return layer_p.w1, layer_p.w3, layer_p.w2
 
 
 def shared_expert(p: MoE, x: jax.Array, cfg: ModelConfig, fp8_acts: bool = False) -> jax.Array:
@@ -396,8 +412,8 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
     rows, so a token's expert products do not depend on the others.
     fp8_acts: DeepSeek-V4.1's FP8 activations (Lin8 shared expert, Lin4 routed experts with the
     routing weight before W2; spec deepseek-v41.md §4), with its quantisation round trips.
-    A decode step with 16-bit weights on XLA:CPU routes as here, then runs the routed and shared
-    experts as one library call (`one_call_ffn`)."""
+    A decode step with 16-bit weights, or a prompt chunk, on XLA:CPU routes as here, then runs the
+    routed and shared experts as one library call (`one_call_ffn`)."""
     flat = reshape(x, (-1, x.shape[-1]))
     if current_mesh() is not None:
         p = expert_layer(p, layer)
@@ -408,7 +424,7 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg, x.shape[:-1])
         layer_p = expert_layer(p, layer)
         if rows is None and not fp8_acts and one_call_ffn(layer_p, flat, idx, kernels):
-            y = stored_moe_product(flat, gained(weights, idx, cfg), idx, (layer_p.w1, layer_p.w3, layer_p.w2),
+            y = stored_moe_product(flat, gained(weights, idx, cfg), idx, _experts_in_place(p, layer_p, layer),
                                    (p.shared_w1, p.shared_w3, p.shared_w2), cfg.swiglu_limit)
             return reshape(y.astype(x.dtype), x.shape)
         routed = routed_experts(p, flat, gained(weights, idx, cfg), idx, cfg, None if rows is None else "grouped",

@@ -631,29 +631,73 @@ ffi::Error HostCall(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t ke
 }
 
 
-// ---------------------------------------------------------------- a decode step's MoE FFN
+// ---------------------------------------------------------------- a step's MoE FFN
 // out [T, D] = sum_k weights[t, k] * expert_{idx[t, k]}(x[t]) + shared(x[t]), with
-// expert(x) = W2 h, h = silu(min(W1 x, L)) * clip(W3 x, -L, L), every weight 16-bit ([out, in]
-// as stored, each one of a stack at its `at`), in one call: each chosen expert's three
-// products for all its rows, and the shared expert's, are one work item each (an expert read
-// once; the items shared out over the threads), then each row's sum over its k in order. Every
-// product is `rows_product`'s, so a row's outputs do not depend on the other rows.
+// expert(x) = W2 h, h = silu(min(W1 x, L)) * clip(W3 x, -L, L), every weight fp32 or every
+// weight 16-bit ([out, in] as stored, each one of a stack at its `at`), in one call: each
+// chosen expert's three products for up to kMoeItemRows of its rows, and the shared expert's,
+// are one work item each (a decode step: an expert read once; a prompt chunk: an expert's
+// rows in a few items that read it from cache), shared out over the threads, then each row's
+// sum over its k in order. Every product is `rows_product`'s, so a row's outputs do not
+// depend on the other rows or on how they were cut into items.
 //
-// Why: the three expert products, the SwiGLU, the shared expert and the sums ran as ~15 XLA:CPU
-// thunks a layer, each a fixed cost against its few microseconds of reading.
+// Why: at decode the three expert products, the SwiGLU, the shared expert and the sums ran as
+// ~15 XLA:CPU thunks a layer, each a fixed cost against its few microseconds of reading; in a
+// prompt chunk XLA's tile loop copied each tile's expert out of the layer stack before its
+// GEMM (a third of the MoE's time in a 128-token prefill on an Intel Xeon).
 inline float swiglu(float gate, float up, float limit) {
   float g = std::min(gate, limit), u = std::clamp(up, -limit, limit);
   return g / (1.0f + std::exp(-g)) * u;
 }
 
 // rows [n] of x through one expert (w1 / w3 [I, D], w2 [D, I]) -> y [n, D]
-void ffn_rows(const float* x, int64_t n, int64_t d, int64_t inter, const uint16_t* w1, const uint16_t* w3,
-              const uint16_t* w2, float limit, float* y) {
+template <typename W>
+void ffn_rows(const float* x, int64_t n, int64_t d, int64_t inter, const W* w1, const W* w3, const W* w2, float limit,
+              float* y) {
   std::vector<float> gate(n * inter), up(n * inter);
   rows_product(x, n, d, w1, gate.data(), inter, 0, inter);
   rows_product(x, n, d, w3, up.data(), inter, 0, inter);
   for (int64_t i = 0; i < n * inter; ++i) gate[i] = swiglu(gate[i], up[i], limit);
   rows_product(gate.data(), n, inter, w2, y, d, 0, d);
+}
+
+constexpr int64_t kMoeItemRows = 16;  // rows of one expert a work item
+
+template <typename W>
+void moe_rows(ffi::ThreadPool& pool, const float* xs, const float* wt, const int32_t* idx, int64_t t, int64_t d,
+              int64_t k, const W* const* w, int64_t n_experts, int64_t inter, int64_t shared, float limit, float* o) {
+  ExpertGroups groups(idx, t * k, n_experts);
+  struct Item { int64_t group, first, n; };  // group -1: the shared expert's rows [first, first + n)
+  std::vector<Item> items;
+  for (int64_t r = 0; r < t; r += kMoeItemRows) items.push_back({-1, r, std::min(kMoeItemRows, t - r)});
+  for (int64_t g = 0; g < groups.size(); ++g)
+    for (int64_t i = groups.starts[g]; i < groups.starts[g + 1]; i += kMoeItemRows)
+      items.push_back({g, i, std::min(kMoeItemRows, groups.starts[g + 1] - i)});
+  std::vector<float> routed(t * k * d), own(t * d);
+  parallel_items(pool, int64_t(items.size()), [&](int64_t j) {
+    const Item& it = items[j];
+    if (it.group < 0) {
+      ffn_rows(xs + it.first * d, it.n, d, shared, w[3], w[4], w[5], limit, own.data() + it.first * d);
+      return;
+    }
+    int64_t e = groups.expert(groups.order[it.first]);
+    std::vector<float> rows(it.n * d), ys(it.n * d);
+    for (int64_t i = 0; i < it.n; ++i)
+      std::memcpy(&rows[i * d], xs + groups.order[it.first + i] / k * d, d * sizeof(float));
+    ffn_rows(rows.data(), it.n, d, inter, w[0] + e * inter * d, w[1] + e * inter * d, w[2] + e * d * inter, limit,
+             ys.data());
+    for (int64_t i = 0; i < it.n; ++i)
+      std::memcpy(&routed[groups.order[it.first + i] * d], &ys[i * d], d * sizeof(float));
+  });
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        volatile float term = routed[(r * k + j) * d + c] * wt[r * k + j];  // rounded, as XLA's product then sum
+        sum += term;
+      }
+      o[r * d + c] = sum + own[r * d + c];
+    }
 }
 
 ffi::Error MoeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
@@ -666,8 +710,9 @@ ffi::Error MoeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     return ffi::Error::InvalidArgument(std::string(name) + ": x [T, D], weights / idx [T, K] and six (stack, at) expected");
   int64_t t = xd[0], d = xd[1], k = kd[1];
   // (w1, w3, w2) routed [*lead, E, I, D] / [*lead, E, D, I], then shared [*lead, Is, D] / [*lead, D, Is]
-  const uint16_t* w[6];
+  const void* w[6];
   int64_t dims[6][3];  // per weight: experts (1 for shared), out, in
+  int wide = 0;  // weights that are fp32
   for (int j = 0; j < 6; ++j) {
     auto stack = stacks.get<ffi::AnyBuffer>(2 * j);
     auto at = stacks.get<ffi::Buffer<ffi::S32>>(2 * j + 1);
@@ -675,46 +720,37 @@ ffi::Error MoeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     auto sd = stack->dimensions();
     auto ad = at->dimensions();
     int64_t lead = ad.size() == 1 ? ad[0] : -1, rank = j < 3 ? 3 : 2;
+    auto type = stack->element_type();
+    bool f32 = type == ffi::DataType::F32;
     if (lead < 0 || int64_t(sd.size()) != lead + rank ||
-        (stack->element_type() != ffi::DataType::BF16 && stack->element_type() != ffi::DataType::U16))
-      return ffi::Error::InvalidArgument(std::string(name) + ": 16-bit weights [*lead, (E,) O, I] and at [len(lead)] expected");
+        !(f32 || type == ffi::DataType::BF16 || type == ffi::DataType::U16))
+      return ffi::Error::InvalidArgument(std::string(name) +
+                                         ": fp32 or 16-bit weights [*lead, (E,) O, I] and at [len(lead)] expected");
+    wide += f32;
     dims[j][0] = rank == 3 ? sd[lead] : 1;
     dims[j][1] = sd[lead + rank - 2];
     dims[j][2] = sd[lead + rank - 1];
-    w[j] = static_cast<const uint16_t*>(stack->untyped_data()) +
-           stack_offset(sd, at->typed_data(), lead, dims[j][0] * dims[j][1] * dims[j][2]);
+    int64_t offset = stack_offset(sd, at->typed_data(), lead, dims[j][0] * dims[j][1] * dims[j][2]);
+    w[j] = f32 ? static_cast<const void*>(static_cast<const float*>(stack->untyped_data()) + offset)
+               : static_cast<const void*>(static_cast<const uint16_t*>(stack->untyped_data()) + offset);
   }
+  if (wide != 0 && wide != 6) return ffi::Error::InvalidArgument(std::string(name) + ": all fp32 or all 16-bit weights");
   int64_t n_experts = dims[0][0], inter = dims[0][1], shared = dims[3][1];
   for (int j = 0; j < 3; ++j)
     if (dims[j][0] != n_experts || dims[j][1] != (j == 2 ? d : inter) || dims[j][2] != (j == 2 ? inter : d) ||
         dims[j + 3][1] != (j == 2 ? d : shared) || dims[j + 3][2] != (j == 2 ? shared : d))
       return ffi::Error::InvalidArgument(std::string(name) + ": weight shapes do not match x");
-  ExpertGroups groups(idx.typed_data(), t * k, n_experts);
-  std::vector<float> routed(t * k * d), own(t * d);
-  const float* xs = x.typed_data();
-  parallel_items(pool, groups.size() + 1, [&](int64_t g) {
-    if (g == groups.size()) {  // the shared expert, every row
-      ffn_rows(xs, t, d, shared, w[3], w[4], w[5], limit, own.data());
-      return;
-    }
-    int64_t first = groups.starts[g], n = groups.starts[g + 1] - first, e = groups.expert(groups.order[first]);
-    std::vector<float> rows(n * d), ys(n * d);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * d], xs + groups.order[first + i] / k * d, d * sizeof(float));
-    ffn_rows(rows.data(), n, d, inter, w[0] + e * inter * d, w[1] + e * inter * d, w[2] + e * d * inter, limit,
-             ys.data());
-    for (int64_t i = 0; i < n; ++i) std::memcpy(&routed[groups.order[first + i] * d], &ys[i * d], d * sizeof(float));
-  });
-  const float* wt = weights.typed_data();
-  float* o = out->typed_data();
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t c = 0; c < d; ++c) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        volatile float term = routed[(r * k + j) * d + c] * wt[r * k + j];  // rounded, as XLA's product then sum
-        sum += term;
-      }
-      o[r * d + c] = sum + own[r * d + c];
-    }
+  auto run = [&](auto* typed) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    const W* ws[6];
+    for (int j = 0; j < 6; ++j) ws[j] = static_cast<const W*>(w[j]);
+    moe_rows(pool, x.typed_data(), weights.typed_data(), idx.typed_data(), t, d, k, ws, n_experts, inter, shared,
+             limit, out->typed_data());
+  };
+  if (wide)
+    run(static_cast<const float*>(nullptr));
+  else
+    run(static_cast<const uint16_t*>(nullptr));
   return ffi::Error::Success();
 }
 
