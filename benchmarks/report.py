@@ -33,7 +33,8 @@ SCRIPTS = {
     "gpu_engine": "gpu_engine.py", "gpu_run": "gpu_engine.py", "grammar": "grammar_bench.py", "head_kernel": "head_kernel.py",
     "head_layout": "head_layout.py", "host_share": "host_share.py", "indexer": "indexer_bench.py", "invariance": "invariance_bench.py",
     "layer_calls": "rows_kernel.py", "layer_layout": "layer_layout.py", "llamacpp": "llamacpp/run.sh", "load": "load_bench.py", "logits_lengths": "logits_lengths.py", "suite_programs": "suite_programs.py", "prefix_cache": "prefix_cache_bench.py",
-    "prefill_trace": "decode_trace.py", "program_identity": "program_identity.py", "rows_kernel": "rows_kernel.py", "sampler": "sampler_bench.py", "serve_trial": "serve_trial.py",
+    "prefill_trace": "decode_trace.py", "program_identity": "program_identity.py", "rows_kernel": "rows_kernel.py",
+    "sampler": "sampler_bench.py", "serve_trial": "serve_trial.py",
     "sinkhorn_forms": "sinkhorn_forms.py", "spec": "spec_bench.py", "tinypy_report": "tinypy_report.py",
     "tpu_roofline": "tpu_roofline.py",
 }

@@ -98,11 +98,13 @@ def kernel_outputs(path: str) -> None:
     for dtype in ("float32", "bfloat16"):
         packed = cpu_kernels.pack_head(jnp.asarray(rng.normal(size=(1005, 256)).astype(np.float32)).astype(dtype))
         for n in (1, 3, 11):
-            out[f"head {dtype} {n}"] = np.asarray(head(jnp.asarray(rng.normal(size=(n, 256)).astype(np.float32)), packed))
+            x = jnp.asarray(rng.normal(size=(n, 256)).astype(np.float32))
+            out[f"head {dtype} {n}"] = np.asarray(head(x, packed))
         for shape in ((96, 256), (40, 100)):
             w = jnp.asarray(rng.normal(size=shape).astype(np.float32)).astype(dtype)
             for n in (1, 5):
-                out[f"rows {dtype} {shape} {n}"] = np.asarray(rows(rng.normal(size=(n, shape[1])).astype(np.float32), w))
+                x = jnp.asarray(rng.normal(size=(n, shape[1])).astype(np.float32))
+                out[f"rows {dtype} {shape} {n}"] = np.asarray(rows(x, w))
     np.savez(path, **out)
 
 
@@ -210,6 +212,28 @@ def _bits_stack(rng, *shape) -> Bf16Weight:
     return Bf16Weight.of(jnp.asarray(rng.normal(size=shape).astype(np.float32)))
 
 
+def _tiny_moe(cfg, weight, rng) -> MoE:
+    """The tiny config's MoE params, each weight `weight(*shape)`; routed experts a stack of 2 layers."""
+    e, i, d, si = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.shared_intermediate_size
+    return MoE(router=weight(e, d), w1=weight(2, e, i, d), w3=weight(2, e, i, d), w2=weight(2, e, d, i),
+               shared_w1=weight(si, d), shared_w3=weight(si, d), shared_w2=weight(d, si),
+               router_bias=jnp.asarray(rng.normal(size=e).astype(np.float32)))
+
+
+def _one_call_moe_against_xla(p: MoE, x, tokens, cfg):
+    """MoE layer 1 of p as one library call (asserted in the program), against its XLA path
+    (the library off) -> (the jitted call, its output)."""
+    step = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
+    assert cpu_kernels.MOE in step.lower(p, x, tokens).as_text()
+    got = np.asarray(step(p, x, tokens))
+    with cpu_kernels.disabled():
+        plain = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
+        assert cpu_kernels.MOE not in plain.lower(p, x, tokens).as_text()
+        want = np.asarray(plain(p, x, tokens))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    return step, got
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"the CPU kernels: {cpu_kernels.status()}")
 def test_a_decode_steps_16bit_moe_is_one_library_call():
     """A decode step's MoE with 16-bit weights (routed experts one layer of a stack, the shared
@@ -219,20 +243,10 @@ def test_a_decode_steps_16bit_moe_is_one_library_call():
     router's product at one row is XLA's, not the library's: two rows at least)."""
     cfg = dsjax.load_config("tiny")
     rng = np.random.default_rng(11)
-    e, i, d, si = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.shared_intermediate_size
-    p = MoE(router=_bits_stack(rng, e, d), w1=_bits_stack(rng, 2, e, i, d), w3=_bits_stack(rng, 2, e, i, d),
-            w2=_bits_stack(rng, 2, e, d, i), shared_w1=_bits_stack(rng, si, d), shared_w3=_bits_stack(rng, si, d),
-            shared_w2=_bits_stack(rng, d, si), router_bias=jnp.asarray(rng.normal(size=e).astype(np.float32)))
-    x = jnp.asarray(3 * rng.normal(size=(5, 1, d)).astype(np.float32))  # large enough to clamp some SwiGLU inputs
+    p = _tiny_moe(cfg, lambda *shape: _bits_stack(rng, *shape), rng)
+    x = jnp.asarray(3 * rng.normal(size=(5, 1, cfg.hidden_size)).astype(np.float32))  # clamps some SwiGLU inputs
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (5, 1)), jnp.int32)
-    step = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
-    assert cpu_kernels.MOE in step.lower(p, x, tokens).as_text()
-    got = np.asarray(step(p, x, tokens))
-    with cpu_kernels.disabled():
-        plain = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
-        assert cpu_kernels.MOE not in plain.lower(p, x, tokens).as_text()
-        want = np.asarray(plain(p, x, tokens))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    step, got = _one_call_moe_against_xla(p, x, tokens, cfg)
     for rows in (slice(0, 2), slice(2, 5)):
         np.testing.assert_array_equal(np.asarray(step(p, x[rows], tokens[rows])), got[rows])
 
@@ -247,24 +261,14 @@ def test_a_prompt_chunks_moe_is_one_library_call(stored):
     another chunk; 16-bit rows also the same as a decode step's (the same call at few rows)."""
     cfg = dsjax.load_config("tiny")
     rng = np.random.default_rng(12)
-    e, i, d, si = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.shared_intermediate_size
 
     def weight(*shape):
         return _bits_stack(rng, *shape) if stored == "bits" else jnp.asarray(rng.normal(size=shape).astype(np.float32))
 
-    p = MoE(router=weight(e, d), w1=weight(2, e, i, d), w3=weight(2, e, i, d), w2=weight(2, e, d, i),
-            shared_w1=weight(si, d), shared_w3=weight(si, d), shared_w2=weight(d, si),
-            router_bias=jnp.asarray(rng.normal(size=e).astype(np.float32)))
-    x = jnp.asarray(3 * rng.normal(size=(1, 100, d)).astype(np.float32))  # 200 assignments: ~25 an expert
+    p = _tiny_moe(cfg, weight, rng)
+    x = jnp.asarray(3 * rng.normal(size=(1, 100, cfg.hidden_size)).astype(np.float32))  # 200 assignments: ~25 an expert
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 100)), jnp.int32)
-    step = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
-    assert cpu_kernels.MOE in step.lower(p, x, tokens).as_text()
-    got = np.asarray(step(p, x, tokens))
-    with cpu_kernels.disabled():
-        plain = jax.jit(lambda p, x, t: moe_forward(p, x, t, cfg, layer=jnp.int32(1)))
-        assert cpu_kernels.MOE not in plain.lower(p, x, tokens).as_text()
-        want = np.asarray(plain(p, x, tokens))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    step, got = _one_call_moe_against_xla(p, x, tokens, cfg)
     np.testing.assert_array_equal(np.asarray(step(p, x[:, 30:60], tokens[:, 30:60])), got[:, 30:60])
     if stored == "bits":
         np.testing.assert_array_equal(np.asarray(step(p, x[:, 7:10], tokens[:, 7:10])), got[:, 7:10])

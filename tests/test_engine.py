@@ -11,7 +11,7 @@ import pytest
 import dsjax
 from dsjax.model.cache_layout import cache_bytes, init_cache
 from dsjax.engine.engine import Engine
-from dsjax.engine.programs import decode_step
+from dsjax.engine.programs import decode_step, prefill_step
 from dsjax.engine.requests import MIN_BUCKET, Request, chunk_length
 from dsjax.engine.sampler import SamplingParams
 from dsjax.kernels import cpu as cpu_kernels
@@ -141,10 +141,10 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
     (`cpu_kernels.greedy_tokens`), whether or not it reports logprobs; a one-slot engine
     without the screen, with the head transposed (`one_row_head`: the layout XLA reads faster
     at one row); more slots without the kernel, the head as stored. Layer runs stay scanned as
-    stored. A one-slot engine's sampled and greedy tokens (the screen's) are those of a
-    four-slot engine without the screen (the fp32 kernel's logits), and of one
-    that runs the layer runs layer by layer (`one_row_params`: each layer's weights whole,
-    not sliced from a scanned stack; benchmarks/layer_layout.py)."""
+    stored. A one-slot engine's sampled and greedy tokens (the screen's, the prompt's first
+    token's too) are those of a four-slot engine without the screen (the fp32 kernel's
+    logits), and of one that runs the layer runs layer by layer (`one_row_params`: each
+    layer's weights whole, not sliced from a scanned stack; benchmarks/layer_layout.py)."""
     base = tiny.config  # tiny with two scanned runs (2 x sliding, 2 x [CSA, HCA]), as `small` has
     cfg = base.replace(num_hidden_layers=6, layer_types=base.layer_types[:1] * 2 + base.layer_types[1:3] * 2,
                        mlp_layer_types=base.mlp_layer_types[:1] * 2 + base.mlp_layer_types[1:2] * 4)
@@ -155,6 +155,14 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
                                        ignore_eos=True)),
                (prompt, SamplingParams(max_tokens=16, ignore_eos=True))]  # greedy
     one = Engine(model, max_slots=1, capacity=256, prefill_chunk=32)
+    call, prompt_program = one.runner.call, {}
+
+    def recording(fn, *args, **kw):  # the prompt program's arguments, as the engine calls it
+        if fn is prefill_step:
+            prompt_program["args"] = (args, kw)
+        return call(fn, *args, **kw)
+
+    one.runner.call = recording
     transposed = Engine(model, max_slots=1, capacity=256, prefill_chunk=32, greedy_screen=False).step_params
     assert isinstance(transposed.lm_head, ColumnMajor)
     np.testing.assert_array_equal(np.asarray(transposed.lm_head.t), np.asarray(model.params.lm_head).T)
@@ -199,6 +207,9 @@ def test_engine_head_layouts_give_the_same_tokens(tiny, rng, monkeypatch):
     assert want[0] != want[1]
     for engine in (one, by_layer):
         assert engine.generate(prompts, params) == want
+    if cpu_kernels.available():  # the prompt's first token through the screen too
+        args, kw = prompt_program["args"]
+        assert cpu_kernels.GREEDY in prefill_step.lower(*args, **kw).as_text()
 
 
 def test_batch_invariant_mode_logits_bitwise(tiny, rng):

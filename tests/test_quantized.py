@@ -55,12 +55,13 @@ def test_dequantized_logits_match_hf(quantized, rng):
 
 def test_resident_mode_same_logits_fewer_bytes(quantized, rng):
     """E4M3 x 2^k and E2M1 x 2^k are exact in fp32, so dequantizing inside the matmul gives
-    the very weights dequantize-at-load gives; only the op order may differ (1e-6)."""
+    the very weights dequantize-at-load gives; only the op order may differ (1e-5: on XLA:CPU
+    the dense model's prompt MoE is the library's call, the resident one's XLA's products)."""
     directory, _ = quantized
     ids = rng.integers(0, 512, (2, 29))
     resident = dsjax.load_model(directory, dtype="float32", quantized="resident")
     dense = dsjax.load_model(directory, dtype="float32")
-    np.testing.assert_allclose(resident.logits(ids), dense.logits(ids), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(resident.logits(ids), dense.logits(ids), atol=1e-5, rtol=0)
     bf16 = dsjax.load_model(directory, dtype="bfloat16")
 
     def stored_bytes(kind):

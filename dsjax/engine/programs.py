@@ -76,24 +76,27 @@ class DeviceOutput:
 
 @jax.named_scope("head")  # a profile's op group (benchmarks/decode_trace.py)
 def screened_tokens(h: jax.Array, head: PackedHead, s: SamplingState, positions: jax.Array, rows: jax.Array,
-                    n_logprobs: int = 0):
-    """`sample_tokens(h @ head.T, s, positions)` [B] from the head's input rows h [B, D] (fp32).
-    When every row in `rows` [B] is greedy, unpenalised, unbiased and asks for no logprobs,
-    the screen finds each row's first maximum reading the head's bf16 copy and the fp32 tiles
-    of a few candidates: the same tokens, bitwise, as the full product
-    (`cpu_kernels.greedy_tokens`). Otherwise, or where the screen leaves a row undecided, the
-    full fp32 logits and the sampler. n_logprobs > 0: -> (tokens, `asked_logprobs` of the
-    rows in `rows` asking: zeros when the screen decided)."""
+                    n_logprobs: int = 0, mask: jax.Array | None = None):
+    """`sample_tokens(h @ head.T, s, positions, mask)` [B] from the head's input rows h [B, D]
+    (fp32). When every row in `rows` [B] is greedy, unpenalised, unbiased, asks for no logprobs
+    and (mask [B, ceil(V/32)], a prompt's first token) may take any token, the screen finds
+    each row's first maximum reading the head's bf16 copy and the fp32 tiles of a few
+    candidates: the same tokens, bitwise, as the full product (`cpu_kernels.greedy_tokens`).
+    Otherwise, or where the screen leaves a row undecided, the full fp32 logits and the
+    sampler. n_logprobs > 0: -> (tokens, `asked_logprobs` of the rows in `rows` asking: zeros
+    when the screen decided)."""
     plain = (s.temperature == 0) & (s.repetition_penalty == 1) & (s.presence_penalty == 0) & (
         s.frequency_penalty == 0) & jnp.all(s.bias_values == 0, axis=-1)
     if n_logprobs:
         plain &= s.logprobs == 0
+    if mask is not None:
+        plain &= jnp.all(mask == jnp.uint32(0xFFFFFFFF), axis=-1)
     undecided = jnp.full(h.shape[:1], -1, jnp.int32)
     tokens = jax.lax.cond(jnp.all(plain | ~rows), lambda: greedy_tokens(h, head), lambda: undecided)
 
     def full():
         logits = head_product(h, head)
-        sampled = sample_tokens(logits, s, positions)
+        sampled = sample_tokens(logits, s, positions, mask)
         if not n_logprobs:
             return sampled
         return sampled, asked_logprobs(logits, sampled, rows & (s.logprobs > 0), n_logprobs)
@@ -262,13 +265,21 @@ def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admis
     slots, length = per_row(take_prompt_chunk)(slots, cache.length, tokens, n_valid, admission)
     cache = cache.admit(length, admission.reset)
     score = following is not None  # the chunk's every position through the head, not its last only
+    screened = screens(params) and not score  # the head's input row, the first token through the greedy screen
     logits, cache, found = _forward(params, tokens, cfg, cache, capture, opts=opts, n_valid=n_valid,
-                                    ctx_bucket=ctx_bucket, last_only=not score)
+                                    ctx_bucket=ctx_bucket, last_only=not score, hidden=screened)
     last = logits[:, 0]
     if score:  # the logits the first token is sampled from: the chunk's last valid position's
         last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
-    slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(slots, last,
-                                                                                    cache.length, is_last, first_mask)
+    if screened:  # (one device: per_row is the function itself)
+        picked = screened_tokens(last, step_head(params), slots.sampling, cache.length, is_last, n_logprobs,
+                                 first_mask)
+        sampled, logprobs = picked if n_logprobs else (picked, (None, None, None))
+        slots, out = emit_sampled(slots, sampled, cache.length, is_last)
+        out = out.replace(**dict(zip(("logprob", "top_values", "top_ids"), logprobs)))
+    else:
+        slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(
+            slots, last, cache.length, is_last, first_mask)
     if score:
         chosen, rank, values, ids = prompt_scores(logits, following, n_logprobs)
         out = out.replace(prompt_logprob=chosen, prompt_rank=rank, prompt_top_values=values, prompt_top_ids=ids)

@@ -372,8 +372,8 @@ def one_call_ffn(p: MoE, x: jax.Array, idx: jax.Array, kernels: str) -> bool:
     (`cpu_kernels.layer_calls_available`), no kernel that reads stored bytes instead, and either
     a decode step's few assignments (`cpu_forms`) with every expert weight 16-bit where the
     library reads it (p's routed experts cut to their layer), or a prompt chunk
-    (`cpu_library_forms`) with 16-bit or fp32 weights (XLA's tile loop copies each tile's
-    expert out of its stack before the GEMM)."""
+    (`cpu_library_forms`) with 16-bit or fp32 weights and the reference kernels asked for
+    (XLA's tile loop copies each tile's expert out of its stack before the GEMM)."""
     if not cpu_kernels.layer_calls_available() or stored_kernel(p, kernels):
         return False
     shared = (p.shared_w1, p.shared_w3, p.shared_w2)
@@ -381,7 +381,19 @@ def one_call_ffn(p: MoE, x: jax.Array, idx: jax.Array, kernels: str) -> bool:
     if cpu_forms(x, idx.size):
         return sixteen
     fp32 = all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in (p.w1, p.w3, p.w2, *shared))
-    return cpu_library_forms(x) and (sixteen or fp32)
+    return cpu_library_forms(x) and (sixteen or fp32) and kernel_choice(kernels)[0] == "reference"
+
+
+def _derivatives_through(xla, library):
+    """library, a call XLA cannot differentiate (an FFI call), with the derivatives of xla, the
+    same function in XLA's ops (jax.grad through a prompt's forward on XLA:CPU)."""
+    f = jax.custom_jvp(library)
+
+    @f.defjvp
+    def jvp(primals, tangents):
+        return library(*primals), jax.jvp(xla, primals, tangents)[1]
+
+    return f
 
 
 def _experts_in_place(p: MoE, layer_p: MoE, layer: jax.Array | None) -> tuple:
@@ -422,12 +434,20 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
                                         lead=x.shape[:-1], ep_dispatch=ep_dispatch)
     else:
         weights, idx = route(p, flat, token_ids.reshape(-1), cfg, x.shape[:-1])
-        layer_p = expert_layer(p, layer)
-        if rows is None and not fp8_acts and one_call_ffn(layer_p, flat, idx, kernels):
-            y = stored_moe_product(flat, gained(weights, idx, cfg), idx, _experts_in_place(p, layer_p, layer),
-                                   (p.shared_w1, p.shared_w3, p.shared_w2), cfg.swiglu_limit)
-            return reshape(y.astype(x.dtype), x.shape)
-        routed = routed_experts(p, flat, gained(weights, idx, cfg), idx, cfg, None if rows is None else "grouped",
-                                kernels=kernels, layer=layer, rows=rows, fp8_acts=fp8_acts)
+
+        def xla(p, flat, weights, idx, layer):
+            routed = routed_experts(p, flat, weights, idx, cfg, None if rows is None else "grouped", kernels=kernels,
+                                    layer=layer, rows=rows, fp8_acts=fp8_acts)
+            return routed.astype(flat.dtype) + shared_expert(p, flat, cfg, fp8_acts)
+
+        def library(p, flat, weights, idx, layer):
+            experts = _experts_in_place(p, expert_layer(p, layer), layer)
+            y = stored_moe_product(flat, weights, idx, experts, (p.shared_w1, p.shared_w3, p.shared_w2),
+                                   cfg.swiglu_limit)
+            return y.astype(flat.dtype)
+
+        args = (p, flat, gained(weights, idx, cfg), idx, layer)
+        one_call = rows is None and not fp8_acts and one_call_ffn(expert_layer(p, layer), flat, idx, kernels)
+        return reshape(_derivatives_through(xla, library)(*args) if one_call else xla(*args), x.shape)
     routed = routed.astype(x.dtype)
     return reshape(routed + shared_expert(p, flat, cfg, fp8_acts), x.shape)

@@ -734,7 +734,8 @@ ffi::Error MoeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     w[j] = f32 ? static_cast<const void*>(static_cast<const float*>(stack->untyped_data()) + offset)
                : static_cast<const void*>(static_cast<const uint16_t*>(stack->untyped_data()) + offset);
   }
-  if (wide != 0 && wide != 6) return ffi::Error::InvalidArgument(std::string(name) + ": all fp32 or all 16-bit weights");
+  if (wide != 0 && wide != 6)
+    return ffi::Error::InvalidArgument(std::string(name) + ": all fp32 or all 16-bit weights");
   int64_t n_experts = dims[0][0], inter = dims[0][1], shared = dims[3][1];
   for (int j = 0; j < 3; ++j)
     if (dims[j][0] != n_experts || dims[j][1] != (j == 2 ? d : inter) || dims[j][2] != (j == 2 ? inter : d) ||
