@@ -32,8 +32,10 @@ leaves those products to XLA (to compare).
 A decode step's sublayer pieces are one call each there too (`layer_calls_available`): a
 sublayer's mHC input (`hc_input`: the mixes, the Sinkhorn, the collapse and the norm, ~20 XLA
 thunks a sublayer), a 16-bit MoE (`moe_rows`: the chosen experts, the SwiGLU, the routing
-weights and the shared expert) and a 16-bit W_oa (`expert_rows_product`, its groups as experts).
-`DSJAX_CPU_LAYER_CALLS=off` leaves them to XLA's ops (to compare).
+weights and the shared expert) and a 16-bit W_oa (`expert_rows_product`, its groups as experts);
+so is a prompt chunk's MoE, fp32 or 16-bit (`moe_rows`, each expert read in its layer stack
+where XLA's tile loop copied it out). `DSJAX_CPU_LAYER_CALLS=off` leaves them to XLA's ops (to
+compare).
 
 The same library holds `dsjax_host_call` (`host_call`, below): a host function called by a
 number the program holds, so that a program calling back into Python stays one JAX's
@@ -364,9 +366,9 @@ def rows_available() -> bool:
 
 def layer_calls_available() -> bool:
     """Whether a decode step's sublayer pieces run as one library call each (`hc_input`: a
-    sublayer's mHC input; `moe_rows`: a 16-bit MoE; the 16-bit W_oa through
-    `expert_rows_product`): `available()`, and not `DSJAX_CPU_LAYER_CALLS=off`, which leaves them
-    to XLA's ops (e.g. to compare)."""
+    sublayer's mHC input; `moe_rows`: a 16-bit MoE, and a prompt chunk's fp32 or 16-bit MoE;
+    the 16-bit W_oa through `expert_rows_product`): `available()`, and not
+    `DSJAX_CPU_LAYER_CALLS=off`, which leaves them to XLA's ops (e.g. to compare)."""
     return available() and not _off(ENV_LAYER_OFF)
 
 
