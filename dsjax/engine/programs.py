@@ -136,6 +136,16 @@ def emit_sampled(slots: Slots, tokens: jax.Array, positions: jax.Array, emitting
     return slots, DeviceOutput(tokens, emitting, finished, logprob, top_values, top_ids)
 
 
+def screened_emit(params, slots: Slots, h: jax.Array, positions: jax.Array, emitting: jax.Array, n_logprobs: int,
+                  mask: jax.Array | None = None):
+    """`sample_and_emit` from the head's input rows h [B, D] through the greedy screen of
+    params' head (`screened_tokens`; `screens(params)` holds)."""
+    picked = screened_tokens(h, step_head(params), slots.sampling, positions, emitting, n_logprobs, mask)
+    tokens, logprobs = picked if n_logprobs else (picked, (None, None, None))
+    slots, out = emit_sampled(slots, tokens, positions, emitting)
+    return slots, out.replace(**dict(zip(("logprob", "top_values", "top_ids"), logprobs)))
+
+
 def _one_step(tree):
     return jax.tree.map(lambda a: a[None], tree)
 
@@ -187,10 +197,7 @@ def decode_step(params, cache: Cache, slots: Slots, cancelled: jax.Array, *, cfg
                                         n_valid=active.astype(jnp.int32), ctx_bucket=ctx_bucket, last_only=True,
                                         hidden=screened)
         if screened:  # (one device: per_row is the function itself)
-            picked = screened_tokens(logits[:, 0], step_head(params), slots.sampling, cache.length, active, n_logprobs)
-            tokens, logprobs = picked if n_logprobs else (picked, (None, None, None))
-            slots, out = emit_sampled(slots, tokens, cache.length, active)
-            out = out.replace(**dict(zip(("logprob", "top_values", "top_ids"), logprobs)))
+            slots, out = screened_emit(params, slots, logits[:, 0], cache.length, active, n_logprobs)
         else:
             emit = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))
             slots, out = emit(slots, logits[:, 0], cache.length, active)
@@ -272,11 +279,7 @@ def _prefill(params, cache: Cache, slots: Slots, tokens, n_valid, is_last, admis
     if score:  # the logits the first token is sampled from: the chunk's last valid position's
         last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     if screened:  # (one device: per_row is the function itself)
-        picked = screened_tokens(last, step_head(params), slots.sampling, cache.length, is_last, n_logprobs,
-                                 first_mask)
-        sampled, logprobs = picked if n_logprobs else (picked, (None, None, None))
-        slots, out = emit_sampled(slots, sampled, cache.length, is_last)
-        out = out.replace(**dict(zip(("logprob", "top_values", "top_ids"), logprobs)))
+        slots, out = screened_emit(params, slots, last, cache.length, is_last, n_logprobs, first_mask)
     else:
         slots, out = per_row(functools.partial(sample_and_emit, n_logprobs=n_logprobs))(
             slots, last, cache.length, is_last, first_mask)

@@ -109,18 +109,18 @@ def few_rows(rows: int) -> bool:
     return rows <= FEW_ROWS and jax.default_backend() == "cpu" and not _GEMM_ONLY.get()
 
 
-def cpu_forms(x: jax.Array, rows: int) -> bool:
-    """Whether `rows` products of fp32 activations like x take the XLA:CPU decode forms
-    (one device, no mesh, few rows; see `linear`)."""
-    return x.dtype == jnp.float32 and current_mesh() is None and few_rows(rows)
-
-
 def cpu_library_forms(x: jax.Array) -> bool:
     """Whether products of fp32 activations like x may take the XLA:CPU library's kernels at
     any row count (one CPU device, no mesh, not `gemm_only`: batch-invariant mode keeps XLA's
     GEMM), where `cpu_forms` is a decode step's few rows."""
     return (x.dtype == jnp.float32 and current_mesh() is None and jax.default_backend() == "cpu"
             and not _GEMM_ONLY.get())
+
+
+def cpu_forms(x: jax.Array, rows: int) -> bool:
+    """Whether `rows` products of fp32 activations like x take the XLA:CPU decode forms
+    (one device, no mesh, few rows; see `linear`)."""
+    return cpu_library_forms(x) and rows <= FEW_ROWS
 
 
 def _cpu_product(x: jax.Array, w) -> jax.Array | None:

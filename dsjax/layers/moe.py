@@ -396,11 +396,12 @@ def _derivatives_through(xla, library):
     return f
 
 
-def _experts_in_place(p: MoE, layer_p: MoE, layer: jax.Array | None) -> tuple:
-    """The routed experts as `stored_moe_product` reads them: fp32 stacks of a layer run as
-    (stack, [layer]) (no copy of the layer's experts), else layer_p's own."""
+def _experts_in_place(p: MoE, layer: jax.Array | None) -> tuple:
+    """The routed experts of layer `layer` as `stored_moe_product` reads them: fp32 stacks of a
+    layer run as (stack, [layer]) (no copy of the layer's experts), else `expert_layer`'s."""
     if layer is not None and all(isinstance(w, jax.Array) for w in (p.w1, p.w3, p.w2)):
         return tuple((w, jnp.reshape(layer, (1,))) for w in (p.w1, p.w3, p.w2))
+    layer_p = expert_layer(p, layer)
     return layer_p.w1, layer_p.w3, layer_p.w2
 
 
@@ -441,9 +442,8 @@ def moe_forward(p: MoE, x: jax.Array, token_ids: jax.Array, cfg: ModelConfig, *,
             return routed.astype(flat.dtype) + shared_expert(p, flat, cfg, fp8_acts)
 
         def library(p, flat, weights, idx, layer):
-            experts = _experts_in_place(p, expert_layer(p, layer), layer)
-            y = stored_moe_product(flat, weights, idx, experts, (p.shared_w1, p.shared_w3, p.shared_w2),
-                                   cfg.swiglu_limit)
+            shared = (p.shared_w1, p.shared_w3, p.shared_w2)
+            y = stored_moe_product(flat, weights, idx, _experts_in_place(p, layer), shared, cfg.swiglu_limit)
             return y.astype(flat.dtype)
 
         args = (p, flat, gained(weights, idx, cfg), idx, layer)

@@ -710,9 +710,11 @@ ffi::Error MoeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     return ffi::Error::InvalidArgument(std::string(name) + ": x [T, D], weights / idx [T, K] and six (stack, at) expected");
   int64_t t = xd[0], d = xd[1], k = kd[1];
   // (w1, w3, w2) routed [*lead, E, I, D] / [*lead, E, D, I], then shared [*lead, Is, D] / [*lead, D, Is]
-  const void* w[6];
-  int64_t dims[6][3];  // per weight: experts (1 for shared), out, in
-  int wide = 0;  // weights that are fp32
+  const void* base[6];
+  int64_t offsets[6], dims[6][3];  // per weight: where it begins; experts (1 for shared), out, in
+  auto kind = [](ffi::DataType type) {  // fp32, bf16 (or its uint16 bits), else none the kernels read
+    return type == ffi::DataType::F32 ? 0 : type == ffi::DataType::BF16 || type == ffi::DataType::U16 ? 1 : -1;
+  };
   for (int j = 0; j < 6; ++j) {
     auto stack = stacks.get<ffi::AnyBuffer>(2 * j);
     auto at = stacks.get<ffi::Buffer<ffi::S32>>(2 * j + 1);
@@ -720,39 +722,30 @@ ffi::Error MoeRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     auto sd = stack->dimensions();
     auto ad = at->dimensions();
     int64_t lead = ad.size() == 1 ? ad[0] : -1, rank = j < 3 ? 3 : 2;
-    auto type = stack->element_type();
-    bool f32 = type == ffi::DataType::F32;
-    if (lead < 0 || int64_t(sd.size()) != lead + rank ||
-        !(f32 || type == ffi::DataType::BF16 || type == ffi::DataType::U16))
+    if (lead < 0 || int64_t(sd.size()) != lead + rank)
       return ffi::Error::InvalidArgument(std::string(name) +
-                                         ": fp32 or 16-bit weights [*lead, (E,) O, I] and at [len(lead)] expected");
-    wide += f32;
+                                         ": weights [*lead, (E,) O, I] and at [len(lead)] expected");
+    if (kind(stack->element_type()) != kind(stacks.get<ffi::AnyBuffer>(0)->element_type()))
+      return ffi::Error::InvalidArgument(std::string(name) + ": all fp32 or all 16-bit weights");
     dims[j][0] = rank == 3 ? sd[lead] : 1;
     dims[j][1] = sd[lead + rank - 2];
     dims[j][2] = sd[lead + rank - 1];
-    int64_t offset = stack_offset(sd, at->typed_data(), lead, dims[j][0] * dims[j][1] * dims[j][2]);
-    w[j] = f32 ? static_cast<const void*>(static_cast<const float*>(stack->untyped_data()) + offset)
-               : static_cast<const void*>(static_cast<const uint16_t*>(stack->untyped_data()) + offset);
+    base[j] = stack->untyped_data();
+    offsets[j] = stack_offset(sd, at->typed_data(), lead, dims[j][0] * dims[j][1] * dims[j][2]);
   }
-  if (wide != 0 && wide != 6)
-    return ffi::Error::InvalidArgument(std::string(name) + ": all fp32 or all 16-bit weights");
   int64_t n_experts = dims[0][0], inter = dims[0][1], shared = dims[3][1];
   for (int j = 0; j < 3; ++j)
     if (dims[j][0] != n_experts || dims[j][1] != (j == 2 ? d : inter) || dims[j][2] != (j == 2 ? inter : d) ||
         dims[j + 3][1] != (j == 2 ? d : shared) || dims[j + 3][2] != (j == 2 ? shared : d))
       return ffi::Error::InvalidArgument(std::string(name) + ": weight shapes do not match x");
-  auto run = [&](auto* typed) {
-    using W = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+  auto first = stacks.get<ffi::AnyBuffer>(0);
+  return with_weights(*first, offsets[0], name, [&](auto w1) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(w1)>>;
     const W* ws[6];
-    for (int j = 0; j < 6; ++j) ws[j] = static_cast<const W*>(w[j]);
+    for (int j = 0; j < 6; ++j) ws[j] = static_cast<const W*>(base[j]) + offsets[j];
     moe_rows(pool, x.typed_data(), weights.typed_data(), idx.typed_data(), t, d, k, ws, n_experts, inter, shared,
              limit, out->typed_data());
-  };
-  if (wide)
-    run(static_cast<const float*>(nullptr));
-  else
-    run(static_cast<const uint16_t*>(nullptr));
-  return ffi::Error::Success();
+  });
 }
 
 
